@@ -1,0 +1,45 @@
+"""flashguard: a guarded local chatbot (NeMo Guardrails) on a small GPU.
+
+Public names:
+    EngineConfig, CacheConfig   frozen configuration (built from config.yml ``parameters:``)
+    get_engine(config)          the process-wide Engine for a model
+    engine_stats()              cumulative counters by task for every loaded engine
+    TieredCache                 the tiered, paged KV cache (a transformers Cache)
+    register()                  register the ``flashguard`` engine with NeMo Guardrails
+"""
+
+from .config import CacheConfig, EngineConfig
+from .errors import ConfigError, FlashguardError, ModelLoadError, PromptError
+
+__version__ = "0.1.0"
+
+
+def get_engine(config: EngineConfig | None = None):
+    from .engine.registry import get_engine as _get
+
+    return _get(config or EngineConfig())
+
+
+def engine_stats() -> dict:
+    """``{model label: {task: counters}}`` for every engine loaded in this process."""
+    from .engine.registry import all_engines
+
+    return {e.source.label: e.stats.as_dict() for e in all_engines()}
+
+
+def register() -> None:
+    from .guardrails.provider import register as _register
+
+    _register()
+
+
+def __getattr__(name):
+    if name == "TieredCache":
+        from .kv.cache import TieredCache
+
+        return TieredCache
+    raise AttributeError(name)
+
+
+__all__ = ["CacheConfig", "EngineConfig", "ConfigError", "FlashguardError", "ModelLoadError", "PromptError",
+           "get_engine", "engine_stats", "register", "TieredCache"]

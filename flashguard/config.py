@@ -1,0 +1,227 @@
+"""Frozen configuration objects, built from a NeMo ``config.yml`` ``parameters:`` mapping.
+
+``EngineConfig.from_parameters(params)`` is the one entry point. Unknown keys are errors
+that name the key (``models[main].parameters.<key>``); values are type-checked here so
+that nothing downstream validates input with asserts.
+
+Example ``config.yml``::
+
+    models:
+      - type: main
+        engine: flashguard
+        model: flashguard            # a label; the weights are chosen by model_path
+        parameters:
+          model_path: /models/DeepSeek-R1-Distill-Qwen-1.5B   # HF folder or .gguf; omit for the embedded default
+          max_tokens: 256
+          kv:
+            policy: sparse
+            l1_tokens: 4096
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field, fields
+from typing import Any, Mapping
+
+from .errors import ConfigError
+
+POLICIES = ("exact", "sparse")
+L2_CODECS = ("int8", "fp16")
+L3_CODECS = ("int4-zstd", "int8-zstd", "fp16-zstd")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The tiered, paged KV cache (YAML: ``parameters.kv``).
+
+    page_size      tokens per page; the unit of GPU residency, hashing, transfer and compression.
+    l1_tokens      recent-token window kept on the compute device in fp16/bf16 (the L1 tier).
+    sink_tokens    first tokens always kept in L1 (attention sinks).
+    l2_tokens      tokens kept in host RAM (int8 by default) before pages spill to disk.
+    l3_tokens      tokens kept on disk (int4 + zstd); 0 disables L3.
+    l3_dir         folder for L3 pages; None means a private folder in the user's temp dir.
+    policy         "exact": attend to every page; "sparse": Quest-style top pages within budget_tokens.
+    budget_tokens  sparse policy: tokens of off-window pages attended per query.
+    adaptive_l1    grow/shrink the L1 window with how far back recent queries reached.
+    l1_max_tokens  upper bound of the adaptive L1 window.
+    l2_codec       "int8" (per-channel keys, per-token values, as KIVI) or "fp16" (lossless).
+    l3_codec       "int4-zstd", "int8-zstd" or "fp16-zstd" (lossless).
+    isolation_salt mixed into every page key; pages never cross salts (tenants, configs).
+    """
+
+    page_size: int = 64
+    l1_tokens: int = 2048
+    sink_tokens: int = 64
+    l2_tokens: int = 65536
+    l3_tokens: int = 1 << 20
+    l3_dir: str | None = None
+    policy: str = "sparse"
+    budget_tokens: int = 2048
+    adaptive_l1: bool = True
+    l1_max_tokens: int = 8192
+    l2_codec: str = "int8"
+    l3_codec: str = "int4-zstd"
+    isolation_salt: str = ""
+
+    def __post_init__(self) -> None:
+        _check_choice(self.policy, POLICIES, "kv.policy")
+        _check_choice(self.l2_codec, L2_CODECS, "kv.l2_codec")
+        _check_choice(self.l3_codec, L3_CODECS, "kv.l3_codec")
+        for name in ("page_size", "l1_tokens", "budget_tokens", "l1_max_tokens"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"must be a positive integer, got {getattr(self, name)!r}", key=f"kv.{name}")
+        for name in ("sink_tokens", "l2_tokens", "l3_tokens"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"must be >= 0, got {getattr(self, name)!r}", key=f"kv.{name}")
+        if self.l1_tokens < self.page_size:
+            raise ConfigError(
+                f"must be at least kv.page_size ({self.page_size}), got {self.l1_tokens}", key="kv.l1_tokens"
+            )
+        if self.l1_max_tokens < self.l1_tokens:
+            raise ConfigError(
+                f"must be >= kv.l1_tokens ({self.l1_tokens}), got {self.l1_max_tokens}", key="kv.l1_max_tokens"
+            )
+
+    @property
+    def l2_lossless(self) -> bool:
+        return self.l2_codec == "fp16"
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """One loaded model and how it generates (YAML: ``models[main].parameters``).
+
+    model_path     HF folder or GGUF file; None (default) = the embedded SmolLM2-135M-Instruct.
+    gguf_file      GGUF file name inside model_path, when model_path is a folder with several.
+    device         "auto" (CUDA when present, else CPU), "cpu", "cuda" or "cuda:N".
+    dtype          "auto" (fp16/bf16 on GPU, fp32 on CPU), "float32", "float16", "bfloat16".
+    max_tokens     default cap on generated tokens per call.
+    temperature    0 = greedy (default); > 0 samples.
+    top_p          nucleus sampling mass when sampling.
+    seed           sampling seed for reproducible sampled output; None = random.
+    prefill_chunk  tokens per prefill forward pass (bounds activation memory).
+    max_context    cap on prompt + generation tokens; None = the model's own context length.
+    cache          "dynamic" (transformers DynamicCache) or "tiered" (flashguard.TieredCache).
+    kv             CacheConfig for the tiered cache.
+    vram_budget    bytes (or "4GiB") the engine may use on the GPU; None = no cap.
+    system_prompt  system message used when the conversation has none; None = the template's default.
+    """
+
+    model_path: str | None = None
+    gguf_file: str | None = None
+    device: str = "auto"
+    dtype: str = "auto"
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    prefill_chunk: int = 512
+    max_context: int | None = None
+    cache: str = "dynamic"
+    kv: CacheConfig = field(default_factory=CacheConfig)
+    vram_budget: int | None = None
+    system_prompt: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.model_path is not None:
+            object.__setattr__(self, "model_path", os.path.expanduser(str(self.model_path)))
+        _check_choice(self.dtype, ("auto", "float32", "float16", "bfloat16"), "dtype")
+        _check_choice(self.cache, ("dynamic", "tiered"), "cache")
+        if not (self.device in ("auto", "cpu", "cuda") or str(self.device).startswith("cuda:")):
+            raise ConfigError(f"must be auto, cpu, cuda or cuda:N, got {self.device!r}", key="device")
+        if self.max_tokens <= 0:
+            raise ConfigError(f"must be a positive integer, got {self.max_tokens!r}", key="max_tokens")
+        if self.temperature < 0:
+            raise ConfigError(f"must be >= 0, got {self.temperature!r}", key="temperature")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"must be in (0, 1], got {self.top_p!r}", key="top_p")
+        if self.prefill_chunk <= 0:
+            raise ConfigError(f"must be a positive integer, got {self.prefill_chunk!r}", key="prefill_chunk")
+        if self.max_context is not None and self.max_context <= 0:
+            raise ConfigError(f"must be a positive integer, got {self.max_context!r}", key="max_context")
+
+    # The provider receives NeMo's own kwargs beside the user's parameters.
+    _NEMO_KEYS = frozenset({"mode", "api_key"})
+
+    @classmethod
+    def from_parameters(cls, params: Mapping[str, Any] | None) -> "EngineConfig":
+        """Build from a ``parameters:`` mapping; unknown keys and wrong types are ConfigErrors."""
+        params = {k: v for k, v in dict(params or {}).items() if k not in cls._NEMO_KEYS}
+        kv = params.pop("kv", None)
+        if "vram_budget" in params and params["vram_budget"] is not None:
+            params["vram_budget"] = parse_bytes(params["vram_budget"], key="vram_budget")
+        values = _typed_values(cls, params, prefix="", skip={"kv"})
+        if kv is not None:
+            if not isinstance(kv, Mapping):
+                raise ConfigError(f"must be a mapping, got {type(kv).__name__}", key="kv")
+            values["kv"] = CacheConfig(**_typed_values(CacheConfig, kv, prefix="kv."))
+        return cls(**values)
+
+    def replace(self, **changes: Any) -> "EngineConfig":
+        return dataclasses.replace(self, **changes)
+
+
+def _check_choice(value: Any, choices: tuple, key: str) -> None:
+    if value not in choices:
+        raise ConfigError(f"must be one of {', '.join(map(str, choices))}; got {value!r}", key=key)
+
+
+def _typed_values(cls: type, params: Mapping[str, Any], *, prefix: str, skip: frozenset | set = frozenset()) -> dict:
+    known = {f.name: f for f in fields(cls) if not f.name.startswith("_") and f.name not in skip}
+    out: dict[str, Any] = {}
+    for key, value in params.items():
+        if key not in known:
+            hint = ", ".join(sorted(known))
+            raise ConfigError(f"unknown key {key!r}; known keys are: {hint}", key=f"{prefix}{key}")
+        out[key] = _coerce(value, known[key], f"{prefix}{key}")
+    return out
+
+
+def _coerce(value: Any, f: dataclasses.Field, key: str) -> Any:
+    default = f.default if f.default is not dataclasses.MISSING else None
+    kind = type(default) if default is not None else None
+    if value is None:
+        if default is None:
+            return None
+        raise ConfigError("must not be empty", key=key)
+    if isinstance(default, bool):
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"must be true or false, got {value!r}", key=key)
+    if kind is int and not isinstance(default, bool):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"must be an integer, got {value!r}", key=key)
+        return value
+    if kind is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"must be a number, got {value!r}", key=key)
+        return float(value)
+    if f.name in ("seed", "max_context", "vram_budget"):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"must be an integer, got {value!r}", key=key)
+        return value
+    if not isinstance(value, str):
+        raise ConfigError(f"must be a string, got {value!r}", key=key)
+    return value
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def parse_bytes(value: Any, *, key: str = "vram_budget") -> int:
+    """``4GiB`` / ``3.5 GB`` / ``4294967296`` -> bytes."""
+    if isinstance(value, bool):
+        raise ConfigError(f"must be a size like 4GiB, got {value!r}", key=key)
+    if isinstance(value, (int, float)):
+        return int(value)
+    text = str(value).strip().lower().replace(" ", "")
+    num = text.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = text[len(num):]
+    if unit not in _UNITS or not num:
+        raise ConfigError(f"must be a size like 4GiB or 3.5GB, got {value!r}", key=key)
+    try:
+        return int(float(num) * _UNITS[unit])
+    except ValueError:
+        raise ConfigError(f"must be a size like 4GiB or 3.5GB, got {value!r}", key=key) from None

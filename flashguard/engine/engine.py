@@ -1,0 +1,249 @@
+"""The Engine: one loaded model, its decode loop, and the conversation's KV cache.
+
+Contract:
+- One Engine per model identity per process (see ``registry.get_engine``); every provider,
+  ``LLMRails`` and server request shares it.
+- Calls are serialised by ``self.lock``: ``stream()`` holds it from its first ``next()`` until it
+  is exhausted or closed, so two requests never interleave on the cache.
+- The engine keeps the KV cache of the last sequence it ran (the *session*). A new call that
+  starts with the same token ids reuses that prefix and prefills only the rest; this is what
+  makes the next chat turn and the moderation call cheap. ``session_ids`` are exactly the
+  tokens whose K/V are in the cache.
+- Prefill runs in chunks of ``prefill_chunk`` tokens with ``logits_to_keep=1``, so activation
+  memory does not grow with the prompt.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+import torch
+
+from ..config import EngineConfig
+from ..errors import PromptError
+from . import loader
+from .sampling import SamplingParams, StopMatcher, choose
+from .stats import EngineStats
+
+log = logging.getLogger("flashguard")
+
+
+@dataclass(frozen=True)
+class Delta:
+    """A piece of streamed output. The last Delta of a call has ``finish_reason`` set."""
+
+    text: str
+    finish_reason: str | None = None  # "stop" | "length"
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class Turn:
+    """What the engine ran for one generation: the ids it attended to and the ids it produced."""
+
+    prompt_ids: tuple[int, ...]
+    output_ids: tuple[int, ...]
+    text: str
+
+
+def cache_kwarg(model) -> str:
+    """``cache`` (transformers >= 5.2x) or ``past_key_values`` (older): the forward argument for the Cache."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, source: loader.ModelSource | None = None):
+        self.config = config
+        self.source = source or loader.resolve_model(config.model_path, config.gguf_file)
+        self.device = loader.resolve_device(config.device)
+        self.dtype = loader.resolve_dtype(config.dtype, self.device)
+        t0 = time.perf_counter()
+        self.model, self.tokenizer = loader.load(self.source, self.device, self.dtype)
+        log.info("flashguard: loaded %s on %s (%s) in %.1fs", self.source.label, self.device,
+                 str(self.dtype).replace("torch.", ""), time.perf_counter() - t0)
+        self.lock = threading.RLock()
+        self.stats = EngineStats()
+        self.context_length = self._context_length()
+        self.eos_ids = self._eos_ids()
+        self._cache_kwarg = cache_kwarg(self.model)
+        self.session_ids: list[int] = []
+        self._cache = None
+        self.turns: list[Turn] = []  # recent generations, newest last (bounded)
+
+    # ---- prompts -------------------------------------------------------------------------
+    def encode_messages(self, messages: Sequence[dict]) -> list[int]:
+        """Token ids of a chat (list of {role, content}) with the generation prompt appended."""
+        if not messages:
+            raise PromptError("the message list is empty; send at least one user message")
+        msgs = []
+        for i, m in enumerate(messages):
+            role, content = m.get("role"), m.get("content")
+            if role not in ("system", "user", "assistant", "tool"):
+                raise PromptError(f"messages[{i}].role must be system, user or assistant; got {role!r}")
+            if not isinstance(content, str):
+                raise PromptError(f"messages[{i}].content must be a string")
+            msgs.append({"role": role, "content": content})
+        if self.config.system_prompt and msgs[0]["role"] != "system":
+            msgs.insert(0, {"role": "system", "content": self.config.system_prompt})
+        if self.tokenizer.chat_template is None:
+            text = "".join(f"{m['role']}: {m['content']}\n" for m in msgs) + "assistant:"
+            return self.tokenizer(text, add_special_tokens=True)["input_ids"]
+        out = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+        return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    # ---- generation ----------------------------------------------------------------------
+    def generate(self, ids: Sequence[int], params: SamplingParams, task: str = "generation") -> Delta:
+        """Run to completion; returns one Delta with the whole text."""
+        parts, last = [], None
+        for d in self.stream(ids, params, task=task):
+            parts.append(d.text)
+            last = d
+        return Delta("".join(parts), last.finish_reason, last.prompt_tokens, last.completion_tokens)
+
+    def stream(self, ids: Sequence[int], params: SamplingParams, task: str = "generation") -> Iterator[Delta]:
+        ids = self._check_prompt(ids)
+        max_new = min(params.max_tokens, self.context_length - len(ids))
+        generator = None
+        if params.temperature > 0:
+            seed = params.seed if params.seed is not None else self.config.seed
+            generator = torch.Generator().manual_seed(seed) if seed is not None else None
+        stopper = StopMatcher(params.stop)
+        with self.lock:
+            t0 = time.perf_counter()
+            logits, reused = self._prefill(ids)
+            out: list[int] = []
+            emitted, finish = 0, "length"
+            try:
+                while len(out) < max_new:
+                    token = choose(logits, params, generator)
+                    if token in self.eos_ids:
+                        finish = "stop"
+                        break
+                    out.append(token)
+                    text = self.decode(out)
+                    cut = stopper.find(text)
+                    if cut is not None:
+                        finish = "stop"
+                        if cut > emitted:
+                            yield Delta(text[emitted:cut])
+                        emitted = cut
+                        break
+                    safe = stopper.safe_length(text)
+                    if safe > emitted:
+                        yield Delta(text[emitted:safe])
+                        emitted = safe
+                    if len(out) < max_new:
+                        logits = self._forward([token])
+                text = self.decode(out)
+                end = stopper.find(text)
+                final = text[:end] if end is not None else text
+                yield Delta(final[emitted:] if len(final) > emitted else "", finish, len(ids), len(out))
+                self._remember(Turn(tuple(ids), tuple(out), final))
+            finally:
+                self.stats.record(task, prompt=len(ids), prefilled=len(ids) - reused, reused=reused,
+                                  generated=len(out), seconds=time.perf_counter() - t0)
+
+    def next_token_logprobs(self, ids: Sequence[int], task: str = "moderation") -> tuple[torch.Tensor, int]:
+        """Log-probabilities of the token after ``ids`` (one forward over the unseen suffix).
+
+        Returns ``(logprobs[vocab], reused_tokens)``.
+        """
+        ids = self._check_prompt(ids)
+        with self.lock:
+            t0 = time.perf_counter()
+            logits, reused = self._prefill(ids)
+            self.stats.record(task, prompt=len(ids), prefilled=len(ids) - reused, reused=reused, generated=0,
+                              seconds=time.perf_counter() - t0)
+            return torch.log_softmax(logits.float(), dim=-1), reused
+
+    # ---- the session cache ---------------------------------------------------------------
+    def _check_prompt(self, ids: Sequence[int]) -> list[int]:
+        ids = [int(i) for i in ids]
+        if not ids:
+            raise PromptError("the prompt is empty; send at least one message with text")
+        if len(ids) >= self.context_length:
+            raise PromptError(
+                f"the prompt is {len(ids)} tokens but the model's context is {self.context_length} tokens; "
+                "shorten the conversation or raise models[main].parameters.max_context "
+                "(up to the model's own limit)")
+        return ids
+
+    def _new_cache(self):
+        from transformers import DynamicCache
+
+        if self.config.cache == "tiered":
+            from ..kv.cache import TieredCache
+
+            return TieredCache(self.model.config, self.config.kv)
+        return DynamicCache(config=self.model.config)
+
+    def _prefill(self, ids: list[int]) -> tuple[torch.Tensor, int]:
+        """Bring the cache to ``ids[:-1]`` + feed the rest; returns (last logits row, reused count)."""
+        reused = self._reuse_prefix(ids)
+        rest = ids[reused:]
+        logits = None
+        chunk = self.config.prefill_chunk
+        for a in range(0, len(rest), chunk):
+            logits = self._forward(rest[a:a + chunk])
+        return logits, reused
+
+    def _reuse_prefix(self, ids: list[int]) -> int:
+        common = 0
+        limit = min(len(ids) - 1, len(self.session_ids))  # always feed at least one token
+        while common < limit and self.session_ids[common] == ids[common]:
+            common += 1
+        if self._cache is None or common == 0:
+            self._cache = self._new_cache()
+            self.session_ids = []
+            return 0
+        if common < len(self.session_ids):
+            self._cache.crop(common - len(self.session_ids))  # negative = tokens to drop (transformers 5.17+)
+            del self.session_ids[common:]
+        return common
+
+    def _forward(self, tokens: list[int]) -> torch.Tensor:
+        inp = torch.tensor([tokens], dtype=torch.long, device=self.device)
+        with torch.inference_mode():
+            out = self.model(input_ids=inp, **{self._cache_kwarg: self._cache}, use_cache=True, logits_to_keep=1)
+        self.session_ids.extend(tokens)
+        return out.logits[0, -1]
+
+    def reset_session(self) -> None:
+        """Drop the cached conversation (the next call prefills from scratch)."""
+        with self.lock:
+            self._cache, self.session_ids = None, []
+
+    def _remember(self, turn: Turn) -> None:
+        self.turns.append(turn)
+        del self.turns[:-64]
+
+    # ---- model facts ---------------------------------------------------------------------
+    def _context_length(self) -> int:
+        cfg = self.model.config
+        n = getattr(cfg, "max_position_embeddings", None) or 2048
+        if self.config.max_context:
+            n = min(n, self.config.max_context)
+        return int(n)
+
+    def _eos_ids(self) -> frozenset[int]:
+        ids = set()
+        for src in (self.tokenizer.eos_token_id, getattr(self.model.generation_config, "eos_token_id", None)):
+            if isinstance(src, int):
+                ids.add(src)
+            elif src:
+                ids.update(src)
+        for tok in ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<｜end▁of▁sentence｜>", "<end_of_turn>"):
+            tid = self.tokenizer.convert_tokens_to_ids(tok)
+            if isinstance(tid, int) and tid != self.tokenizer.unk_token_id and tid >= 0:
+                ids.add(tid)
+        return frozenset(ids)

