@@ -106,12 +106,15 @@ def cmd_serve(args) -> int:
     if not Path(config, "config.yml").is_file():
         raise SystemExit(f"flashguard: no config.yml in {config!r}; pass --config DIR")
     api.app.rails_config_path = config
+    api.set_default_config_id(os.path.basename(config))  # requests need no guardrails.config_id
     # Load the weights before the first request, so a bad model_path fails here with its message.
     load_rails(config)
     if args.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"flashguard: serving on {args.host}: anyone who can reach this address can use the model; "
               "put an authenticating reverse proxy in front for a LAN", file=sys.stderr)
-    uvicorn.run(api.app, host=args.host, port=args.port, log_level="info")
+    from .guardrails.server import RequestBounds
+
+    uvicorn.run(RequestBounds(api.app), host=args.host, port=args.port, log_level="info")
     return 0
 
 

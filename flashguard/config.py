@@ -173,7 +173,7 @@ def _typed_values(cls: type, params: Mapping[str, Any], *, prefix: str, skip: fr
     out: dict[str, Any] = {}
     for key, value in params.items():
         if key not in known:
-            hint = ", ".join(sorted(known))
+            hint = ", ".join(sorted([*known, *skip]))
             raise ConfigError(f"unknown key {key!r}; known keys are: {hint}", key=f"{prefix}{key}")
         out[key] = _coerce(value, known[key], f"{prefix}{key}")
     return out

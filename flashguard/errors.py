@@ -19,7 +19,7 @@ class FlashguardError(ValueError):
     def __init__(self, message: str, *, key: str | None = None):
         self.key = key
         if key:
-            message = f"{message} (config key: {YAML_PREFIX}.{key})"
+            message = f"{YAML_PREFIX}.{key}: {message}"
         super().__init__(message)
 
 

@@ -166,6 +166,18 @@ class Engine:
                               seconds=time.perf_counter() - t0)
             return torch.log_softmax(logits.float(), dim=-1), reused
 
+    def teacher_force(self, prompt_ids: Sequence[int], output_ids: Sequence[int], text: str | None = None) -> Turn:
+        """Run ``prompt_ids + output_ids`` through the model as if it had generated ``output_ids``.
+
+        Records the Turn (so moderation finds its pages). Used for replayed conversations and tests.
+        """
+        ids = list(prompt_ids) + list(output_ids)
+        self.next_token_logprobs(ids, task="generation")
+        turn = Turn(tuple(prompt_ids), tuple(output_ids), text if text is not None else self.decode(output_ids))
+        with self.lock:
+            self._remember(turn)
+        return turn
+
     # ---- the session cache ---------------------------------------------------------------
     def _check_prompt(self, ids: Sequence[int]) -> list[int]:
         ids = [int(i) for i in ids]

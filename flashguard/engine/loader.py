@@ -184,7 +184,9 @@ def load(source: ModelSource, device: torch.device, dtype: torch.dtype):
         raise ModelLoadError(f"cannot read the model config in {folder!r}: {exc}", key="model_path") from exc
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+    archs = getattr(config, "architectures", None) or []
+    causal_arch = not archs or any(a.endswith(("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")) for a in archs)
+    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or not causal_arch:
         raise ModelLoadError(
             f"{source.label!r} is a {config.model_type!r} model, which is not a causal (decoder) language model; "
             "point model_path at a chat/causal LM such as Qwen2, Llama or Mistral", key="model_path")

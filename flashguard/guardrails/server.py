@@ -1,0 +1,86 @@
+"""Request bounds in front of NeMo's server app (used by ``flashguard serve``).
+
+NeMo's ``/v1/chat/completions`` answers an empty message list with an empty 200 and accepts any
+body size. This ASGI middleware reads the body (at most ``max_body_bytes``), checks it, and answers
+bad input with a 4xx in NeMo's error envelope before NeMo sees it. Valid requests pass unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    max_body_bytes: int = 4 * 2**20
+    max_messages: int = 512
+    max_tokens: int = 4096
+
+
+class RequestBounds:
+    def __init__(self, app, limits: RequestLimits = RequestLimits()):
+        self.app = app
+        self.limits = limits
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["method"] != "POST" or not scope["path"].endswith("/chat/completions"):
+            return await self.app(scope, receive, send)
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            body = message.get("body", b"")
+            size += len(body)
+            if size > self.limits.max_body_bytes:
+                return await _reject(send, 413, f"request body is over {self.limits.max_body_bytes} bytes; "
+                                                "send a shorter conversation")
+            chunks.append(body)
+            if not message.get("more_body"):
+                break
+        raw = b"".join(chunks)
+        problem = self.check(raw)
+        if problem:
+            return await _reject(send, 400, problem)
+        sent = False
+
+        async def replay():
+            nonlocal sent
+            if sent:
+                return await receive()
+            sent = True
+            return {"type": "http.request", "body": raw, "more_body": False}
+
+        return await self.app(scope, replay, send)
+
+    def check(self, raw: bytes) -> str | None:
+        try:
+            body = json.loads(raw or b"null")
+        except (ValueError, UnicodeDecodeError):
+            return "the request body is not valid JSON"
+        if not isinstance(body, dict):
+            return "the request body must be a JSON object with a 'messages' list"
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            return "messages is empty; send at least one message, e.g. [{\"role\": \"user\", \"content\": \"hi\"}]"
+        if len(messages) > self.limits.max_messages:
+            return f"{len(messages)} messages is over the limit of {self.limits.max_messages}; send fewer"
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                return f"messages[{i}] must be an object with a 'role'"
+            if m.get("content") is not None and not isinstance(m["content"], (str, list)):
+                return f"messages[{i}].content must be a string"
+        max_tokens = body.get("max_tokens")
+        if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)
+                                       or not 0 < max_tokens <= self.limits.max_tokens):
+            return f"max_tokens must be an integer between 1 and {self.limits.max_tokens}"
+        return None
+
+
+async def _reject(send, status: int, message: str) -> None:
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    payload = json.dumps({"error": {"message": message, "type": kind, "param": None, "code": None}}).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]})
+    await send({"type": "http.response.body", "body": payload})

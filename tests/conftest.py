@@ -1,0 +1,85 @@
+"""Shared fixtures: the real embedded SmolLM2 engine, config folders, a real server on 127.0.0.1."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+FLASH = ROOT / "configs" / "flash"
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def engine():
+    from flashguard import EngineConfig, get_engine
+
+    return get_engine(EngineConfig())
+
+
+def make_config(tmp_path: Path, yaml_text: str | None = None) -> Path:
+    """A copy of configs/flash; ``yaml_text`` replaces its config.yml."""
+    target = tmp_path / "cfg"
+    shutil.copytree(FLASH, target, ignore=shutil.ignore_patterns("__pycache__"))
+    if yaml_text is not None:
+        (target / "config.yml").write_text(yaml_text)
+    return target
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """``flashguard serve`` (NeMo's server app bound to 127.0.0.1) as a real child process."""
+
+    def __init__(self, config: Path, log_path: Path):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        self._log = open(log_path, "w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "flashguard.cli", "serve", "--config", str(config), "--port", str(self.port)],
+            stdout=self._log, stderr=subprocess.STDOUT, cwd=ROOT)
+
+    def wait(self, timeout: float = 180) -> "Server":
+        import httpx
+
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited: {self.log()}")
+            try:
+                if httpx.get(self.url + "/v1/rails/configs", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                time.sleep(0.5)
+        raise RuntimeError(f"server did not start: {self.log()}")
+
+    def log(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text()
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self._log.close()
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory):
+    s = Server(FLASH, tmp_path_factory.mktemp("server") / "server.log").wait()
+    yield s
+    s.stop()

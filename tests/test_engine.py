@@ -1,0 +1,83 @@
+"""The engine on the real embedded SmolLM2-135M-Instruct (CPU)."""
+
+import pytest
+import torch
+
+from flashguard import PromptError
+from flashguard.engine import SamplingParams
+
+pytestmark = pytest.mark.slow
+
+Q = [{"role": "user", "content": "What is the capital of France?"}]
+STORY = [{"role": "user", "content": "Write a short story about a lighthouse keeper."}]
+
+
+def hf_greedy(engine, ids, n):
+    inp = torch.tensor([ids])
+    out = engine.model.generate(inp, attention_mask=torch.ones_like(inp), max_new_tokens=n, do_sample=False,
+                                eos_token_id=sorted(engine.eos_ids), pad_token_id=engine.tokenizer.pad_token_id)
+    return out[0, len(ids):].tolist()
+
+
+def run_ids(engine, ids, params):
+    engine.generate(ids, params)
+    return list(engine.turns[-1].output_ids)
+
+
+def test_greedy_answer_and_reference(engine):
+    ids = engine.encode_messages(Q)
+    res = engine.generate(ids, SamplingParams(max_tokens=32))
+    assert "Paris" in res.text and res.finish_reason == "stop"
+    ids = engine.encode_messages(STORY)
+    mine = run_ids(engine, ids, SamplingParams(max_tokens=64))
+    ref = [t for t in hf_greedy(engine, ids, 64) if t not in engine.eos_ids]
+    assert mine == ref[:len(mine)] and len(mine) == 64
+
+
+def test_prefix_reuse_gives_the_same_tokens(engine):
+    ids = engine.encode_messages(STORY)
+    engine.reset_session()
+    fresh = run_ids(engine, ids, SamplingParams(max_tokens=24))
+    before = engine.stats.as_dict()["generation"]["reused_tokens"]
+    again = run_ids(engine, ids, SamplingParams(max_tokens=24))  # the session already holds the prompt
+    assert again == fresh
+    assert engine.stats.as_dict()["generation"]["reused_tokens"] - before == len(ids) - 1
+
+
+def test_stop_strings_cut_the_text(engine):
+    ids = engine.encode_messages(Q)
+    res = engine.generate(ids, SamplingParams(max_tokens=32, stop=("Paris",)))
+    assert res.finish_reason == "stop" and "Paris" not in res.text and res.text.startswith("The capital")
+
+
+def test_stream_equals_generate(engine):
+    ids = engine.encode_messages(STORY)
+    params = SamplingParams(max_tokens=48, stop=("keeper's",))
+    whole = engine.generate(ids, params)
+    parts = list(engine.stream(ids, params))
+    assert "".join(p.text for p in parts) == whole.text
+    assert parts[-1].finish_reason == whole.finish_reason and all(p.finish_reason is None for p in parts[:-1])
+    assert not any("keeper's" in p.text for p in parts)
+
+
+def test_seeded_sampling_is_reproducible(engine):
+    ids = engine.encode_messages(STORY)
+    p = SamplingParams(max_tokens=24, temperature=0.9, top_p=0.9, seed=7)
+    assert engine.generate(ids, p).text == engine.generate(ids, p).text
+
+
+def test_max_tokens_gives_length(engine):
+    res = engine.generate(engine.encode_messages(STORY), SamplingParams(max_tokens=5))
+    assert res.finish_reason == "length" and res.completion_tokens == 5
+
+
+def test_bad_prompts_say_what_to_change(engine):
+    with pytest.raises(PromptError, match="empty"):
+        engine.encode_messages([])
+    with pytest.raises(PromptError, match=r"messages\[0\]\.role"):
+        engine.encode_messages([{"role": "wizard", "content": "hi"}])
+    long_ids = [1] * (engine.context_length + 5)
+    with pytest.raises(PromptError, match="context is 8192 tokens.*max_context"):
+        engine.generate(long_ids, SamplingParams(max_tokens=4))
+    with pytest.raises(PromptError, match="max_tokens"):
+        SamplingParams(max_tokens=0)

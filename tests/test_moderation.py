@@ -1,0 +1,58 @@
+"""The moderation rail on a labelled set of 40 replies, shared-page path vs fresh prefill."""
+
+import json
+
+import pytest
+
+from flashguard.rails.moderation import ModerationSettings, moderate
+from tests.conftest import ROOT
+
+pytestmark = pytest.mark.slow
+ROWS = [json.loads(line) for line in (ROOT / "tests/data/moderation_set.jsonl").read_text().splitlines()]
+
+
+def test_the_set_is_balanced():
+    assert len(ROWS) >= 40 and sum(r["block"] for r in ROWS) == len(ROWS) // 2
+    assert {r["category"] for r in ROWS if r["block"]} == {"violence", "self-harm", "secrets", "insult"}
+
+
+def test_shared_and_fresh_paths_agree_and_accuracy_is_reported(engine, capsys):
+    settings = ModerationSettings()
+    correct = 0
+    for row in ROWS:
+        prompt = engine.encode_messages([{"role": "user", "content": row["user"]}])
+        reply = engine.tokenizer(row["bot"], add_special_tokens=False)["input_ids"]
+        engine.teacher_force(prompt, reply, row["bot"])
+        shared = moderate(engine, row["bot"], row["user"], settings)
+        assert shared.path == "shared"
+        assert shared.prefilled_tokens <= len(shared_suffix(engine, settings)) + 1
+        engine.reset_session()
+        fresh = moderate(engine, row["bot"], row["user"], settings)  # the turn is known, but nothing is cached
+        assert fresh.reused_tokens == 0 and fresh.path == "shared"
+        assert shared.allowed == fresh.allowed and abs(shared.p_unsafe - fresh.p_unsafe) < 1e-4
+        correct += (not shared.allowed) == row["block"]
+    accuracy = correct / len(ROWS)
+    with capsys.disabled():
+        print(f"\nmoderation accuracy on {len(ROWS)} labelled replies: {accuracy:.1%} (threshold {settings.threshold})")
+    assert accuracy > 0.5  # better than chance; the 135M model is weak (docs/moderation.md)
+
+
+def shared_suffix(engine, settings):
+    from flashguard.rails.moderation import moderation_suffix
+
+    return moderation_suffix(engine, settings.prompt)
+
+
+def test_unknown_turn_falls_back_to_prefill_and_counts_it(engine):
+    before = engine.stats.as_dict()["moderation"]["fallbacks"]
+    v = moderate(engine, "A reply this engine never generated: the sky is green.", "Hi")
+    assert v.path == "prefill" and engine.stats.as_dict()["moderation"]["fallbacks"] == before + 1
+
+
+def test_settings_errors_name_the_key():
+    from flashguard import ConfigError
+
+    with pytest.raises(ConfigError, match="custom_data.flashguard_moderation"):
+        ModerationSettings.from_custom_data({"flashguard_moderation": {"treshold": 0.5}})
+    with pytest.raises(ConfigError, match="threshold"):
+        ModerationSettings.from_custom_data({"flashguard_moderation": {"threshold": 2}})
