@@ -75,6 +75,7 @@ class Engine:
         self._cache_kwarg = cache_kwarg(self.model)
         self.session_ids: list[int] = []
         self._cache = None
+        self.store = None  # the tiered cache's PageStore (cache: tiered)
         self.turns: list[Turn] = []  # recent generations, newest last (bounded)
 
     # ---- prompts -------------------------------------------------------------------------
@@ -195,8 +196,12 @@ class Engine:
 
         if self.config.cache == "tiered":
             from ..kv.cache import TieredCache
+            from ..kv.store import PageStore
 
-            return TieredCache(self.model.config, self.config.kv)
+            if self.store is None:  # one store per engine: sessions share pages by content hash
+                self.store = PageStore(self.config.kv, pin_memory=self.device.type == "cuda")
+            return TieredCache(self.model.config, self.config.kv, store=self.store,
+                               model_id=self.source.identity).attach(self.model)
         return DynamicCache(config=self.model.config)
 
     def _prefill(self, ids: list[int]) -> tuple[torch.Tensor, int]:
@@ -215,9 +220,14 @@ class Engine:
         while common < limit and self.session_ids[common] == ids[common]:
             common += 1
         if self._cache is None or common == 0:
+            if self._cache is not None and hasattr(self._cache, "reset"):
+                self._cache.reset()  # give its pages back to the store
             self._cache = self._new_cache()
             self.session_ids = []
-            return 0
+            adopt = getattr(self._cache, "adopt_prefix", None)
+            reused = adopt(ids[:-1], self.dtype, self.device) if adopt else 0
+            self.session_ids = list(ids[:reused])
+            return reused
         if common < len(self.session_ids):
             self._cache.crop(common - len(self.session_ids))  # negative = tokens to drop (transformers 5.17+)
             del self.session_ids[common:]
@@ -225,6 +235,8 @@ class Engine:
 
     def _forward(self, tokens: list[int]) -> torch.Tensor:
         inp = torch.tensor([tokens], dtype=torch.long, device=self.device)
+        if hasattr(self._cache, "feed"):
+            self._cache.feed(tokens)
         with torch.inference_mode():
             out = self.model(input_ids=inp, **{self._cache_kwarg: self._cache}, use_cache=True, logits_to_keep=1)
         self.session_ids.extend(tokens)

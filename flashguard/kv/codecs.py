@@ -2,11 +2,11 @@
 
 A page's K and V arrive as ``[layers, kv_heads, page_size, head_dim]`` tensors.
 
-- ``int8`` (L2): keys quantized per channel (one scale per layer/head/channel over the page's tokens),
-  values per token (one scale per layer/head/token over channels), as KIVI found works best.
-  Symmetric, round-to-nearest; vectorised torch, runs on the device the tensors are on.
+- ``int8`` (L2): keys quantized per channel (scale and zero point per layer/head/channel over the page's
+  tokens), values per token in groups of 32 channels, as KIVI found works best. Asymmetric round-to-nearest; vectorised torch, runs on the device the tensors are on.
 - ``int4`` (L3): the same axes at 4 bits, two values packed per byte, then zstd over the bytes.
-- ``fp16``: lossless (the value is stored as is), for tests and for users who trade memory for exactness.
+- ``fp16``: lossless (the KV dtype as it is: fp16/bf16 on GPU), for tests and for users who trade memory
+  for exactness.
 
 ``encode`` returns a dict of tensors (an ``Encoded`` page); ``decode`` returns ``(k, v)`` in ``dtype``.
 ``to_bytes``/``from_bytes`` serialise an encoded page for disk, with zstd.
@@ -24,52 +24,64 @@ import zstandard
 Encoded = dict  # name -> tensor
 
 
-def _quant(x: torch.Tensor, dim: int, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    qmax = 2 ** (bits - 1) - 1
-    scale = x.abs().amax(dim=dim, keepdim=True).float() / qmax
+GROUP = 32  # value channels per scale group
+
+
+def _quant(x: torch.Tensor, dim: int, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric round-to-nearest along ``dim``: ``x ~ q * scale + zero`` with q in [0, 2^bits - 1]."""
+    levels = 2 ** bits - 1
+    lo = x.amin(dim=dim, keepdim=True).float()
+    hi = x.amax(dim=dim, keepdim=True).float()
+    scale = (hi - lo) / levels
     scale = torch.where(scale == 0, torch.ones_like(scale), scale)
-    q = torch.clamp(torch.round(x.float() / scale), -qmax, qmax).to(torch.int8)
-    return q, scale.to(torch.float16)
+    q = torch.clamp(torch.round((x.float() - lo) / scale), 0, levels).to(torch.uint8)
+    return q, scale.to(torch.float16), lo.to(torch.float16)
+
+
+def _grouped(v: torch.Tensor) -> torch.Tensor:
+    d = v.shape[-1]
+    g = GROUP if d % GROUP == 0 else d
+    return v.reshape(*v.shape[:-1], d // g, g)
 
 
 def encode(k: torch.Tensor, v: torch.Tensor, codec: str) -> Encoded:
-    if codec == "fp16" or codec == "fp16-zstd":
-        return {"k": k.to(torch.float16), "v": v.to(torch.float16)}
+    if codec == "fp16" or codec == "fp16-zstd":  # lossless: the KV dtype as it is (fp16/bf16 on GPU)
+        return {"k": k, "v": v}
     bits = 8 if codec in ("int8", "int8-zstd") else 4
-    kq, ks = _quant(k, dim=-2, bits=bits)  # per channel: reduce over tokens
-    vq, vs = _quant(v, dim=-1, bits=bits)  # per token: reduce over channels
+    kq, ks, kz = _quant(k, dim=-2, bits=bits)              # keys per channel: reduce over tokens
+    vq, vs, vz = _quant(_grouped(v), dim=-1, bits=bits)    # values per token, in groups of channels
     if bits == 4:
         kq, vq = _pack4(kq), _pack4(vq)
-    return {"kq": kq, "ks": ks, "vq": vq, "vs": vs}
+    return {"kq": kq, "ks": ks, "kz": kz, "vq": vq, "vs": vs, "vz": vz, "bits": torch.tensor([bits], dtype=torch.uint8)}
 
 
 def decode(e: Encoded, dtype: torch.dtype, device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     if "k" in e:
-        return e["k"].to(device=device, dtype=dtype, non_blocking=True), e["v"].to(device=device, dtype=dtype,
-                                                                                   non_blocking=True)
-    kq, vq = e["kq"].to(device, non_blocking=True), e["vq"].to(device, non_blocking=True)
-    if kq.dtype == torch.uint8:
+        return (e["k"].to(device=device, non_blocking=True).to(dtype),
+                e["v"].to(device=device, non_blocking=True).to(dtype))
+    t = {n: x.to(device, non_blocking=True) for n, x in e.items() if n != "bits"}
+    kq, vq = t["kq"], t["vq"]
+    if int(e["bits"].reshape(-1)[0]) == 4:
         kq, vq = _unpack4(kq), _unpack4(vq)
-    ks, vs = e["ks"].to(device, non_blocking=True), e["vs"].to(device, non_blocking=True)
-    return (kq.to(dtype) * ks.to(dtype)), (vq.to(dtype) * vs.to(dtype))
+    k = kq.to(dtype) * t["ks"].to(dtype) + t["kz"].to(dtype)
+    v = vq.to(dtype) * t["vs"].to(dtype) + t["vz"].to(dtype)
+    return k, v.flatten(-2)
 
 
 def _pack4(q: torch.Tensor) -> torch.Tensor:
-    u = (q + 8).to(torch.uint8)  # [-7, 7] -> [1, 15]
-    return (u[..., 0::2] << 4) | u[..., 1::2]
+    return (q[..., 0::2] << 4) | q[..., 1::2]
 
 
 def _unpack4(p: torch.Tensor) -> torch.Tensor:
-    hi = (p >> 4).to(torch.int8) - 8
-    lo = (p & 0xF).to(torch.int8) - 8
-    return torch.stack((hi, lo), dim=-1).flatten(-2)
+    return torch.stack((p >> 4, p & 0xF), dim=-1).flatten(-2)
 
 
 def nbytes(e: Encoded) -> int:
     return sum(t.numel() * t.element_size() for t in e.values())
 
 
-_DTYPES = {"int8": torch.int8, "uint8": torch.uint8, "float16": torch.float16}
+_DTYPES = {"int8": torch.int8, "uint8": torch.uint8, "float16": torch.float16, "bfloat16": torch.bfloat16,
+           "float32": torch.float32, "float64": torch.float64}
 _MAGIC = b"FGP1"
 
 
@@ -78,7 +90,8 @@ def to_bytes(e: Encoded, level: int = 3) -> bytes:
     raw = io.BytesIO()
     raw.write(struct.pack("<I", len(e)))
     for name, t in e.items():
-        arr = t.detach().cpu().contiguous().numpy()
+        t = t.detach().cpu().contiguous()
+        arr = (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
         dt = str(t.dtype).replace("torch.", "").encode()
         nm = name.encode()
         raw.write(struct.pack("<BB", len(nm), len(dt)) + nm + dt + struct.pack("<B", arr.ndim))
@@ -106,6 +119,7 @@ def from_bytes(blob: bytes) -> Encoded:
         off += 4 * ndim
         count = int(np.prod(shape)) if ndim else 1
         size = count * torch.empty((), dtype=dt).element_size()
-        out[name] = torch.frombuffer(bytearray(buf[off:off + size]), dtype=dt).reshape(shape)
+        raw_dt = torch.int16 if dt == torch.bfloat16 else dt
+        out[name] = torch.frombuffer(bytearray(buf[off:off + size]), dtype=raw_dt).reshape(shape).view(dt)
         off += size
     return out

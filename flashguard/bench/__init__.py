@@ -1,0 +1,1 @@
+"""Benchmarks: python -m flashguard.bench.kv"""

@@ -1,0 +1,160 @@
+"""KV cache benchmark: DynamicCache, offloaded DynamicCache and flashguard exact/sparse, side by side.
+
+    python -m flashguard.bench.kv --contexts 8192 32768 131072 --out docs/benchmarks/kv_h200.md
+
+A random-weight model with the DeepSeek-R1-Distill-Qwen-1.5B shape (Qwen2: 28 layers, 12 heads, 2 KV heads,
+head_dim 128) runs a chunked prefill of random token ids and then greedy decode steps, in one process, one
+row after another. Columns: prefill seconds, decode tok/s, peak allocated / reserved GPU memory (above the
+weights), and GPU-resident KV bytes at the end. Ratios to DynamicCache are in the last columns.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import time
+
+import torch
+
+
+def deepseek_1_5b_config(vocab: int = 151936):
+    from transformers import Qwen2Config
+
+    return Qwen2Config(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                       num_key_value_heads=2, head_dim=128, vocab_size=vocab, max_position_embeddings=131072 + 4096,
+                       rope_theta=10000.0, tie_word_embeddings=False)
+
+
+def kv_bytes_on_gpu(cache) -> int:
+    if hasattr(cache, "l1_bytes"):
+        return cache.l1_bytes()
+    total = 0
+    for layer in getattr(cache, "layers", []):
+        for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+            if isinstance(t, torch.Tensor) and t.is_cuda:
+                total += t.numel() * t.element_size()
+    return total
+
+
+def run_row(model, make_cache, ids, chunk, steps, kwarg):
+    torch.cuda.synchronize()
+    gc.collect()
+    torch.cuda.empty_cache()
+    base_alloc = torch.cuda.memory_allocated()
+    base_res = torch.cuda.memory_reserved()
+    torch.cuda.reset_peak_memory_stats()
+    cache = make_cache()
+    t0 = time.perf_counter()
+    logits = None
+    with torch.inference_mode():
+        for a in range(0, ids.shape[1], chunk):
+            part = ids[:, a:a + chunk]
+            if hasattr(cache, "feed"):
+                cache.feed(part[0].tolist())
+            logits = model(input_ids=part, **{kwarg: cache}, logits_to_keep=1).logits
+        torch.cuda.synchronize()
+        prefill = time.perf_counter() - t0
+        tok = logits[:, -1].argmax(-1, keepdim=True)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            if hasattr(cache, "feed"):
+                cache.feed(tok[0].tolist())
+            tok = model(input_ids=tok, **{kwarg: cache}, logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
+        torch.cuda.synchronize()
+        decode = time.perf_counter() - t0
+    row = {"prefill_s": prefill, "decode_tok_s": steps / decode if steps else 0.0,
+           "peak_alloc_gib": (torch.cuda.max_memory_allocated() - base_alloc) / 2**30,
+           "peak_reserved_gib": (torch.cuda.max_memory_reserved() - base_res) / 2**30,
+           "gpu_kv_mib": kv_bytes_on_gpu(cache) / 2**20}
+    if hasattr(cache, "stats"):
+        st = cache.stats()
+        row["pages"] = st["pages"]
+        row["page_reads"] = st["page_reads"]
+    del cache
+    return row
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--contexts", type=int, nargs="+", default=[8192, 32768, 131072])
+    ap.add_argument("--chunk", type=int, default=4096)
+    ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--exact-steps", type=int, default=8)
+    ap.add_argument("--rows", nargs="+", default=["dynamic", "offloaded", "exact", "sparse"])
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+
+    from transformers import DynamicCache, Qwen2ForCausalLM
+
+    from flashguard import CacheConfig
+    from flashguard.engine.engine import cache_kwarg
+    from flashguard.kv.cache import TieredCache
+
+    torch.manual_seed(0)
+    cfg = deepseek_1_5b_config()
+    with torch.device("cuda"):
+        model = Qwen2ForCausalLM(cfg).to(torch.float16).eval()
+    model.set_attn_implementation("sdpa")
+    kwarg = cache_kwarg(model)
+    weights_gib = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**30
+    kv = CacheConfig(page_size=64, l1_tokens=2048, sink_tokens=64, l2_tokens=262144, l3_tokens=0,
+                     budget_tokens=2048, l1_max_tokens=4096)
+    results = []
+    for ctx in args.contexts:
+        ids = torch.randint(0, cfg.vocab_size, (1, ctx), device="cuda")
+        for name in args.rows:
+            def make():
+                if name == "dynamic":
+                    model.set_attn_implementation("sdpa")
+                    return DynamicCache(config=cfg)
+                if name == "offloaded":
+                    model.set_attn_implementation("sdpa")
+                    return DynamicCache(config=cfg, offloading=True)
+                policy = "exact" if name == "exact" else "sparse"
+                return TieredCache(cfg, CacheConfig(**{**kv.__dict__, "policy": policy})).attach(model)
+
+            steps = args.exact_steps if name == "exact" else args.steps
+            try:
+                row = run_row(model, make, ids, args.chunk, steps, kwarg)
+            except torch.cuda.OutOfMemoryError as exc:
+                row = {"error": f"OOM: {str(exc)[:80]}"}
+            except Exception as exc:  # a row that breaks is reported, the others still run
+                import traceback
+
+                traceback.print_exc()
+                row = {"error": f"{type(exc).__name__}: {str(exc)[:120]}"}
+            row.update(context=ctx, cache=name, decode_steps=steps)
+            results.append(row)
+            print(json.dumps(row), flush=True)
+            if args.json:
+                with open(args.json, "w") as fh:
+                    json.dump({"weights_gib": weights_gib, "rows": results}, fh, indent=1)
+    table = render(results, weights_gib)
+    print(table)
+    if args.out:
+        with open(args.out, "w") as fh:
+            fh.write(table)
+    return 0
+
+
+def render(results, weights_gib) -> str:
+    lines = [f"fp16 weights: {weights_gib:.2f} GiB (memory columns are above the weights)", "",
+             "| context | cache | prefill s | decode tok/s | decode vs Dynamic | peak alloc GiB | peak reserved GiB "
+             "| GPU KV MiB | GPU KV vs Dynamic |", "|---|---|---|---|---|---|---|---|---|"]
+    base = {r["context"]: r for r in results if r["cache"] == "dynamic" and "error" not in r}
+    for r in results:
+        if "error" in r:
+            lines.append(f"| {r['context']} | {r['cache']} | {r['error']} | | | | | | |")
+            continue
+        b = base.get(r["context"])
+        dr = f"{r['decode_tok_s'] / b['decode_tok_s']:.2f}x" if b else ""
+        kr = f"{100 * r['gpu_kv_mib'] / b['gpu_kv_mib']:.1f}%" if b and b["gpu_kv_mib"] else ""
+        lines.append(f"| {r['context']} | {r['cache']} | {r['prefill_s']:.2f} | {r['decode_tok_s']:.1f} | {dr} | "
+                     f"{r['peak_alloc_gib']:.2f} | {r['peak_reserved_gib']:.2f} | {r['gpu_kv_mib']:.0f} | {kr} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,90 @@
+"""Attention over tiers: exact over whatever segments it is given, merged by log-sum-exp.
+
+Each segment (the L1 window with its sinks, a block of fetched pages) gives a partial output ``o_s`` and its
+log-sum-exp ``lse_s``; the merge is ``o = sum exp(lse_s - m) o_s / sum exp(lse_s - m)`` with ``m = max lse_s``,
+which equals softmax attention over the union of the segments.
+
+``flashguard_attention`` is registered as ``tiered_kv`` with transformers' ``AttentionInterface`` (and a mask function that
+returns None with ``AttentionMaskInterface``): the model calls it per layer; it finds the TieredCache through
+``module._flashguard_cache`` (a weak reference set by ``TieredCache.attach(model)``) and ``module.layer_idx``.
+A module without a TieredCache falls back to PyTorch SDPA, so a model switched to this implementation still
+works with any other Cache.
+"""
+
+from __future__ import annotations
+
+import torch
+
+NAME = "tiered_kv"  # must not contain "flash": transformers treats such names as flash-attn kernels
+
+
+def partial_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                      mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """q ``[kvh, g, Lq, D]``, k/v ``[kvh, N, D]``, mask ``[Lq, N]`` bool (True = visible).
+
+    Returns ``(o [kvh, g, Lq, D], lse [kvh, g, Lq])`` in float32 (float64 for a float64 model).
+    """
+    acc = torch.promote_types(q.dtype, torch.float32)  # fp32 statistics for fp16/bf16, float64 stays float64
+    s = torch.einsum("hgqd,hnd->hgqn", q, k).to(acc) * scale
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    m = s.amax(dim=-1, keepdim=True)
+    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+    p = torch.exp(s - m)
+    l = p.sum(dim=-1, keepdim=True)
+    o = torch.einsum("hgqn,hnd->hgqd", p.to(v.dtype), v).to(acc) / l.clamp_min(1e-30)
+    lse = (m + torch.log(l.clamp_min(1e-30))).squeeze(-1)
+    lse = torch.where(l.squeeze(-1) > 0, lse, torch.full_like(lse, float("-inf")))
+    return o, lse
+
+
+def merge(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """LSE-merge partial outputs of disjoint key sets."""
+    if len(parts) == 1:
+        return parts[0][0]
+    lses = torch.stack([lse for _, lse in parts])          # [S, kvh, g, Lq]
+    m = lses.amax(dim=0)
+    w = torch.exp(lses - m)                                 # [S, ...]
+    out = sum(w[i].unsqueeze(-1) * parts[i][0] for i in range(len(parts)))
+    return out / w.sum(dim=0).unsqueeze(-1)
+
+
+def flashguard_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    ref = getattr(module, "_flashguard_cache", None)
+    cache = ref() if ref is not None else None
+    if cache is not None and cache.layers[module.layer_idx].returned is not key:
+        cache = None  # this forward runs with another Cache object
+    if cache is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        q_len, k_len = query.shape[2], key.shape[2]
+        if attention_mask is None and 1 < q_len < k_len:  # no_mask() gave None: causal, aligned bottom-right
+            qpos = torch.arange(k_len - q_len, k_len, device=query.device)
+            attention_mask = (torch.arange(k_len, device=query.device)[None, :] <= qpos[:, None])[None, None]
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                                      **kwargs)
+    if query.shape[0] != 1:
+        raise ValueError("TieredCache serves one sequence at a time (batch size 1)")
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    out = cache.layers[module.layer_idx].attend(query[0], scale)   # [Hq, Lq, D]
+    return out.transpose(0, 1).unsqueeze(0).to(query.dtype), None
+
+
+def no_mask(*args, **kwargs):
+    """The tiered attention builds its own causal structure; the model needs no mask tensor."""
+    return None
+
+
+_registered = False
+
+
+def register() -> None:
+    global _registered
+    if _registered:
+        return
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(NAME, flashguard_attention)
+    AttentionMaskInterface.register(NAME, no_mask)
+    _registered = True

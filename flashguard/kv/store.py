@@ -1,0 +1,232 @@
+"""PageStore: content-addressed pages in L2 (host RAM) and L3 (disk), shared by every TieredCache.
+
+A *page* is ``page_size`` consecutive tokens of K and V for all layers. Its key chains
+``hash(parent_key, token ids of the page, namespace)``, so two sequences with the same token prefix
+produce the same keys and share the pages. The namespace covers model identity, KV dtype, codecs and
+an isolation salt: pages never cross models or tenants.
+
+Contract:
+- ``put(key, k, v, summary)`` stores a full page (``[layers, kv_heads, page_size, head_dim]``) in L2,
+  encoded with the L2 codec; if the key exists it only takes a reference. The caller holds one reference
+  per page in its page table and gives it back with ``release``.
+- ``get(key, layer)`` returns the encoded tensors of one layer of a page, promoting it from L3 to L2
+  (a page fault) when needed; ``None`` when the key is unknown.
+- When L2 holds more than ``l2_tokens`` the coldest pages are demoted to L3 (int4 + zstd files); when L3 is
+  over ``l3_tokens`` (or disabled) the coldest unreferenced pages are dropped, and referenced ones stay in
+  L2 over budget rather than being lost: nothing a live sequence needs is ever dropped.
+- ``check_integrity()`` raises AssertionError if the bookkeeping is inconsistent (tests call it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import tempfile
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+
+from ..config import CacheConfig
+from . import codecs
+
+
+def page_key(parent: bytes, token_ids, namespace: bytes) -> bytes:
+    h = hashlib.blake2b(digest_size=16)
+    h.update(parent)
+    h.update(namespace)
+    h.update(torch.as_tensor(list(token_ids), dtype=torch.int64).numpy().tobytes())
+    return h.digest()
+
+
+def namespace_for(model_id: str, dtype: torch.dtype, config: CacheConfig) -> bytes:
+    text = f"{model_id}|{dtype}|{config.page_size}|{config.l2_codec}|{config.l3_codec}|{config.isolation_salt}"
+    return hashlib.blake2b(text.encode(), digest_size=16).digest()
+
+
+@dataclass
+class _Page:
+    refs: int = 0
+    l2: dict | None = None       # encoded tensors, layers first (CPU, pinned when CUDA is used)
+    l3: str | None = None        # file path
+    summary: torch.Tensor | None = None  # [layers, kv_heads, 2, head_dim] key min/max, CPU
+    heat: float = 0.0
+
+
+@dataclass
+class TierStats:
+    hits: dict = field(default_factory=lambda: {"l2": 0, "l3": 0})
+    misses: int = 0
+    page_faults: int = 0          # L3 reads
+    bytes_to_l2: int = 0
+    bytes_to_l3: int = 0
+    bytes_from_l3: int = 0
+    pages_shared: int = 0         # puts that found the page already stored
+    codec_seconds: float = 0.0
+    disk_seconds: float = 0.0
+    disk_errors: int = 0
+
+
+class PageStore:
+    def __init__(self, config: CacheConfig, pin_memory: bool = False):
+        self.config = config
+        self.pin = pin_memory
+        self.pages: "OrderedDict[bytes, _Page]" = OrderedDict()  # LRU order: oldest first
+        self.lock = threading.RLock()
+        self.stats = TierStats()
+        self._own_dir = config.l3_dir is None
+        self.l3_dir = config.l3_dir or tempfile.mkdtemp(prefix="flashguard-l3-")
+        if not self._own_dir:
+            os.makedirs(self.l3_dir, exist_ok=True)
+        self.l3_enabled = config.l3_tokens > 0
+        self.l2_pages_max = max(1, config.l2_tokens // config.page_size)
+        self.l3_pages_max = config.l3_tokens // config.page_size
+
+    # ---- writes ---------------------------------------------------------------------------
+    def put(self, key: bytes, k: torch.Tensor, v: torch.Tensor, summary: torch.Tensor) -> None:
+        with self.lock:
+            page = self.pages.get(key)
+            if page is not None:
+                page.refs += 1
+                self.stats.pages_shared += 1
+                self.pages.move_to_end(key)
+                return
+            t0 = time.perf_counter()
+            enc = codecs.encode(k, v, self.config.l2_codec)
+            enc = {n: self._host(t) for n, t in enc.items()}
+            self.stats.codec_seconds += time.perf_counter() - t0
+            self.stats.bytes_to_l2 += codecs.nbytes(enc)
+            self.pages[key] = _Page(refs=1, l2=enc, summary=summary.to("cpu"))
+            self._enforce_budgets()
+
+    def _host(self, t: torch.Tensor) -> torch.Tensor:
+        t = t.to("cpu", non_blocking=False).contiguous()
+        return t.pin_memory() if self.pin else t
+
+    def acquire(self, key: bytes) -> bool:
+        """Take a reference to an existing page (prefix sharing); False if unknown."""
+        with self.lock:
+            page = self.pages.get(key)
+            if page is None:
+                self.stats.misses += 1
+                return False
+            page.refs += 1
+            self.pages.move_to_end(key)
+            return True
+
+    def release(self, key: bytes) -> None:
+        with self.lock:
+            page = self.pages.get(key)
+            if page is not None and page.refs > 0:
+                page.refs -= 1
+
+    # ---- reads ----------------------------------------------------------------------------
+    def summary(self, key: bytes) -> torch.Tensor:
+        return self.pages[key].summary
+
+    def get(self, key: bytes, layer: int | None = None) -> dict | None:
+        """Encoded tensors of a page (one layer, or all with ``layer=None``); promotes from L3."""
+        with self.lock:
+            page = self.pages.get(key)
+            if page is None:
+                self.stats.misses += 1
+                return None
+            page.heat += 1.0
+            self.pages.move_to_end(key)
+            if page.l2 is None:
+                self._promote(key, page)
+            else:
+                self.stats.hits["l2"] += 1
+            enc = page.l2
+        return enc if layer is None else {n: (t if n == "bits" else t[layer]) for n, t in enc.items()}
+
+    def _promote(self, key: bytes, page: _Page) -> None:
+        t0 = time.perf_counter()
+        with open(page.l3, "rb") as fh:
+            blob = fh.read()
+        self.stats.disk_seconds += time.perf_counter() - t0
+        self.stats.page_faults += 1
+        self.stats.hits["l3"] += 1
+        self.stats.bytes_from_l3 += len(blob)
+        t0 = time.perf_counter()
+        k, v = codecs.decode(codecs.from_bytes(blob), torch.float32)
+        enc = codecs.encode(k, v, self.config.l2_codec)
+        self.stats.codec_seconds += time.perf_counter() - t0
+        page.l2 = {n: self._host(t) for n, t in enc.items()}
+        self._enforce_budgets(protect=key)
+
+    # ---- budgets --------------------------------------------------------------------------
+    def _enforce_budgets(self, protect: bytes | None = None) -> None:
+        in_l2 = [k for k, p in self.pages.items() if p.l2 is not None]
+        excess = len(in_l2) - self.l2_pages_max
+        if excess <= 0:
+            return
+        victims = sorted((k for k in in_l2 if k != protect), key=lambda k: self.pages[k].heat)
+        for key in victims[:excess]:
+            self._demote(key, self.pages[key])
+        for p in self.pages.values():
+            p.heat *= 0.5  # decay, so heat means "used lately"
+
+    def _demote(self, key: bytes, page: _Page) -> None:
+        if page.l3 is None and self.l3_enabled and self._l3_count() < self.l3_pages_max:
+            try:
+                t0 = time.perf_counter()
+                k, v = codecs.decode(page.l2, torch.float32)
+                blob = codecs.to_bytes(codecs.encode(k, v, self.config.l3_codec))
+                self.stats.codec_seconds += time.perf_counter() - t0
+                path = os.path.join(self.l3_dir, key.hex() + ".page")
+                t0 = time.perf_counter()
+                tmp = path + ".tmp"
+                with open(tmp, "wb") as fh:
+                    fh.write(blob)
+                os.replace(tmp, path)  # atomic: a crash never leaves a page that looks complete
+                self.stats.disk_seconds += time.perf_counter() - t0
+                self.stats.bytes_to_l3 += len(blob)
+                page.l3 = path
+            except OSError:
+                self.stats.disk_errors += 1
+        if page.l3 is not None:
+            page.l2 = None
+        elif page.refs == 0:
+            del self.pages[key]  # unreferenced and no room on disk: forget it (a later miss recomputes)
+        # else: referenced and L3 unavailable -> stays in L2 over budget; nothing a sequence needs is lost
+
+    def _l3_count(self) -> int:
+        return sum(1 for p in self.pages.values() if p.l3 is not None)
+
+    # ---- introspection --------------------------------------------------------------------
+    def tier_counts(self) -> dict:
+        with self.lock:
+            return {"l2_pages": sum(p.l2 is not None for p in self.pages.values()),
+                    "l3_pages": self._l3_count(), "pages": len(self.pages),
+                    "l2_bytes": sum(codecs.nbytes(p.l2) for p in self.pages.values() if p.l2 is not None)}
+
+    def stats_dict(self) -> dict:
+        s = self.stats
+        with self.lock:
+            return {**self.tier_counts(), "hits": dict(s.hits), "misses": s.misses, "page_faults": s.page_faults,
+                    "bytes_to_l2": s.bytes_to_l2, "bytes_to_l3": s.bytes_to_l3, "bytes_from_l3": s.bytes_from_l3,
+                    "pages_shared": s.pages_shared, "codec_seconds": s.codec_seconds,
+                    "disk_seconds": s.disk_seconds, "disk_errors": s.disk_errors}
+
+    def check_integrity(self) -> None:
+        with self.lock:
+            for key, p in self.pages.items():
+                assert p.refs >= 0, f"negative refcount on {key.hex()}"
+                assert p.l2 is not None or p.l3 is not None, f"page {key.hex()} is in no tier"
+                if p.l3 is not None:
+                    assert os.path.isfile(p.l3), f"L3 file of {key.hex()} is missing"
+                assert p.summary is not None and p.summary.dim() == 4
+
+    def close(self) -> None:
+        if self._own_dir:
+            shutil.rmtree(self.l3_dir, ignore_errors=True)
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass

@@ -1,0 +1,94 @@
+"""Codecs and the PageStore (L2 host RAM, L3 disk)."""
+
+import pytest
+import torch
+
+from flashguard import CacheConfig
+from flashguard.kv import codecs
+from flashguard.kv.store import PageStore, page_key
+
+
+def kv(seed=0, layers=2, heads=2, p=32, d=64):
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(layers, heads, p, d, generator=g) * 3 + torch.randn(1, 1, 1, d, generator=g) * 5  # outlier channels
+    v = torch.randn(layers, heads, p, d, generator=g)
+    return k, v
+
+
+@pytest.mark.parametrize("codec,tol", [("fp16", 1e-7), ("int8", 0.02), ("int4-zstd", 0.15)])
+def test_roundtrip_error_is_bounded(codec, tol):
+    k, v = kv()
+    k2, v2 = codecs.decode(codecs.encode(k, v, codec), torch.float32)
+    assert k2.shape == k.shape and v2.shape == v.shape
+    rel = lambda a, b: ((a - b).norm() / b.norm()).item()  # noqa: E731
+    assert rel(k2, k) < tol and rel(v2, v) < tol
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_lossless_bytes_roundtrip_keeps_dtype(dtype):
+    k, v = kv(2)
+    enc = codecs.encode(k.to(dtype), v.to(dtype), "fp16-zstd")
+    back = codecs.from_bytes(codecs.to_bytes(enc))
+    assert back["k"].dtype == dtype and torch.equal(back["k"], k.to(dtype)) and torch.equal(back["v"], v.to(dtype))
+
+
+def test_bytes_roundtrip_and_compression_ratio(capsys):
+    k, v = kv(1)
+    enc = codecs.encode(k, v, "int4-zstd")
+    blob = codecs.to_bytes(enc)
+    back = codecs.from_bytes(blob)
+    assert all(torch.equal(back[n], enc[n]) for n in enc)
+    fp16 = (k.numel() + v.numel()) * 2
+    with capsys.disabled():
+        print(f"\nL3 int4+zstd page: {len(blob)} bytes vs {fp16} fp16 ({fp16 / len(blob):.2f}x)")
+    assert fp16 / len(blob) > 3.0
+    with pytest.raises(ValueError):
+        codecs.from_bytes(b"nope" + blob[4:])
+
+
+def test_page_keys_chain_and_namespace():
+    a = page_key(b"root", [1, 2, 3], b"ns")
+    assert a == page_key(b"root", [1, 2, 3], b"ns")
+    assert a != page_key(b"root", [1, 2, 4], b"ns") and a != page_key(b"root", [1, 2, 3], b"other")
+    assert page_key(a, [4], b"ns") != page_key(b"root", [4], b"ns")
+
+
+def summary(k):
+    return torch.stack([k.amin(dim=2), k.amax(dim=2)], dim=2)
+
+
+def test_store_tiers_refcounts_and_integrity(tmp_path):
+    cfg = CacheConfig(page_size=32, l1_tokens=64, l2_tokens=64, l3_tokens=1 << 16, l3_dir=str(tmp_path))
+    store = PageStore(cfg)
+    keys = []
+    for i in range(5):
+        k, v = kv(i)
+        key = page_key(b"root", [i], b"ns")
+        store.put(key, k, v, summary(k))
+        keys.append(key)
+    counts = store.tier_counts()
+    assert counts["l2_pages"] == 2 and counts["l3_pages"] == 3
+    assert len(list(tmp_path.glob("*.page"))) == 3
+    store.check_integrity()
+    cold = next(key for key in keys if store.pages[key].l2 is None)
+    enc = store.get(cold, layer=1)
+    assert store.stats.page_faults == 1 and enc["kq"].shape[0] == 2  # one layer: [heads, ...]
+    k, v = kv(keys.index(cold))
+    k2, _ = codecs.decode(enc, torch.float32)
+    assert ((k2 - k[1]).norm() / k[1].norm()) < 0.05
+    store.put(keys[0], *kv(0), summary(kv(0)[0]))
+    assert store.pages[keys[0]].refs == 2 and store.stats.pages_shared == 1
+    store.check_integrity()
+
+
+def test_without_disk_referenced_pages_are_kept_and_unreferenced_dropped():
+    cfg = CacheConfig(page_size=32, l1_tokens=64, l2_tokens=64, l3_tokens=0)
+    store = PageStore(cfg)
+    k, v = kv()
+    store.put(b"a" * 16, k, v, summary(k))
+    store.release(b"a" * 16)                       # nobody holds it
+    for name in (b"b", b"c", b"d"):
+        store.put(name * 16, k, v, summary(k))     # held by their writer
+    assert b"a" * 16 not in store.pages            # the unreferenced page went first
+    assert all(n * 16 in store.pages for n in (b"b", b"c", b"d"))  # referenced pages stay, over budget
+    store.check_integrity()
