@@ -84,6 +84,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", nargs="+", default=["dynamic", "offloaded", "exact", "sparse"])
     ap.add_argument("--out", default=None)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--profile", default=None, help="write a torch.profiler table of 4 sparse decode steps here")
     args = ap.parse_args(argv)
 
     from transformers import DynamicCache, Qwen2ForCausalLM
@@ -131,12 +132,40 @@ def main(argv=None) -> int:
             if args.json:
                 with open(args.json, "w") as fh:
                     json.dump({"weights_gib": weights_gib, "rows": results}, fh, indent=1)
+    if args.profile:
+        profile_sparse(model, cfg, kv, kwarg, args.contexts[-1], args.chunk, args.profile)
     table = render(results, weights_gib)
     print(table)
     if args.out:
         with open(args.out, "w") as fh:
             fh.write(table)
     return 0
+
+
+def profile_sparse(model, cfg, kv, kwarg, ctx, chunk, path) -> None:
+    """Where a sparse decode step spends its time (CPU and CUDA), after a prefill of ``ctx`` tokens."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from flashguard import CacheConfig
+    from flashguard.kv.cache import TieredCache
+
+    cache = TieredCache(cfg, CacheConfig(**{**kv.__dict__, "policy": "sparse"})).attach(model)
+    ids = torch.randint(0, cfg.vocab_size, (1, ctx), device="cuda")
+    with torch.inference_mode():
+        for a in range(0, ctx, chunk):
+            cache.feed(ids[0, a:a + chunk].tolist())
+            model(input_ids=ids[:, a:a + chunk], **{kwarg: cache}, logits_to_keep=1)
+        tok = ids[:, -1:]
+        for _ in range(4):  # warm the hot set
+            cache.feed(tok[0].tolist())
+            tok = model(input_ids=tok, **{kwarg: cache}, logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(4):
+                cache.feed(tok[0].tolist())
+                tok = model(input_ids=tok, **{kwarg: cache}, logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
+            torch.cuda.synchronize()
+    with open(path, "w") as fh:
+        fh.write(prof.key_averages().table(sort_by="cpu_time_total", row_limit=30))
 
 
 def render(results, weights_gib) -> str:

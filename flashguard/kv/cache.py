@@ -50,7 +50,6 @@ class TieredLayer(CacheLayerMixin):
         self.win_k = self.win_v = None          # [kvh, length - win_start, D]
         self.win_start = 0
         self.summaries = None                   # [n_full_pages, kvh, 2, D] on device
-        self.heat = None                        # [n_full_pages] float on device
         self.hot: "OrderedDict[int, tuple[torch.Tensor, torch.Tensor]]" = OrderedDict()
         self.returned = None
         self.last_reach = 0                     # pages selected at the last sparse step that sit just behind L1
@@ -62,7 +61,7 @@ class TieredLayer(CacheLayerMixin):
         empty = key_states.new_zeros((kvh, 0, d))
         self.sink_k, self.sink_v, self.win_k, self.win_v = empty, empty, empty, empty
         self.summaries = key_states.new_zeros((0, kvh, 2, d))
-        self.heat = torch.zeros(0, device=self.device)
+        self.heat: list[float] = []             # per full page, on the host (no device syncs)
         self.win_start = self.owner.sink_tokens
         self.is_initialized = True
         self.owner._on_first_layer_init(key_states)
@@ -121,7 +120,7 @@ class TieredLayer(CacheLayerMixin):
             parts_v.append(self.win_v[:, a:end - self.win_start])
         return torch.cat(parts_k, dim=1), torch.cat(parts_v, dim=1)
 
-    def fetch(self, pages: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def fetch(self, pages: list[int], keep_hot: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Device K/V ``[kvh, len(pages) * page_size, D]`` of off-window pages (hot set, else the store).
 
         Pages missing from the hot set are stacked on the host, moved in one copy and decoded in one op.
@@ -142,7 +141,7 @@ class TieredLayer(CacheLayerMixin):
             if kv is None:
                 kv = self.hot[p]
                 self.hot.move_to_end(p)
-            elif self.owner.config.policy == "sparse":
+            elif keep_hot:
                 self.hot[p] = kv
             ks.append(kv[0])
             vs.append(kv[1])
@@ -152,7 +151,7 @@ class TieredLayer(CacheLayerMixin):
     def _trim_hot(self) -> None:
         cap = self.owner.hot_pages
         while len(self.hot) > cap:
-            coldest = min(self.hot, key=lambda p: float(self.heat[p]))
+            coldest = min(self.hot, key=lambda p: self.heat[p])
             del self.hot[coldest]
 
     # ---- attention -----------------------------------------------------------------------
@@ -167,18 +166,21 @@ class TieredLayer(CacheLayerMixin):
         # L1: sinks + window, causal for the current chunk
         l1_k = torch.cat([self.sink_k, self.win_k], dim=1)
         l1_v = torch.cat([self.sink_v, self.win_v], dim=1)
-        kpos = torch.cat([torch.arange(self.sink_k.shape[1], device=q.device),
-                          torch.arange(self.win_start, self.length, device=q.device)])
-        qpos = torch.arange(self.length - lq, self.length, device=q.device)
-        mask = kpos.unsqueeze(0) <= qpos.unsqueeze(1) if lq > 1 else None
+        mask = None
+        if lq > 1:
+            kpos = torch.cat([torch.arange(self.sink_k.shape[1], device=q.device),
+                              torch.arange(self.win_start, self.length, device=q.device)])
+            qpos = torch.arange(self.length - lq, self.length, device=q.device)
+            mask = kpos.unsqueeze(0) <= qpos.unsqueeze(1)
         parts.append(attention.partial_attention(qg, l1_k, l1_v, scale, mask))
         if last_page > first_page:
             pages = list(range(first_page, last_page))
-            if self.owner.config.policy == "sparse" and lq == 1:
+            sparse = self.owner.config.policy == "sparse" and lq == 1
+            if sparse:
                 pages = self._select(qg, pages)
             self.owner._count_reads(len(pages))
             for a in range(0, len(pages), FETCH_BLOCK_PAGES):
-                k, v = self.fetch(pages[a:a + FETCH_BLOCK_PAGES])
+                k, v = self.fetch(pages[a:a + FETCH_BLOCK_PAGES], keep_hot=sparse)
                 parts.append(attention.partial_attention(qg, k, v, scale))
         return attention.merge(parts).reshape(hq, lq, d)
 
@@ -188,8 +190,7 @@ class TieredLayer(CacheLayerMixin):
         if len(pages) <= budget:
             chosen = pages
         else:
-            idx = torch.tensor(pages, device=qg.device)
-            summ = self.summaries[idx].float()                         # [n, kvh, 2, D]
+            summ = self.summaries[pages[0]:pages[-1] + 1].float()    # pages is a contiguous range: [n, kvh, 2, D]
             qf = qg[:, :, 0].float()                                   # [kvh, g, D]
             bound = torch.einsum("hgd,nhd->hgn", qf.clamp(min=0), summ[:, :, 1]) + \
                 torch.einsum("hgd,nhd->hgn", qf.clamp(max=0), summ[:, :, 0])
@@ -197,8 +198,10 @@ class TieredLayer(CacheLayerMixin):
             top = per_head.topk(budget, dim=-1).indices.flatten().unique()
             chosen = sorted(pages[i] for i in top.tolist())
         if len(chosen):
-            self.heat *= 0.9
-            self.heat[torch.tensor(chosen, device=self.heat.device)] += 1.0
+            for p in self.hot:
+                self.heat[p] *= 0.9
+            for p in chosen:
+                self.heat[p] += 1.0
             reach_edge = (self.win_start // self.owner.page_size) - self.owner.adapt_pages
             self.last_reach = sum(1 for p in chosen if p >= reach_edge)
         return chosen
@@ -275,7 +278,7 @@ class TieredCache(Cache):
             s = torch.stack([k.amin(dim=1), k.amax(dim=1)], dim=1)   # [kvh, 2, D]
             summ.append(s)
             layer.summaries = torch.cat([layer.summaries, s.unsqueeze(0)])
-            layer.heat = torch.cat([layer.heat, layer.heat.new_zeros(1)])
+            layer.heat.append(0.0)
         self.store.put(key, torch.stack(ks), torch.stack(vs), torch.stack(summ))
         self.page_keys.append(key)
 
@@ -357,7 +360,7 @@ class TieredCache(Cache):
                 layer.win_k[:, :0], layer.win_v[:, :0])
             layer.length = length
             layer.summaries = summaries[:, li] if summaries is not None else layer.summaries[:0]
-            layer.heat = torch.zeros(n_pages, device=device)
+            layer.heat = [0.0] * n_pages
             layer.hot.clear()
         self.length = length
 
