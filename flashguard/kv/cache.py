@@ -65,6 +65,8 @@ class TieredLayer(CacheLayerMixin):
         self.win_start = self.owner.sink_tokens
         self.is_initialized = True
         self.owner._on_first_layer_init(key_states)
+        # the hot set must hold one sparse selection: budget pages for each KV head (their union)
+        self.owner.hot_pages = max(self.owner.hot_pages, kvh * (self.owner.config.budget_tokens // self.owner.page_size))
 
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:
