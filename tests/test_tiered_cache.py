@@ -135,3 +135,28 @@ def test_deepseek_shape_random_weights(text_ids):
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     assert cache.layers[0].win_k.shape == (2, cache.length - cache.layers[0].win_start, 128)
     cache.check_integrity()
+
+
+@pytest.mark.parametrize("filler_sentences", [60, 160])
+def test_passkey_grid_matches_dynamic_cache(engine, filler_sentences, capsys):
+    """Needle retrieval at three depths: wherever DynamicCache finds the key, the sparse tiered cache does too."""
+    from flashguard.engine.engine import Engine
+
+    tiered = Engine(EngineConfig(cache="tiered", kv=SPARSE), source=engine.source)
+    filler = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+    for depth in (0.1, 0.5, 0.9):
+        before = int(filler_sentences * depth)
+        text = (filler * before + "The pass key is 68213. Remember it. 68213 is the pass key. " +
+                filler * (filler_sentences - before) + "\nWhat is the pass key?")
+        ids = engine.encode_messages([{"role": "user", "content": text}])
+        params = SamplingParams(max_tokens=12)
+        engine.reset_session()
+        want = engine.generate(ids, params).text
+        tiered.reset_session()
+        got = tiered.generate(ids, params).text
+        with capsys.disabled():
+            print(f"\npasskey depth={depth} tokens={len(ids)}: dynamic={'68213' in want} tiered={'68213' in got}")
+        assert ("68213" in got) >= ("68213" in want), (depth, len(ids), want, got)
+        if "68213" in want:
+            assert got == want
+    assert len(tiered.store.pages) > 0 and tiered._cache.layers[0].win_start > SPARSE.sink_tokens
