@@ -56,3 +56,23 @@ def test_settings_errors_name_the_key():
         ModerationSettings.from_custom_data({"flashguard_moderation": {"treshold": 0.5}})
     with pytest.raises(ConfigError, match="threshold"):
         ModerationSettings.from_custom_data({"flashguard_moderation": {"threshold": 2}})
+
+
+def test_after_a_4k_token_conversation_moderation_prefills_only_the_suffix(engine):
+    import pydoc_data.topics as topics
+
+    from flashguard.rails.moderation import moderation_suffix
+
+    history = []
+    for key in sorted(topics.topics)[:24]:
+        history += [{"role": "user", "content": "Explain: " + topics.topics[key][:1200]},
+                    {"role": "assistant", "content": "It is a part of Python's language reference."}]
+    history.append({"role": "user", "content": "And what is a while loop?"})
+    prompt = engine.encode_messages(history)
+    assert len(prompt) >= 4000
+    reply = "A while loop repeats its body as long as its condition is true."
+    engine.teacher_force(prompt, engine.tokenizer(reply, add_special_tokens=False)["input_ids"], reply)
+    v = moderate(engine, reply, "And what is a while loop?")
+    suffix = moderation_suffix(engine, ModerationSettings().prompt)
+    assert v.path == "shared" and v.prefilled_tokens <= len(suffix) + 64
+    assert v.reused_tokens >= len(prompt)

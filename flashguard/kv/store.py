@@ -106,16 +106,22 @@ class PageStore:
         t = t.to("cpu", non_blocking=False).contiguous()
         return t.pin_memory() if self.pin else t
 
+    def _touch(self, key: bytes) -> _Page | None:
+        """The page, marked most recently used; None (and a miss) if unknown. Call with the lock held."""
+        page = self.pages.get(key)
+        if page is None:
+            self.stats.misses += 1
+            return None
+        self.pages.move_to_end(key)
+        return page
+
     def acquire(self, key: bytes) -> bool:
         """Take a reference to an existing page (prefix sharing); False if unknown."""
         with self.lock:
-            page = self.pages.get(key)
-            if page is None:
-                self.stats.misses += 1
-                return False
-            page.refs += 1
-            self.pages.move_to_end(key)
-            return True
+            page = self._touch(key)
+            if page is not None:
+                page.refs += 1
+            return page is not None
 
     def release(self, key: bytes) -> None:
         with self.lock:
@@ -130,12 +136,10 @@ class PageStore:
     def get(self, key: bytes, layer: int | None = None) -> dict | None:
         """Encoded tensors of a page (one layer, or all with ``layer=None``); promotes from L3."""
         with self.lock:
-            page = self.pages.get(key)
+            page = self._touch(key)
             if page is None:
-                self.stats.misses += 1
                 return None
             page.heat += 1.0
-            self.pages.move_to_end(key)
             if page.l2 is None:
                 self._promote(key, page)
             else:
