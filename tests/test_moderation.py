@@ -27,7 +27,7 @@ def test_shared_and_fresh_paths_agree_and_accuracy_is_reported(engine, capsys):
         assert shared.path == "shared"
         assert shared.prefilled_tokens <= len(shared_suffix(engine, settings)) + 1
         engine.reset_session()
-        fresh = moderate(engine, row["bot"], row["user"], settings)  # the turn is known, but nothing is cached
+        fresh = moderate(engine, row["bot"], row["user"], settings, use_memo=False)  # same ids, nothing cached
         assert fresh.reused_tokens == 0 and fresh.path == "shared"
         assert shared.allowed == fresh.allowed and abs(shared.p_unsafe - fresh.p_unsafe) < 1e-4
         correct += (not shared.allowed) == row["block"]
@@ -41,6 +41,16 @@ def shared_suffix(engine, settings):
     from flashguard.rails.moderation import moderation_suffix
 
     return moderation_suffix(engine, settings.prompt)
+
+
+def test_the_same_text_is_not_moderated_twice(engine):
+    prompt = engine.encode_messages([{"role": "user", "content": "Say something kind."}])
+    reply = "You are doing great today."
+    engine.teacher_force(prompt, engine.tokenizer(reply, add_special_tokens=False)["input_ids"], reply)
+    first = moderate(engine, reply, "Say something kind.")
+    calls = engine.stats.as_dict()["moderation"]["calls"]
+    assert moderate(engine, reply, "Say something kind.") is first
+    assert engine.stats.as_dict()["moderation"]["calls"] == calls
 
 
 def test_unknown_turn_falls_back_to_prefill_and_counts_it(engine):
