@@ -128,17 +128,18 @@ def moderate(engine, bot_message: str, user_message: Optional[str] = None,
     A verdict is remembered per (turn, text, settings): NeMo's streaming output rails check the final
     text again after the last chunk, and that second check costs nothing.
     """
-    turn = find_turn(engine, bot_message) if allow_shared else None
-    memo = engine.__dict__.setdefault("_moderation_memo", {})
-    key = (turn, bot_message.strip(), user_message if turn is None else None, settings)
-    if use_memo and allow_shared and key in memo:
-        return memo[key]
-    verdict = _moderate(engine, bot_message, user_message, settings, turn, allow_shared)
-    if allow_shared:
-        memo[key] = verdict
-        while len(memo) > _MEMO_SIZE:
-            memo.pop(next(iter(memo)))
-    return verdict
+    with engine.lock:  # the streaming chunk check and the final check can arrive together
+        turn = find_turn(engine, bot_message) if allow_shared else None
+        memo = engine.__dict__.setdefault("_moderation_memo", {})
+        key = (turn, bot_message.strip(), user_message if turn is None else None, settings)
+        if use_memo and allow_shared and key in memo:
+            return memo[key]
+        verdict = _moderate(engine, bot_message, user_message, settings, turn, allow_shared)
+        if allow_shared:
+            memo[key] = verdict
+            while len(memo) > _MEMO_SIZE:
+                memo.pop(next(iter(memo)))
+        return verdict
 
 
 def _moderate(engine, bot_message, user_message, settings, turn, allow_shared) -> Verdict:
