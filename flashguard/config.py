@@ -49,6 +49,7 @@ class CacheConfig:
     l2_codec       "int8" (per-channel keys, per-token values, as KIVI) or "fp16" (lossless).
     l3_codec       "int4-zstd", "int8-zstd" or "fp16-zstd" (lossless).
     isolation_salt mixed into every page key; pages never cross salts (tenants, configs).
+    l3_encrypt     seal L3 files with AES-256-GCM under a key held only in memory (else a BLAKE2b checksum).
     """
 
     page_size: int = 64
@@ -64,6 +65,7 @@ class CacheConfig:
     l2_codec: str = "int8"
     l3_codec: str = "int4-zstd"
     isolation_salt: str = ""
+    l3_encrypt: bool = True
 
     def __post_init__(self) -> None:
         _check_choice(self.policy, POLICIES, "kv.policy")

@@ -234,6 +234,28 @@ class Engine:
         return common
 
     def _forward(self, tokens: list[int]) -> torch.Tensor:
+        from ..kv.cache import PageLost
+
+        try:
+            return self._forward_once(tokens)
+        except PageLost as exc:
+            # A page failed verification (or could not be kept) and was dropped, never used: recompute the
+            # whole sequence; pages before the lost one are adopted again from the store.
+            ids = self.session_ids + list(tokens)
+            for _ in range(3):  # pages adopted during the recompute can be found bad too; each try drops them
+                log.warning("flashguard: %s; recomputing %d tokens by prefill", exc, len(ids))
+                self._cache, self.session_ids = None, []
+                try:
+                    reused = self._reuse_prefix(ids + [0])  # +[0]: adopt up to the whole of ids
+                    logits = None
+                    for a in range(reused, len(ids), self.config.prefill_chunk):
+                        logits = self._forward_once(ids[a:a + self.config.prefill_chunk])
+                    return logits
+                except PageLost as again:
+                    exc = again
+            raise exc
+
+    def _forward_once(self, tokens: list[int]) -> torch.Tensor:
         inp = torch.tensor([tokens], dtype=torch.long, device=self.device)
         if hasattr(self._cache, "feed"):
             self._cache.feed(tokens)

@@ -36,6 +36,12 @@ from .store import PageStore, namespace_for, page_key
 FETCH_BLOCK_PAGES = 64
 
 
+class PageLost(RuntimeError):
+    """A page this cache needs is gone from the store (it failed verification, or could not be kept).
+
+    The cache is no longer usable; the caller recomputes the sequence (the engine does so by prefill)."""
+
+
 class TieredLayer(CacheLayerMixin):
     is_sliding = False
     is_compileable = False
@@ -130,6 +136,8 @@ class TieredLayer(CacheLayerMixin):
         missing = [p for p in pages if p not in self.hot]
         if missing:
             encs = [self.owner.store.get(self.owner.page_keys[p], self.index) for p in missing]
+            if any(e is None for e in encs):
+                raise PageLost(f"layer {self.index}: a page of this sequence is gone from the store")
             batch = {n: torch.stack([e[n] for e in encs]) for n in encs[0] if n != "bits"}
             if "bits" in encs[0]:
                 batch["bits"] = encs[0]["bits"]
@@ -340,7 +348,10 @@ class TieredCache(Cache):
         win_start = max(self.sink_tokens, (max(0, length - self.window) // p) * p)
         decoded = {}
         for idx in list(range(min(n_pages, self.sink_tokens // p))) + list(range(win_start // p, -(-length // p))):
-            decoded[idx] = codecs.decode(self.store.get(self.page_keys[idx]), dtype, device)
+            enc = self.store.get(self.page_keys[idx])
+            if enc is None:
+                raise PageLost(f"page {idx} of this sequence is gone from the store")
+            decoded[idx] = codecs.decode(enc, dtype, device)
         summaries = torch.stack([self.store.summary(k) for k in self.page_keys]).to(device, dtype) if n_pages else None
         for li, layer in enumerate(self.layers):
             if not layer.is_initialized:

@@ -20,9 +20,7 @@ Contract:
 from __future__ import annotations
 
 import hashlib
-import os
-import shutil
-import tempfile
+import logging
 import threading
 import time
 from collections import OrderedDict
@@ -32,6 +30,9 @@ import torch
 
 from ..config import CacheConfig
 from . import codecs
+from .disk import L3Folder, PageCorrupt
+
+log = logging.getLogger("flashguard")
 
 
 def page_key(parent: bytes, token_ids, namespace: bytes) -> bytes:
@@ -67,7 +68,8 @@ class TierStats:
     pages_shared: int = 0         # puts that found the page already stored
     codec_seconds: float = 0.0
     disk_seconds: float = 0.0
-    disk_errors: int = 0
+    disk_errors: int = 0          # L3 writes that failed (missing, read-only or full folder)
+    corrupt_pages: int = 0        # L3 reads that failed verification: dropped, recomputed by the caller
 
 
 class PageStore:
@@ -77,11 +79,15 @@ class PageStore:
         self.pages: "OrderedDict[bytes, _Page]" = OrderedDict()  # LRU order: oldest first
         self.lock = threading.RLock()
         self.stats = TierStats()
-        self._own_dir = config.l3_dir is None
-        self.l3_dir = config.l3_dir or tempfile.mkdtemp(prefix="flashguard-l3-")
-        if not self._own_dir:
-            os.makedirs(self.l3_dir, exist_ok=True)
         self.l3_enabled = config.l3_tokens > 0
+        self.disk = None
+        if self.l3_enabled:
+            try:
+                self.disk = L3Folder(config.l3_dir, encrypt=config.l3_encrypt)
+            except OSError as exc:
+                self._disk_warning(f"cannot create the L3 folder {config.l3_dir!r}: {exc.strerror}")
+        self.l3_dir = self.disk.path if self.disk else None
+        self._warned: set = set()
         self.l2_pages_max = max(1, config.l2_tokens // config.page_size)
         self.l3_pages_max = config.l3_tokens // config.page_size
 
@@ -141,7 +147,15 @@ class PageStore:
                 return None
             page.heat += 1.0
             if page.l2 is None:
-                self._promote(key, page)
+                try:
+                    self._promote(key, page)
+                except PageCorrupt as exc:
+                    self.stats.corrupt_pages += 1
+                    self._warn_once("corrupt", f"flashguard: dropped an L3 page that failed verification ({exc}); "
+                                    "its tokens will be recomputed")
+                    self.disk.remove(page.l3)
+                    del self.pages[key]
+                    return None
             else:
                 self.stats.hits["l2"] += 1
             enc = page.l2
@@ -149,14 +163,16 @@ class PageStore:
 
     def _promote(self, key: bytes, page: _Page) -> None:
         t0 = time.perf_counter()
-        with open(page.l3, "rb") as fh:
-            blob = fh.read()
+        blob = self.disk.read(key, page.l3)
         self.stats.disk_seconds += time.perf_counter() - t0
         self.stats.page_faults += 1
         self.stats.hits["l3"] += 1
         self.stats.bytes_from_l3 += len(blob)
         t0 = time.perf_counter()
-        k, v = codecs.decode(codecs.from_bytes(blob), torch.float32)
+        try:
+            k, v = codecs.decode(codecs.from_bytes(blob), torch.float32)
+        except (ValueError, KeyError, RuntimeError) as exc:
+            raise PageCorrupt(f"undecodable page: {exc}") from exc
         enc = codecs.encode(k, v, self.config.l2_codec)
         self.stats.codec_seconds += time.perf_counter() - t0
         page.l2 = {n: self._host(t) for n, t in enc.items()}
@@ -175,28 +191,33 @@ class PageStore:
             p.heat *= 0.5  # decay, so heat means "used lately"
 
     def _demote(self, key: bytes, page: _Page) -> None:
-        if page.l3 is None and self.l3_enabled and self._l3_count() < self.l3_pages_max:
+        if page.l3 is None and self.disk is not None and self._l3_count() < self.l3_pages_max:
             try:
                 t0 = time.perf_counter()
                 k, v = codecs.decode(page.l2, torch.float32)
                 blob = codecs.to_bytes(codecs.encode(k, v, self.config.l3_codec))
                 self.stats.codec_seconds += time.perf_counter() - t0
-                path = os.path.join(self.l3_dir, key.hex() + ".page")
                 t0 = time.perf_counter()
-                tmp = path + ".tmp"
-                with open(tmp, "wb") as fh:
-                    fh.write(blob)
-                os.replace(tmp, path)  # atomic: a crash never leaves a page that looks complete
+                page.l3 = self.disk.write(key, blob)
                 self.stats.disk_seconds += time.perf_counter() - t0
                 self.stats.bytes_to_l3 += len(blob)
-                page.l3 = path
-            except OSError:
+            except OSError as exc:
                 self.stats.disk_errors += 1
+                self._disk_warning(f"cannot write to the L3 folder {self.l3_dir}: {exc.strerror or exc}")
         if page.l3 is not None:
             page.l2 = None
         elif page.refs == 0:
             del self.pages[key]  # unreferenced and no room on disk: forget it (a later miss recomputes)
         # else: referenced and L3 unavailable -> stays in L2 over budget; nothing a sequence needs is lost
+
+    def _disk_warning(self, text: str) -> None:
+        self._warn_once("disk", text + "; continuing with host RAM (L2) only")
+
+    def _warn_once(self, kind: str, text: str) -> None:
+        warned = self.__dict__.setdefault("_warned", set())
+        if kind not in warned:
+            warned.add(kind)
+            log.warning(text)
 
     def _l3_count(self) -> int:
         return sum(1 for p in self.pages.values() if p.l3 is not None)
@@ -214,7 +235,7 @@ class PageStore:
             return {**self.tier_counts(), "hits": dict(s.hits), "misses": s.misses, "page_faults": s.page_faults,
                     "bytes_to_l2": s.bytes_to_l2, "bytes_to_l3": s.bytes_to_l3, "bytes_from_l3": s.bytes_from_l3,
                     "pages_shared": s.pages_shared, "codec_seconds": s.codec_seconds,
-                    "disk_seconds": s.disk_seconds, "disk_errors": s.disk_errors}
+                    "disk_seconds": s.disk_seconds, "disk_errors": s.disk_errors, "corrupt_pages": s.corrupt_pages}
 
     def check_integrity(self) -> None:
         with self.lock:
@@ -222,12 +243,12 @@ class PageStore:
                 assert p.refs >= 0, f"negative refcount on {key.hex()}"
                 assert p.l2 is not None or p.l3 is not None, f"page {key.hex()} is in no tier"
                 if p.l3 is not None:
-                    assert os.path.isfile(p.l3), f"L3 file of {key.hex()} is missing"
+                    assert p.l3.startswith(self.l3_dir), f"L3 file of {key.hex()} is outside the L3 folder"
                 assert p.summary is not None and p.summary.dim() == 4
 
     def close(self) -> None:
-        if self._own_dir:
-            shutil.rmtree(self.l3_dir, ignore_errors=True)
+        if self.disk is not None:
+            self.disk.close()
 
     def __del__(self):
         try:

@@ -1,0 +1,131 @@
+"""The L3 tier on disk: private folder, sealed page files, atomic writes, verified reads.
+
+Contract:
+- ``L3Folder(path=None, encrypt=True)``: ``path=None`` makes a private folder in the user's temp folder
+  (``mkdtemp``: mode 0700 on POSIX; on Windows the per-user temp folder is already private). A given path is
+  created 0700. Folders flashguard made for processes that are no longer alive are removed at start (crash
+  leftovers), and the folder is removed on normal exit (``close``, ``atexit``).
+- ``write(key, payload)`` seals the payload: AES-256-GCM under a key that exists only in this process's memory
+  (``cryptography``), with the page key as associated data, so a file cannot be swapped for another page's file;
+  or, with ``encrypt=False``, a BLAKE2b checksum. Written to ``name.tmp`` then renamed: a crash mid-write never
+  leaves a file that looks complete. Files are created 0600.
+- ``read(key, path)`` returns the payload, or raises ``PageCorrupt`` for a missing, truncated, altered or
+  foreign file. Nothing unverified is ever returned.
+"""
+
+from __future__ import annotations
+
+import atexit
+import hashlib
+import os
+import shutil
+import tempfile
+
+PREFIX = "flashguard-l3-"
+_MAGIC_AEAD, _MAGIC_SUM = b"FGL3", b"FGL3C"
+
+
+class PageCorrupt(Exception):
+    """An L3 page failed verification (or is gone): drop it and recompute from its tokens."""
+
+
+class L3Folder:
+    def __init__(self, path: str | None = None, encrypt: bool = True):
+        self.encrypt = encrypt
+        self._aead = None
+        if encrypt:
+            from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+            self._aead = AESGCM(AESGCM.generate_key(bit_length=256))
+        remove_stale_folders()
+        self.owned = path is None
+        if path is None:
+            path = tempfile.mkdtemp(prefix=PREFIX)
+        else:
+            os.makedirs(path, mode=0o700, exist_ok=True)
+        self.path = path
+        with open(os.path.join(path, "owner.pid"), "w") as fh:
+            fh.write(str(os.getpid()))
+        atexit.register(self.close)
+
+    def file_for(self, key: bytes) -> str:
+        return os.path.join(self.path, key.hex() + ".page")
+
+    def write(self, key: bytes, payload: bytes) -> str:
+        if self._aead is not None:
+            nonce = os.urandom(12)
+            blob = _MAGIC_AEAD + nonce + self._aead.encrypt(nonce, payload, key)
+        else:
+            blob = _MAGIC_SUM + hashlib.blake2b(key + payload, digest_size=32).digest() + payload
+        path = self.file_for(key)
+        tmp = path + ".tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_BINARY", 0), 0o600)
+        try:
+            with os.fdopen(fd, "wb") as fh:
+                fh.write(blob)
+            os.replace(tmp, path)
+        except BaseException:
+            try:
+                os.remove(tmp)
+            except OSError:
+                pass
+            raise
+        return path
+
+    def read(self, key: bytes, path: str) -> bytes:
+        try:
+            with open(path, "rb") as fh:
+                blob = fh.read()
+        except OSError as exc:
+            raise PageCorrupt(f"cannot read {path}: {exc.strerror}") from exc
+        if self._aead is not None:
+            from cryptography.exceptions import InvalidTag
+
+            if not blob.startswith(_MAGIC_AEAD) or len(blob) < len(_MAGIC_AEAD) + 12 + 16:
+                raise PageCorrupt(f"{path} is not a sealed page")
+            nonce, sealed = blob[4:16], blob[16:]
+            try:
+                return self._aead.decrypt(nonce, sealed, key)
+            except InvalidTag:
+                raise PageCorrupt(f"{path} failed authentication (altered, truncated or foreign)") from None
+        if not blob.startswith(_MAGIC_SUM) or len(blob) < 5 + 32:
+            raise PageCorrupt(f"{path} is not a checksummed page")
+        digest, payload = blob[5:37], blob[37:]
+        if hashlib.blake2b(key + payload, digest_size=32).digest() != digest:
+            raise PageCorrupt(f"{path} failed its checksum")
+        return payload
+
+    def remove(self, path: str) -> None:
+        try:
+            os.remove(path)
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        if self.owned:
+            shutil.rmtree(self.path, ignore_errors=True)
+        else:
+            for name in os.listdir(self.path) if os.path.isdir(self.path) else []:
+                if name.endswith((".page", ".tmp")) or name == "owner.pid":
+                    self.remove(os.path.join(self.path, name))
+
+
+def remove_stale_folders() -> int:
+    """Remove L3 folders left by flashguard processes that died without cleaning up; returns how many."""
+    import psutil
+
+    removed = 0
+    base = tempfile.gettempdir()
+    for name in os.listdir(base):
+        if not name.startswith(PREFIX):
+            continue
+        folder = os.path.join(base, name)
+        try:
+            with open(os.path.join(folder, "owner.pid")) as fh:
+                pid = int(fh.read().strip() or 0)
+        except (OSError, ValueError):
+            continue
+        if pid != os.getpid() and not psutil.pid_exists(pid):
+            shutil.rmtree(folder, ignore_errors=True)
+            removed += 1
+    return removed
