@@ -3,6 +3,8 @@
 NeMo's ``/v1/chat/completions`` answers an empty message list with an empty 200 and accepts any
 body size. This ASGI middleware reads the body (at most ``max_body_bytes``), checks it, and answers
 bad input with a 4xx in NeMo's error envelope before NeMo sees it. Valid requests pass unchanged.
+At most ``max_in_flight`` chat requests are admitted at once (the engine serves one at a time, the
+rest wait on its lock); past that the answer is 429 with Retry-After, so memory stays bounded.
 """
 
 from __future__ import annotations
@@ -16,12 +18,14 @@ class RequestLimits:
     max_body_bytes: int = 4 * 2**20
     max_messages: int = 512
     max_tokens: int = 4096
+    max_in_flight: int = 64   # chat requests admitted at once (running + queued on the engine); more get 429
 
 
 class RequestBounds:
     def __init__(self, app, limits: RequestLimits = RequestLimits()):
         self.app = app
         self.limits = limits
+        self.in_flight = 0
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["method"] != "POST" or not scope["path"].endswith("/chat/completions"):
@@ -43,6 +47,9 @@ class RequestBounds:
         problem = self.check(raw)
         if problem:
             return await _reject(send, 400, problem)
+        if self.in_flight >= self.limits.max_in_flight:
+            return await _reject(send, 429, f"{self.in_flight} requests are already waiting for the model; "
+                                            "retry in a few seconds", retry_after=5)
         sent = False
 
         async def replay():
@@ -52,7 +59,11 @@ class RequestBounds:
             sent = True
             return {"type": "http.request", "body": raw, "more_body": False}
 
-        return await self.app(scope, replay, send)
+        self.in_flight += 1
+        try:
+            return await self.app(scope, replay, send)
+        finally:
+            self.in_flight -= 1
 
     def check(self, raw: bytes) -> str | None:
         try:
@@ -78,9 +89,11 @@ class RequestBounds:
         return None
 
 
-async def _reject(send, status: int, message: str) -> None:
+async def _reject(send, status: int, message: str, retry_after: int | None = None) -> None:
     kind = "invalid_request_error" if status < 500 else "server_error"
     payload = json.dumps({"error": {"message": message, "type": kind, "param": None, "code": None}}).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]})
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
+    if retry_after is not None:
+        headers.append((b"retry-after", str(retry_after).encode()))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": payload})
