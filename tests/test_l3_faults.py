@@ -64,16 +64,18 @@ def test_bit_flips_truncation_and_deletion_are_caught_and_recomputed(engine, cle
     e._cache.check_integrity()
 
 
-def test_a_full_disk_falls_back_to_host_ram(engine, clean, tmp_path, monkeypatch, caplog):
-    def full(self, key, payload):
-        raise OSError(errno.ENOSPC, "No space left on device")
+@pytest.mark.parametrize("code,text", [(errno.ENOSPC, "No space left on device"),
+                                       (errno.EROFS, "Read-only file system")])
+def test_a_full_or_read_only_disk_falls_back_to_host_ram(engine, clean, tmp_path, monkeypatch, caplog, code, text):
+    def failing(self, key, payload):  # what the OS answers for a full disk or a read-only mount
+        raise OSError(code, text)
 
-    monkeypatch.setattr(L3Folder, "write", full)
+    monkeypatch.setattr(L3Folder, "write", failing)
     e = Engine(EngineConfig(cache="tiered", kv=kv_config(tmp_path)), source=engine.source)
     with caplog.at_level("WARNING", logger="flashguard"):
         assert two_turns(e) == clean
     assert e.store.stats.disk_errors > 0 and e.store.tier_counts()["l3_pages"] == 0
-    assert sum("No space left on device" in r.getMessage() for r in caplog.records) == 1  # warned once
+    assert sum(text in r.getMessage() for r in caplog.records) == 1  # warned once
 
 
 def test_an_unusable_folder_falls_back_to_host_ram(engine, clean, tmp_path, caplog):
