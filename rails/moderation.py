@@ -133,7 +133,10 @@ def moderate(engine, bot_message: str, user_message: Optional[str] = None,
         memo = engine.__dict__.setdefault("_moderation_memo", {})
         key = (turn, bot_message.strip(), user_message if turn is None else None, settings)
         if use_memo and allow_shared and key in memo:
-            return memo[key]
+            v = memo[key]
+            log.info("flashguard moderation: %s (p_unsafe=%.3f, threshold=%.2f) remembered from the same turn's "
+                     "earlier check", "allow" if v.allowed else "BLOCK", v.p_unsafe, settings.threshold)
+            return v
         verdict = _moderate(engine, bot_message, user_message, settings, turn, allow_shared)
         if allow_shared:
             memo[key] = verdict

@@ -50,8 +50,8 @@ def test_llmrails_answers_and_runs_the_output_rail(rails, caplog):
     res = rails.generate(messages=[{"role": "user", "content": "What is the capital of France?"}])
     assert "Paris" in res["content"]
     assert any("flashguard moderation: allow" in r.getMessage() for r in caplog.records)
-    assert "flashguard moderate output" in rails.explain().colang_history or any(
-        "path=shared" in r.getMessage() for r in caplog.records)
+    # the rail used the turn's own pages (or a verdict it already had for this very turn)
+    assert any("path=shared" in r.getMessage() or "remembered" in r.getMessage() for r in caplog.records)
 
 
 def test_two_llmrails_load_the_weights_once(rails):
