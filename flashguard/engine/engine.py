@@ -246,7 +246,7 @@ class Engine:
                 log.warning("flashguard: %s; recomputing %d tokens by prefill", exc, len(ids))
                 self._cache, self.session_ids = None, []
                 try:
-                    reused = self._reuse_prefix(ids + [0])  # +[0]: adopt up to the whole of ids
+                    reused = self._adopt_all(ids)
                     logits = None
                     for a in range(reused, len(ids), self.config.prefill_chunk):
                         logits = self._forward_once(ids[a:a + self.config.prefill_chunk])
@@ -254,6 +254,10 @@ class Engine:
                 except PageLost as again:
                     exc = again
             raise exc
+
+    def _adopt_all(self, ids: list[int]) -> int:
+        """Start a new cache for ``ids`` and adopt as many of its stored pages as exist (all of ids may match)."""
+        return self._reuse_prefix(ids + [0])  # _reuse_prefix keeps one token to feed; the extra one is that token
 
     def _forward_once(self, tokens: list[int]) -> torch.Tensor:
         inp = torch.tensor([tokens], dtype=torch.long, device=self.device)

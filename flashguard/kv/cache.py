@@ -240,7 +240,6 @@ class TieredCache(Cache):
         self.token_ids: list[int] = []
         self.length = 0
         self.page_reads = 0
-        self.window_history: list[int] = []
         super().__init__(layers=[TieredLayer(self, i) for i in range(self.num_layers)])
 
     # ---- wiring ----------------------------------------------------------------------------
@@ -310,8 +309,6 @@ class TieredCache(Cache):
             self.window += self.page_size
         elif reach < 1 and self.window - self.page_size >= self.config.l1_tokens:
             self.window -= self.page_size
-        self.window_history.append(self.window)
-        del self.window_history[:-256]
 
     def _count_reads(self, n: int) -> None:
         self.page_reads += n
