@@ -87,6 +87,7 @@ class PageStore:
             except OSError as exc:
                 self._disk_warning(f"cannot create the L3 folder {config.l3_dir!r}: {exc.strerror}")
         self.l3_dir = self.disk.path if self.disk else None
+        self.l3_pages = 0  # pages with a file in L3 (kept, not recounted on every demotion)
         self._warned: set = set()
         self.l2_pages_max = max(1, config.l2_tokens // config.page_size)
         self.l3_pages_max = config.l3_tokens // config.page_size
@@ -154,6 +155,7 @@ class PageStore:
                     self._warn_once("corrupt", f"flashguard: dropped an L3 page that failed verification ({exc}); "
                                     "its tokens will be recomputed")
                     self.disk.remove(page.l3)
+                    self.l3_pages -= 1
                     del self.pages[key]
                     return None
             else:
@@ -191,7 +193,7 @@ class PageStore:
             p.heat *= 0.5  # decay, so heat means "used lately"
 
     def _demote(self, key: bytes, page: _Page) -> None:
-        if page.l3 is None and self.disk is not None and self._l3_count() < self.l3_pages_max:
+        if page.l3 is None and self.disk is not None and self.l3_pages < self.l3_pages_max:
             try:
                 t0 = time.perf_counter()
                 k, v = codecs.decode(page.l2, torch.float32)
@@ -199,6 +201,7 @@ class PageStore:
                 self.stats.codec_seconds += time.perf_counter() - t0
                 t0 = time.perf_counter()
                 page.l3 = self.disk.write(key, blob)
+                self.l3_pages += 1
                 self.stats.disk_seconds += time.perf_counter() - t0
                 self.stats.bytes_to_l3 += len(blob)
             except OSError as exc:
@@ -219,14 +222,12 @@ class PageStore:
             warned.add(kind)
             log.warning(text)
 
-    def _l3_count(self) -> int:
-        return sum(1 for p in self.pages.values() if p.l3 is not None)
 
     # ---- introspection --------------------------------------------------------------------
     def tier_counts(self) -> dict:
         with self.lock:
             return {"l2_pages": sum(p.l2 is not None for p in self.pages.values()),
-                    "l3_pages": self._l3_count(), "pages": len(self.pages),
+                    "l3_pages": self.l3_pages, "pages": len(self.pages),
                     "l2_bytes": sum(codecs.nbytes(p.l2) for p in self.pages.values() if p.l2 is not None)}
 
     def stats_dict(self) -> dict:
@@ -242,6 +243,8 @@ class PageStore:
             for key, p in self.pages.items():
                 assert p.refs >= 0, f"negative refcount on {key.hex()}"
                 assert p.l2 is not None or p.l3 is not None, f"page {key.hex()} is in no tier"
+            assert self.l3_pages == sum(p.l3 is not None for p in self.pages.values()), "L3 page count drifted"
+            for key, p in self.pages.items():
                 if p.l3 is not None:
                     assert p.l3.startswith(self.l3_dir), f"L3 file of {key.hex()} is outside the L3 folder"
                 assert p.summary is not None and p.summary.dim() == 4
