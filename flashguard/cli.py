@@ -3,6 +3,7 @@
     flashguard chat       [--config DIR]                 interactive, streaming, through the rails
     flashguard generate   "question" [--config DIR]      one guarded answer
     flashguard serve      [--config DIR] [--host 127.0.0.1] [--port 8000]
+    flashguard quantize   SRC DST [--group-size 64]       AWQ int4 checkpoint (gemm format) of a float model
 """
 
 from __future__ import annotations
@@ -118,6 +119,25 @@ def cmd_serve(args) -> int:
     return 0
 
 
+def cmd_quantize(args) -> int:
+    from .engine import loader
+    from .quant import awq_search
+
+    source = loader.resolve_model(None if args.src == "embedded" else args.src)
+    if Path(args.dst).exists() and not args.force:
+        raise SystemExit(f"flashguard: {args.dst!r} exists; choose another DST or pass --force to replace it")
+    folder = loader.materialize(source)
+    result = awq_search.quantize_folder(folder, args.dst, args.group_size, method=args.method, clip=not args.no_clip,
+                                        samples=args.samples, seqlen=args.seqlen, label=source.label)
+    print(f"flashguard: wrote {args.dst} ({args.method}, group size {args.group_size}, "
+          f"{result['calibration_tokens']} calibration tokens) in {result['seconds']:.0f} s")
+    if args.eval:
+        from .quant.awq_eval import compare
+
+        print(compare(folder, args.dst))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="flashguard", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -135,6 +155,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.set_defaults(func=cmd_serve)
+    p = sub.add_parser("quantize", help="AWQ int4 (gemm format) checkpoint of a float HF folder or GGUF file")
+    p.add_argument("src", help="HF model folder, .gguf file, or 'embedded' for the embedded SmolLM2")
+    p.add_argument("dst", help="output folder (written atomically)")
+    p.add_argument("--group-size", type=int, choices=(32, 64, 128), default=64)
+    p.add_argument("--method", choices=("awq", "rtn"), default="awq", help="rtn: plain round-to-nearest baseline")
+    p.add_argument("--no-clip", action="store_true", help="skip the per-group clipping search")
+    p.add_argument("--samples", type=int, default=32, help="calibration blocks (Python's pydoc topics)")
+    p.add_argument("--seqlen", type=int, default=512, help="tokens per calibration block")
+    p.add_argument("--eval", action="store_true", help="print held-out perplexity, float vs int4")
+    p.add_argument("--force", action="store_true", help="replace DST if it exists")
+    p.set_defaults(func=cmd_quantize)
     args = parser.parse_args(argv)
     _setup_logging(args.verbose)
     from .errors import FlashguardError

@@ -108,6 +108,9 @@ class EngineConfig:
     cache          "dynamic" (transformers DynamicCache) or "tiered" (flashguard.TieredCache).
     kv             CacheConfig for the tiered cache.
     vram_budget    bytes (or "4GiB") the engine may use on the GPU; None = no cap.
+    weights        "float" (as stored) or "int4": a float model is AWQ-quantized once (group size 64) and
+                   cached in the user cache folder; an AWQ checkpoint is always loaded in int4.
+    int4_kernel    "auto" (torch's int4 kernel for the device), "cuda", "cpu" or "dequant" (any device).
     system_prompt  system message used when the conversation has none; None = the template's default.
     """
 
@@ -124,6 +127,8 @@ class EngineConfig:
     cache: str = "dynamic"
     kv: CacheConfig = field(default_factory=CacheConfig)
     vram_budget: int | None = None
+    weights: str = "float"
+    int4_kernel: str = "auto"
     system_prompt: str | None = None
 
     def __post_init__(self) -> None:
@@ -131,6 +136,8 @@ class EngineConfig:
             object.__setattr__(self, "model_path", os.path.expanduser(str(self.model_path)))
         _check_choice(self.dtype, ("auto", "float32", "float16", "bfloat16"), "dtype")
         _check_choice(self.cache, ("dynamic", "tiered"), "cache")
+        _check_choice(self.weights, ("float", "int4"), "weights")
+        _check_choice(self.int4_kernel, ("auto", "cuda", "cpu", "dequant"), "int4_kernel")
         if not (self.device in ("auto", "cpu", "cuda") or str(self.device).startswith("cuda:")):
             raise ConfigError(f"must be auto, cpu, cuda or cuda:N, got {self.device!r}", key="device")
         if self.max_tokens <= 0:

@@ -65,7 +65,7 @@ class Engine:
         self.device = loader.resolve_device(config.device)
         self.dtype = loader.resolve_dtype(config.dtype, self.device)
         t0 = time.perf_counter()
-        self.model, self.tokenizer = loader.load(self.source, self.device, self.dtype)
+        self.model, self.tokenizer = loader.load(self.source, self.device, self.dtype, config.weights, config.int4_kernel)
         log.info("flashguard: loaded %s on %s (%s) in %.1fs", self.source.label, self.device,
                  str(self.dtype).replace("torch.", ""), time.perf_counter() - t0)
         self.lock = threading.RLock()

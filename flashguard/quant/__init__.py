@@ -1,0 +1,7 @@
+"""Int4 weights in the AWQ "gemm" checkpoint format.
+
+- ``awq_format``  pack/unpack the format (qweight/qzeros/scales) and round-to-nearest group quantization.
+- ``int4_linear`` ``Int4Linear``: an ``nn.Linear`` replacement on torch's own int4 kernels.
+- ``awq_load``    load any ``quant_method: awq`` checkpoint into a transformers model.
+- ``awq_search``  ``flashguard quantize``: the activation-aware scale search that writes such checkpoints.
+"""
