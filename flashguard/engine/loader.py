@@ -142,6 +142,20 @@ def _converted_folder(source: ModelSource) -> Path:
     return user_cache_dir() / "converted" / f"{Path(source.gguf_file).stem}-{digest}"
 
 
+def gguf_tokenizer(source: ModelSource):
+    """The GGUF's tokenizer with its own ids: built from the header for Qwen2-family BPE (DeepSeek-R1-Distill-Qwen,
+    whose control tokens transformers' conversion renumbers), else transformers' GGUF conversion."""
+    from transformers import AutoTokenizer
+
+    from . import gguf_header
+
+    path = os.path.join(source.folder, source.gguf_file)
+    header = gguf_header.read_header(path)
+    if gguf_header.uses_qwen2_bpe(header):
+        return gguf_header.tokenizer_from_header(header)
+    return AutoTokenizer.from_pretrained(source.folder, gguf_file=source.gguf_file)
+
+
 def materialize(source: ModelSource) -> str:
     """Return an HF folder for ``source``: the folder itself, or the cached conversion of its GGUF."""
     if source.gguf_file is None:
@@ -149,11 +163,11 @@ def materialize(source: ModelSource) -> str:
     target = _converted_folder(source)
     if (target / "flashguard-complete.json").is_file():
         return str(target)
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+    from transformers import AutoModelForCausalLM, GgufConfig
 
     log.info("flashguard: converting %s to safetensors once (kept in %s)", source.label, target)
     try:
-        tok = AutoTokenizer.from_pretrained(source.folder, gguf_file=source.gguf_file)
+        tok = gguf_tokenizer(source)
         model = AutoModelForCausalLM.from_pretrained(
             source.folder, gguf_file=source.gguf_file, dtype=torch.float32,
             quantization_config=GgufConfig(gguf_file=source.gguf_file, dequantize=True))

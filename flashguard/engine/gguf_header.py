@@ -1,0 +1,96 @@
+"""Reading a GGUF file's header (metadata only) and building its tokenizer with the original token ids.
+
+transformers' GGUF conversion of DeepSeek-R1-Distill-Qwen maps its control tokens wrongly (bos/eos get new ids,
+``<｜User｜>`` is not one token) and cannot read a file whose tensors are incomplete. The header alone holds
+everything a BPE tokenizer needs: the byte-level token strings in id order, their types (3 = control, 4 =
+user-defined, 5 = unused padding), the merges, the special ids, the pre-tokenizer name and the chat template.
+
+Contract: ``read_header(path)`` returns ``{key: value}`` (token arrays as lists) without reading tensor data;
+``tokenizer_from_header(header)`` returns a ``PreTrainedTokenizerFast`` whose ids equal the GGUF's for every token,
+for the GPT-2 style BPE vocabularies of the Qwen2 family (``tokenizer.ggml.pre`` in ``QWEN2_PRES``);
+``config_from_header(header)`` returns the transformers ``Qwen2Config`` of a ``qwen2`` GGUF.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+QWEN2_PRES = ("qwen2", "deepseek-r1-qwen")
+# The Qwen2 pre-tokenizer split (the one llama.cpp uses for both names above): contractions, letters with one
+# leading non-letter, single digits, punctuation runs, newlines, spaces.
+QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+               r"|\s+(?!\S)|\s+")
+CONTROL, USER_DEFINED = 3, 4
+
+
+def read_header(path: str) -> dict[str, Any]:
+    import gguf
+
+    class _HeaderOnly(gguf.GGUFReader):
+        def _build_tensor_info(self, offs, count):  # noqa: D401 - skip tensor metadata and data
+            return offs, []
+
+        def _build_tensors(self, start_offs, fields):
+            self.tensors = []
+
+    reader = _HeaderOnly(path)
+    out: dict[str, Any] = {}
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        value = field.contents()
+        out[key] = value
+    return out
+
+
+def uses_qwen2_bpe(header: dict) -> bool:
+    return header.get("tokenizer.ggml.model") == "gpt2" and header.get("tokenizer.ggml.pre") in QWEN2_PRES
+
+
+def tokenizer_from_header(header: dict):
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    if not uses_qwen2_bpe(header):
+        raise ValueError(f"tokenizer.ggml.pre is {header.get('tokenizer.ggml.pre')!r}; flashguard builds Qwen2-family "
+                         f"BPE tokenizers ({', '.join(QWEN2_PRES)}) from GGUF headers")
+    tokens: list[str] = header["tokenizer.ggml.tokens"]
+    types: list[int] = header["tokenizer.ggml.token_type"]
+    merges = [tuple(m.split(" ", 1)) for m in header["tokenizer.ggml.merges"]]
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    added = [AddedToken(t, special=(ty == CONTROL), normalized=False) for t, ty in zip(tokens, types)
+             if ty in (CONTROL, USER_DEFINED)]
+    tok.add_tokens(added)
+    for a in added:  # add_tokens keeps existing ids for tokens already in the vocabulary; check it did
+        if tok.token_to_id(a.content) != vocab[a.content]:
+            raise ValueError(f"token {a.content!r} would get id {tok.token_to_id(a.content)}, not {vocab[a.content]}")
+    special = lambda key: tokens[header[key]] if key in header else None  # noqa: E731
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token=special("tokenizer.ggml.bos_token_id"),
+        eos_token=special("tokenizer.ggml.eos_token_id"), pad_token=special("tokenizer.ggml.padding_token_id"),
+        chat_template=header.get("tokenizer.chat_template"),
+        add_bos_token=bool(header.get("tokenizer.ggml.add_bos_token", False)), clean_up_tokenization_spaces=False,
+        model_max_length=int(header.get("qwen2.context_length", 32768)))
+
+
+def config_from_header(header: dict):
+    from transformers import Qwen2Config
+
+    if header.get("general.architecture") != "qwen2":
+        raise ValueError(f"general.architecture is {header.get('general.architecture')!r}, not qwen2")
+    p = "qwen2."
+    return Qwen2Config(
+        vocab_size=len(header["tokenizer.ggml.tokens"]), hidden_size=int(header[p + "embedding_length"]),
+        intermediate_size=int(header[p + "feed_forward_length"]), num_hidden_layers=int(header[p + "block_count"]),
+        num_attention_heads=int(header[p + "attention.head_count"]),
+        num_key_value_heads=int(header[p + "attention.head_count_kv"]),
+        max_position_embeddings=int(header[p + "context_length"]),
+        rms_norm_eps=float(header[p + "attention.layer_norm_rms_epsilon"]),
+        rope_theta=float(header[p + "rope.freq_base"]), tie_word_embeddings=False,
+        bos_token_id=int(header["tokenizer.ggml.bos_token_id"]), eos_token_id=int(header["tokenizer.ggml.eos_token_id"]))

