@@ -39,3 +39,9 @@ class CacheCapacityError(FlashguardError):
     """The KV cache cannot hold the request within the configured budgets."""
 
     status_code = 413
+
+
+class GpuMemoryError(FlashguardError):
+    """The step does not fit the GPU memory budget even after shrinking the prefill chunk."""
+
+    status_code = 507

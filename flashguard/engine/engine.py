@@ -24,7 +24,7 @@ from typing import Iterator, Sequence
 import torch
 
 from ..config import EngineConfig
-from ..errors import PromptError
+from ..errors import GpuMemoryError, PromptError
 from . import loader
 from .sampling import SamplingParams, StopMatcher, choose
 from .stats import EngineStats
@@ -58,14 +58,27 @@ def cache_kwarg(model) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
+def apply_vram_budget(budget: int | None, device: torch.device) -> float | None:
+    """Cap this process's CUDA allocator at ``budget`` bytes (``vram_budget``); returns the fraction set."""
+    if budget is None or device.type != "cuda":
+        return None
+    total = torch.cuda.get_device_properties(device).total_memory
+    fraction = min(1.0, budget / total)
+    torch.cuda.set_per_process_memory_fraction(fraction, device)
+    log.info("flashguard: GPU allocator capped at %.2f GiB (vram_budget) of %.2f GiB", budget / 2**30, total / 2**30)
+    return fraction
+
+
 class Engine:
     def __init__(self, config: EngineConfig, source: loader.ModelSource | None = None):
         self.config = config
         self.source = source or loader.resolve_model(config.model_path, config.gguf_file)
         self.device = loader.resolve_device(config.device)
         self.dtype = loader.resolve_dtype(config.dtype, self.device)
+        self.budget_fraction = apply_vram_budget(config.vram_budget, self.device)
         t0 = time.perf_counter()
-        self.model, self.tokenizer = loader.load(self.source, self.device, self.dtype, config.weights, config.int4_kernel)
+        self.model, self.tokenizer = loader.load(self.source, self.device, self.dtype, config.weights,
+                                                 config.int4_kernel)
         log.info("flashguard: loaded %s on %s (%s) in %.1fs", self.source.label, self.device,
                  str(self.dtype).replace("torch.", ""), time.perf_counter() - t0)
         self.lock = threading.RLock()
@@ -77,6 +90,8 @@ class Engine:
         self._cache = None
         self.store = None  # the tiered cache's PageStore (cache: tiered)
         self.turns: list[Turn] = []  # recent generations, newest last (bounded)
+        self.prefill_chunk = config.prefill_chunk  # halves (for good) when a chunk does not fit the GPU budget
+        self.oom_retries = 0
 
     # ---- prompts -------------------------------------------------------------------------
     def encode_messages(self, messages: Sequence[dict]) -> list[int]:
@@ -209,9 +224,11 @@ class Engine:
         reused = self._reuse_prefix(ids)
         rest = ids[reused:]
         logits = None
-        chunk = self.config.prefill_chunk
-        for a in range(0, len(rest), chunk):
+        a = 0
+        while a < len(rest):
+            chunk = self.prefill_chunk  # may shrink inside _forward after an out-of-memory
             logits = self._forward(rest[a:a + chunk])
+            a += chunk
         return logits, reused
 
     def _reuse_prefix(self, ids: list[int]) -> int:
@@ -237,7 +254,7 @@ class Engine:
         from ..kv.cache import PageLost
 
         try:
-            return self._forward_once(tokens)
+            return self._forward_fitting(tokens)
         except PageLost as exc:
             # A page failed verification (or could not be kept) and was dropped, never used: recompute the
             # whole sequence; pages before the lost one are adopted again from the store.
@@ -248,8 +265,8 @@ class Engine:
                 try:
                     reused = self._adopt_all(ids)
                     logits = None
-                    for a in range(reused, len(ids), self.config.prefill_chunk):
-                        logits = self._forward_once(ids[a:a + self.config.prefill_chunk])
+                    for a in range(reused, len(ids), self.prefill_chunk):
+                        logits = self._forward_fitting(ids[a:a + self.prefill_chunk])
                     return logits
                 except PageLost as again:
                     exc = again
@@ -258,6 +275,61 @@ class Engine:
     def _adopt_all(self, ids: list[int]) -> int:
         """Start a new cache for ``ids`` and adopt as many of its stored pages as exist (all of ids may match)."""
         return self._reuse_prefix(ids + [0])  # _reuse_prefix keeps one token to feed; the extra one is that token
+
+    MIN_CHUNK = 16
+
+    def _forward_fitting(self, tokens: list[int]) -> torch.Tensor:
+        """``_forward_once``, but a CUDA out-of-memory is recovered: the cache is brought back to the tokens
+        before this call, the allocator's cached blocks are released, and the tokens run again in halves; the
+        engine keeps the smaller prefill chunk afterwards. Only a step that does not fit at ``MIN_CHUNK`` tokens
+        (or a single decode token) raises ``GpuMemoryError``, which says what to change."""
+        try:
+            return self._forward_once(tokens)
+        except torch.OutOfMemoryError as exc:
+            self.oom_retries += 1
+            self._undo_partial_step()
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            if len(tokens) <= self.MIN_CHUNK:
+                if len(tokens) == 1 and self.oom_retries % 2 == 1:  # one more try after releasing the cache
+                    return self._forward_fitting(tokens)
+                raise GpuMemoryError(
+                    f"out of GPU memory for a {len(tokens)}-token step"
+                    + (f" within vram_budget {self.config.vram_budget / 2**30:.2f} GiB" if self.config.vram_budget
+                       else "") + "; set models[main].parameters.weights: int4, cache: tiered with a smaller "
+                    "kv.l1_tokens / kv.l1_max_tokens, a smaller prefill_chunk, or a larger vram_budget "
+                    "(`flashguard plan` shows what fits)") from exc
+            half = len(tokens) // 2
+            self.prefill_chunk = max(self.MIN_CHUNK, min(self.prefill_chunk, half))
+            log.warning("flashguard: out of GPU memory on %d tokens; retrying in chunks of %d", len(tokens), half)
+            self._forward_fitting(tokens[:half])
+            return self._forward_fitting(tokens[half:])
+
+    def _undo_partial_step(self) -> None:
+        """After a failed forward some layers may hold the new tokens' KV: cut every layer back to the
+        tokens the engine recorded (a DynamicCache crops; a tiered cache, whose pages are keyed by content,
+        restarts from its stored pages and recomputes the rest)."""
+        if self._cache is None:
+            return
+        if hasattr(self._cache, "feed"):
+            before = list(self.session_ids)
+            if hasattr(self._cache, "reset"):
+                self._cache.reset()
+            self._cache, self.session_ids = None, []
+            reused = self._adopt_all(before) if before else 0
+            if self._cache is None:
+                self._cache = self._new_cache()
+            if before:
+                for a in range(reused, len(before), self.MIN_CHUNK):
+                    self._forward_once(before[a:a + self.MIN_CHUNK])
+        elif not self.session_ids:
+            self._cache = self._new_cache()
+        else:  # layers before the failing one hold extra tokens: cut each layer to the recorded length
+            keep = len(self.session_ids)
+            for layer in getattr(self._cache, "layers", []):
+                keys = getattr(layer, "keys", None)
+                if isinstance(keys, torch.Tensor) and keys.dim() == 4 and keys.shape[-2] > keep:
+                    layer.keys, layer.values = keys[..., :keep, :], layer.values[..., :keep, :]
 
     def _forward_once(self, tokens: list[int]) -> torch.Tensor:
         inp = torch.tensor([tokens], dtype=torch.long, device=self.device)

@@ -113,3 +113,20 @@ class Int4Linear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, group_size={self.group_size}, "
                 f"backend={self.backend}, bias={self.bias is not None}")
+
+
+@torch.no_grad()
+def quantize_linears_rtn(model: nn.Module, group_size: int = 128, backend: str = "auto",
+                         prefix: str = "model.layers.") -> int:
+    """Replace every ``nn.Linear`` under ``prefix`` by a round-to-nearest ``Int4Linear`` on its own device, one
+    layer at a time (peak extra memory: one float weight). Used for random-weight speed/memory benchmarks, where
+    an activation-aware search has nothing to find. Returns the number of layers replaced."""
+    names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n.startswith(prefix)]
+    for name in names:
+        old = model.get_submodule(name)
+        codes, zeros, scales = awq_format.quantize_rtn(old.weight.data, group_size)
+        new = Int4Linear.from_codes(codes, zeros, scales, group_size, old.bias, old.weight.device, backend)
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child, new)
+        del old
+    return len(names)
