@@ -38,6 +38,21 @@ def partial_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     return o, lse
 
 
+def merge_into(acc: tuple[torch.Tensor, torch.Tensor] | None,
+               part: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Running LSE merge of two partial results: memory stays one partial output however many segments."""
+    if acc is None:
+        return part
+    (o1, l1), (o2, l2) = acc, part
+    m = torch.maximum(l1, l2)
+    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+    w1, w2 = torch.exp(l1 - m), torch.exp(l2 - m)
+    total = w1 + w2
+    o = (w1.unsqueeze(-1) * o1 + w2.unsqueeze(-1) * o2) / total.clamp_min(1e-30).unsqueeze(-1)
+    lse = torch.where(total > 0, m + torch.log(total.clamp_min(1e-30)), torch.full_like(m, float("-inf")))
+    return o, lse
+
+
 def merge(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
     """LSE-merge partial outputs of disjoint key sets."""
     if len(parts) == 1:

@@ -172,7 +172,6 @@ class TieredLayer(CacheLayerMixin):
         qg = q.reshape(kvh, hq // kvh, lq, d)
         first_page = self.owner.sink_tokens // self.owner.page_size
         last_page = self.win_start // self.owner.page_size       # off-window pages: [first_page, last_page)
-        parts = []
         # L1: sinks + window, causal for the current chunk
         l1_k = torch.cat([self.sink_k, self.win_k], dim=1)
         l1_v = torch.cat([self.sink_v, self.win_v], dim=1)
@@ -182,7 +181,7 @@ class TieredLayer(CacheLayerMixin):
                               torch.arange(self.win_start, self.length, device=q.device)])
             qpos = torch.arange(self.length - lq, self.length, device=q.device)
             mask = kpos.unsqueeze(0) <= qpos.unsqueeze(1)
-        parts.append(attention.partial_attention(qg, l1_k, l1_v, scale, mask))
+        acc = attention.partial_attention(qg, l1_k, l1_v, scale, mask)
         if last_page > first_page:
             pages = list(range(first_page, last_page))
             sparse = self.owner.config.policy == "sparse" and lq == 1
@@ -191,8 +190,8 @@ class TieredLayer(CacheLayerMixin):
             self.owner._count_reads(len(pages))
             for a in range(0, len(pages), FETCH_BLOCK_PAGES):
                 k, v = self.fetch(pages[a:a + FETCH_BLOCK_PAGES], keep_hot=sparse)
-                parts.append(attention.partial_attention(qg, k, v, scale))
-        return attention.merge(parts).reshape(hq, lq, d)
+                acc = attention.merge_into(acc, attention.partial_attention(qg, k, v, scale))
+        return acc[0].reshape(hq, lq, d)
 
     def _select(self, qg: torch.Tensor, pages: list[int]) -> list[int]:
         """Quest: top pages per KV head by upper bound, union over heads, within the token budget."""
