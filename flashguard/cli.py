@@ -4,6 +4,9 @@
     flashguard generate   "question" [--config DIR]      one guarded answer
     flashguard serve      [--config DIR] [--host 127.0.0.1] [--port 8000]
     flashguard quantize   SRC DST [--group-size 64]       AWQ int4 checkpoint (gemm format) of a float model
+    flashguard plan       --model M --gpu-mem 4GiB --context 131072   will it fit, and what to change
+    flashguard smi        [--url URL] [--watch S] [--json]            GPU/host memory by category
+    flashguard stress     --context 131072 [--vram-budget 4GiB]       drive the tiered KV cache, measure it
 """
 
 from __future__ import annotations
@@ -138,6 +141,75 @@ def cmd_quantize(args) -> int:
     return 0
 
 
+def cmd_plan(args) -> int:
+    from .config import CacheConfig, parse_bytes
+    from .vram import plan as planner
+
+    shape = planner.resolve_shape(args.model)
+    kv = CacheConfig(l1_tokens=min(2048, args.l1_max_tokens), l1_max_tokens=args.l1_max_tokens)
+    gpu = parse_bytes(args.gpu_mem, key="--gpu-mem")
+    p = planner.plan(shape, gpu_mem=gpu, context=args.context, weights=args.weights, cache=args.cache,
+                     prefill_chunk=args.prefill_chunk, kv=kv)
+    if args.json:
+        print(json.dumps({"fits": p.fits, "gpu": p.parts, "host": p.host, "peak_reserved": p.peak_reserved,
+                          "total": p.total}, indent=1))
+        return 0 if p.fits else 1
+    print(p.table())
+    if not p.fits:
+        changes = planner.suggest(shape, gpu_mem=gpu, context=args.context, weights=args.weights, cache=args.cache,
+                                  prefill_chunk=args.prefill_chunk, kv=kv)
+        if "error" in changes:
+            print(changes["error"])
+        else:
+            print("set in models[main].parameters: " + ", ".join(f"{k}: {v}" for k, v in changes.items())
+                  + f", vram_budget: {args.gpu_mem}")
+    return 0 if p.fits else 1
+
+
+def cmd_smi(args) -> int:
+    import time
+    import urllib.request
+
+    from .vram.accounting import machine_memory, render
+
+    def snapshot() -> dict:
+        url = args.url.rstrip("/") + "/v1/flashguard/memory"
+        try:
+            with urllib.request.urlopen(url, timeout=1.0) as resp:
+                report = json.loads(resp.read())
+            report["source"] = url
+        except OSError:
+            report = {"source": "this machine (no flashguard server at " + args.url + ")"}
+        report.update(machine_memory())
+        return report
+
+    while True:
+        report = snapshot()
+        if args.json:
+            print(json.dumps(report, indent=1, default=str))
+        else:
+            from rich.console import Console
+
+            if args.watch:
+                print("\033[2J\033[H", end="")
+            Console().print(f"[bold]flashguard smi[/bold] ({report['source']})")
+            print(render(report))
+        if not args.watch:
+            return 0
+        time.sleep(args.watch)
+
+
+def cmd_stress(args) -> int:
+    from .vram import stress
+
+    result = stress.run(args)
+    print(stress.render(result))
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(result, fh, indent=1, default=str)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="flashguard", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -166,6 +238,27 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--eval", action="store_true", help="print held-out perplexity, float vs int4")
     p.add_argument("--force", action="store_true", help="replace DST if it exists")
     p.set_defaults(func=cmd_quantize)
+    p = sub.add_parser("plan", help="will a model, cache and context fit a GPU; what to change if not")
+    p.add_argument("--model", default="deepseek-r1-distill-qwen-1.5b",
+                   help="deepseek-r1-distill-qwen-1.5b, embedded, an HF folder or a .gguf file")
+    p.add_argument("--gpu-mem", default="4GiB")
+    p.add_argument("--context", type=int, default=131072)
+    p.add_argument("--weights", choices=("int4", "fp16"), default="int4")
+    p.add_argument("--cache", choices=("tiered", "dynamic"), default="tiered")
+    p.add_argument("--prefill-chunk", type=int, default=4096)
+    p.add_argument("--l1-max-tokens", type=int, default=4096)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_plan)
+    p = sub.add_parser("smi", help="GPU and host memory by category (of a running flashguard server if any)")
+    p.add_argument("--url", default="http://127.0.0.1:8000")
+    p.add_argument("--watch", type=float, default=0, help="refresh every S seconds")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_smi)
+    from .vram.stress import add_arguments
+
+    p = sub.add_parser("stress", help="drive the tiered KV cache at a context and measure it")
+    add_arguments(p)
+    p.set_defaults(func=cmd_stress)
     args = parser.parse_args(argv)
     _setup_logging(args.verbose)
     from .errors import FlashguardError

@@ -70,15 +70,21 @@ def apply_vram_budget(budget: int | None, device: torch.device) -> float | None:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, source: loader.ModelSource | None = None):
+    def __init__(self, config: EngineConfig, source: loader.ModelSource | None = None, *, model=None,
+                 tokenizer=None):
+        """Loads the model of ``config``; benchmarks pass an already built ``model`` and ``tokenizer``."""
         self.config = config
         self.source = source or loader.resolve_model(config.model_path, config.gguf_file)
         self.device = loader.resolve_device(config.device)
         self.dtype = loader.resolve_dtype(config.dtype, self.device)
         self.budget_fraction = apply_vram_budget(config.vram_budget, self.device)
         t0 = time.perf_counter()
-        self.model, self.tokenizer = loader.load(self.source, self.device, self.dtype, config.weights,
-                                                 config.int4_kernel)
+        if model is not None:
+            self.model, self.tokenizer = model, tokenizer
+            self.dtype = next(model.parameters()).dtype
+        else:
+            self.model, self.tokenizer = loader.load(self.source, self.device, self.dtype, config.weights,
+                                                     config.int4_kernel)
         log.info("flashguard: loaded %s on %s (%s) in %.1fs", self.source.label, self.device,
                  str(self.dtype).replace("torch.", ""), time.perf_counter() - t0)
         self.lock = threading.RLock()

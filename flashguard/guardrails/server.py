@@ -28,6 +28,8 @@ class RequestBounds:
         self.in_flight = 0
 
     async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["method"] == "GET" and scope["path"] in (MEMORY_PATH, METRICS_PATH):
+            return await _memory(scope["path"], send)
         if scope["type"] != "http" or scope["method"] != "POST" or not scope["path"].endswith("/chat/completions"):
             return await self.app(scope, receive, send)
         chunks, size = [], 0
@@ -97,3 +99,49 @@ async def _reject(send, status: int, message: str, retry_after: int | None = Non
         headers.append((b"retry-after", str(retry_after).encode()))
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": payload})
+
+
+MEMORY_PATH = "/v1/flashguard/memory"   # JSON: per-engine memory by category and the task counters
+METRICS_PATH = "/metrics"               # the same numbers in the Prometheus text format
+
+
+def memory_report() -> dict:
+    from .. import engine_stats
+    from ..engine.registry import all_engines
+    from ..vram.accounting import engine_memory
+
+    return {"engines": [engine_memory(e) for e in all_engines()], "stats": engine_stats()}
+
+
+def prometheus(report: dict) -> str:
+    lines = ["# HELP flashguard_memory_bytes Memory by engine, place and category.",
+             "# TYPE flashguard_memory_bytes gauge"]
+    for eng in report["engines"]:
+        model = eng["model"].replace('"', "'")
+        places = [("gpu", eng["gpu"] or {}), ("host", eng["host"])]
+        places.append(("cpu", {k[4:]: v for k, v in eng.items() if k.startswith("cpu_")}))
+        for place, values in places:
+            for cat, v in values.items():
+                if isinstance(v, (int, float)) and "pages" not in cat:
+                    lines.append(f'flashguard_memory_bytes{{model="{model}",place="{place}",category="{cat}"}} {v}')
+    lines += ["# HELP flashguard_tokens_total Tokens by task and kind.", "# TYPE flashguard_tokens_total counter"]
+    for model, tasks in report["stats"].items():
+        model = model.replace('"', "'")
+        for task, counters in tasks.items():
+            for kind, v in (counters.items() if isinstance(counters, dict) else []):
+                if isinstance(v, (int, float)) and "tokens" in kind:
+                    lines.append(f'flashguard_tokens_total{{model="{model}",task="{task}",kind="{kind}"}} {v}')
+    return "\n".join(lines) + "\n"
+
+
+async def _memory(path: str, send) -> None:
+    import asyncio
+
+    report = await asyncio.to_thread(memory_report)
+    if path == METRICS_PATH:
+        body, ctype = prometheus(report).encode(), b"text/plain; version=0.0.4"
+    else:
+        body, ctype = json.dumps(report).encode(), b"application/json"
+    await send({"type": "http.response.start", "status": 200,
+                "headers": [(b"content-type", ctype), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})

@@ -18,12 +18,25 @@ import torch
 NAME = "tiered_kv"  # must not contain "flash": transformers treats such names as flash-attn kernels
 
 
+Q_TILE = 512  # queries per score matrix: bounds prefill memory to heads x Q_TILE x segment, whatever the chunk
+
+
 def partial_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                       mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """q ``[kvh, g, Lq, D]``, k/v ``[kvh, N, D]``, mask ``[Lq, N]`` bool (True = visible).
 
-    Returns ``(o [kvh, g, Lq, D], lse [kvh, g, Lq])`` in float32 (float64 for a float64 model).
+    Returns ``(o [kvh, g, Lq, D], lse [kvh, g, Lq])`` in float32 (float64 for a float64 model). Long query
+    blocks (chunked prefill) run in tiles of ``Q_TILE`` rows, so the fp32 scores never exceed one tile.
     """
+    lq = q.shape[2]
+    if lq > Q_TILE:
+        outs = [_partial(q[:, :, a:a + Q_TILE], k, v, scale, None if mask is None else mask[a:a + Q_TILE])
+                for a in range(0, lq, Q_TILE)]
+        return torch.cat([o for o, _ in outs], dim=2), torch.cat([lse for _, lse in outs], dim=2)
+    return _partial(q, k, v, scale, mask)
+
+
+def _partial(q, k, v, scale, mask):
     acc = torch.promote_types(q.dtype, torch.float32)  # fp32 statistics for fp16/bf16, float64 stays float64
     s = torch.einsum("hgqd,hnd->hgqn", q, k).to(acc) * scale
     if mask is not None:

@@ -1,0 +1,194 @@
+"""``flashguard plan``: will this model, cache and context fit this GPU, and if not, which keys to change.
+
+All numbers are computed from the model shape and the flashguard config, the way the engine allocates:
+
+- weights      embeddings and lm_head in 16-bit; decoder linears in 16-bit or int4 (codes K*N/2 bytes plus a
+               bf16 scale and zero per group and output column); norms and biases in 16-bit.
+- kv           dynamic: every token, K and V, every layer, 16-bit. tiered: sinks + the largest adaptive window +
+               one chunk, the per-page Quest key summaries (min and max), and one fetch block of pages.
+- activations  the largest of the chunked prefill (tiered attention materialises fp32 scores for a chunk
+               against one segment: the window or a 64-page fetch block; dynamic SDPA materialises the chunk's
+               boolean mask against the whole cache) and the MLP of one chunk.
+- slack        the caching allocator's reserved-but-unallocated share (estimated as a fixed fraction).
+- context      the CUDA context and kernels, outside torch's allocator (not capped by vram_budget).
+
+Contract: ``plan(shape, ...)`` returns a frozen ``Plan``; ``Plan.table()`` renders it; ``suggest(...)`` returns the
+config changes (YAML keys) that make a plan fit, or an empty dict when it already fits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+FETCH_BLOCK_TOKENS = 64 * 64
+SLACK = 0.08           # reserved - allocated, measured 5-10% on the H200 runs
+CUDA_CONTEXT = 400 * 2**20
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    tied: bool
+    qkv_bias: bool
+
+    @classmethod
+    def from_config(cls, config, name: str = "") -> "Shape":
+        c = config.get_text_config() if hasattr(config, "get_text_config") else config
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        return cls(name or getattr(c, "_name_or_path", "") or c.model_type, c.hidden_size, c.num_hidden_layers,
+                   c.num_attention_heads, c.num_key_value_heads or c.num_attention_heads, head_dim,
+                   c.intermediate_size, c.vocab_size, bool(getattr(c, "tie_word_embeddings", False)),
+                   c.model_type == "qwen2")
+
+
+@dataclass(frozen=True)
+class Plan:
+    shape: Shape
+    gpu_mem: int
+    context: int
+    weights_kind: str
+    cache: str
+    prefill_chunk: int
+    parts: dict  # category -> bytes on the GPU
+    host: dict   # category -> bytes in RAM / on disk
+
+    @property
+    def peak_reserved(self) -> int:
+        return sum(v for k, v in self.parts.items() if k != "cuda context")
+
+    @property
+    def total(self) -> int:
+        return sum(self.parts.values())
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.gpu_mem
+
+    def table(self) -> str:
+        g = 2**30
+        lines = [f"plan: {self.shape.name}, {self.weights_kind} weights, cache {self.cache}, context {self.context}, "
+                 f"prefill_chunk {self.prefill_chunk}, GPU {self.gpu_mem / g:.2f} GiB", "",
+                 "| GPU category | GiB |", "|---|---|"]
+        lines += [f"| {k} | {v / g:.3f} |" for k, v in self.parts.items()]
+        lines += [f"| **peak reserved (torch)** | **{self.peak_reserved / g:.3f}** |",
+                  f"| **total with CUDA context** | **{self.total / g:.3f}** |", "", "| host category | GiB |",
+                  "|---|---|"]
+        lines += [f"| {k} | {v / g:.3f} |" for k, v in self.host.items()]
+        lines += ["", "fits" if self.fits else f"does NOT fit: {(self.total - self.gpu_mem) / g:.2f} GiB over"]
+        return "\n".join(lines) + "\n"
+
+
+def weight_bytes(s: Shape, kind: str, group: int = 128) -> dict:
+    kvd = s.kv_heads * s.head_dim
+    linear = s.layers * (s.hidden * (s.heads * s.head_dim + 2 * kvd) + s.heads * s.head_dim * s.hidden
+                         + 3 * s.hidden * s.intermediate)
+    small = s.layers * (2 * s.hidden + ((s.heads * s.head_dim + 2 * kvd) if s.qkv_bias else 0)) + s.hidden
+    emb = s.vocab * s.hidden * (1 if s.tied else 2)
+    if kind == "int4":
+        lin_bytes = linear // 2 + (linear // group) * 2 * 2
+    else:
+        lin_bytes = linear * 2
+    return {"embeddings + lm_head": emb * 2, "decoder linears": lin_bytes, "norms + biases": small * 2}
+
+
+def plan(shape: Shape, *, gpu_mem: int, context: int, weights: str = "int4", cache: str = "tiered",
+         prefill_chunk: int = 512, kv=None, group: int = 128, cuda_context: int = CUDA_CONTEXT) -> Plan:
+    from ..config import CacheConfig
+
+    kv = kv or CacheConfig()
+    s = shape
+    kvd = s.kv_heads * s.head_dim
+    per_token_kv = s.layers * 2 * kvd * 2
+    w = weight_bytes(s, weights, group)
+    parts = {"weights": sum(w.values())}
+    chunk = min(prefill_chunk, context)
+    if cache == "dynamic":
+        parts["kv cache"] = context * per_token_kv
+        attn = chunk * context  # bool mask of the chunk against the cache (SDPA path)
+        l2 = l3 = 0
+    else:
+        pages = context // kv.page_size
+        window = min(context, kv.sink_tokens + kv.l1_max_tokens + chunk + kv.page_size)
+        summaries = pages * s.layers * s.kv_heads * 2 * s.head_dim * 2
+        fetch = min(FETCH_BLOCK_TOKENS, context) * 2 * kvd * 2 * 2  # the fetched block and its decode buffer
+        parts["kv cache"] = window * per_token_kv + summaries + fetch
+        segment = max(min(FETCH_BLOCK_TOKENS, context), window)
+        attn = s.heads * min(chunk, 512) * segment * (4 + 4 + 2 + 1)   # one query tile: fp32 scores, exp, probs, mask
+        off = max(0, context - window)
+        l2 = min(off, kv.l2_tokens) * s.layers * 2 * kvd * (1 if kv.l2_codec == "int8" else 2)
+        l3 = max(0, off - kv.l2_tokens) * s.layers * 2 * kvd // 2 if kv.l3_tokens else 0
+    mlp = chunk * s.intermediate * 2 * 3 + chunk * s.hidden * 2 * 6 + chunk * (s.heads + 2 * s.kv_heads) * s.head_dim * 4
+    logits = s.vocab * 4 * 2
+    parts["activations"] = max(attn, 0) + mlp + logits
+    parts["allocator slack"] = int(SLACK * sum(parts.values()))
+    parts["cuda context"] = cuda_context
+    host = {"L2 (host RAM)": l2, "L3 (disk, before zstd)": l3}
+    return Plan(s, gpu_mem, context, weights, cache, prefill_chunk, parts, host)
+
+
+def suggest(shape: Shape, *, gpu_mem: int, context: int, weights: str, cache: str, prefill_chunk: int, kv=None,
+            group: int = 128) -> dict:
+    """The smallest set of YAML changes, tried in order of cost to quality/speed, that makes the plan fit."""
+    from ..config import CacheConfig
+
+    kv = kv or CacheConfig()
+    state = {"weights": weights, "cache": cache, "prefill_chunk": prefill_chunk, "kv": kv}
+    changes: dict = {}
+
+    def fits() -> bool:
+        return plan(shape, gpu_mem=gpu_mem, context=context, weights=state["weights"], cache=state["cache"],
+                    prefill_chunk=state["prefill_chunk"], kv=state["kv"], group=group).fits
+
+    steps = [("weights", "int4"), ("cache", "tiered")]
+    steps += [("prefill_chunk", c) for c in (1024, 512, 256, 128) if c < prefill_chunk]
+    steps += [("kv.l1_max_tokens", t) for t in (4096, 2048, 1024) if t < kv.l1_max_tokens]
+    for key, value in steps:
+        if fits():
+            return changes
+        if key.startswith("kv."):
+            field = key[3:]
+            state["kv"] = dataclasses.replace(state["kv"], **{field: value,
+                                                              "l1_tokens": min(state["kv"].l1_tokens, value)})
+        elif state[key] == value:
+            continue
+        else:
+            state[key] = value
+        changes[key] = value
+    return changes if fits() else {"error": "does not fit even with int4 weights, the tiered cache, a 128-token "
+                                            "prefill chunk and a 1024-token window; use a smaller model"}
+
+
+NAMED_SHAPES = ("deepseek-r1-distill-qwen-1.5b", "embedded")
+
+
+def resolve_shape(model: str) -> Shape:
+    """A named shape, an HF folder, a .gguf file (header only), or ``embedded``."""
+    import os
+
+    if model == "deepseek-r1-distill-qwen-1.5b":
+        from ..bench.kv import deepseek_1_5b_config
+
+        return Shape.from_config(deepseek_1_5b_config(), model)
+    if model == "embedded":
+        from transformers import AutoConfig
+
+        from ..engine import loader
+
+        return Shape.from_config(AutoConfig.from_pretrained(loader.materialize(loader.resolve_model(None))),
+                                 "SmolLM2-135M-Instruct")
+    if os.path.isfile(model) and model.lower().endswith(".gguf") or os.path.isfile(model):
+        from ..engine import gguf_header
+
+        return Shape.from_config(gguf_header.config_from_header(gguf_header.read_header(model)),
+                                 os.path.basename(model))
+    from transformers import AutoConfig
+
+    return Shape.from_config(AutoConfig.from_pretrained(model), os.path.basename(model.rstrip("/\\")))
