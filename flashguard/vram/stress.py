@@ -71,6 +71,8 @@ def run(args) -> dict:
                           ("cpu" if args.device == "auto" else args.device))
     cuda = device.type == "cuda"
     budget = parse_bytes(args.vram_budget) if args.vram_budget else None
+    if cuda and budget:
+        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # before CUDA starts
     apply_vram_budget(budget, device)
     model = build_model(args.model, args.weights, device)
     model.requires_grad_(False)
