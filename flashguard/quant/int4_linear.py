@@ -117,15 +117,18 @@ class Int4Linear(nn.Module):
 
 @torch.no_grad()
 def quantize_linears_rtn(model: nn.Module, group_size: int = 128, backend: str = "auto",
-                         prefix: str = "model.layers.") -> int:
+                         prefix: str = "model.layers.", device: torch.device | None = None) -> int:
     """Replace every ``nn.Linear`` under ``prefix`` by a round-to-nearest ``Int4Linear`` on its own device, one
-    layer at a time (peak extra memory: one float weight). Used for random-weight speed/memory benchmarks, where
+    layer at a time (peak extra memory: one float weight). With ``device``, a model built in host RAM is
+    quantized onto that device layer by layer, so the float model never has to fit it. Used for random-weight speed/memory benchmarks, where
     an activation-aware search has nothing to find. Returns the number of layers replaced."""
     names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n.startswith(prefix)]
     for name in names:
         old = model.get_submodule(name)
-        codes, zeros, scales = awq_format.quantize_rtn(old.weight.data, group_size)
-        new = Int4Linear.from_codes(codes, zeros, scales, group_size, old.bias, old.weight.device, backend)
+        target = device or old.weight.device
+        codes, zeros, scales = awq_format.quantize_rtn(old.weight.data.to(target), group_size)
+        bias = None if old.bias is None else old.bias.data.to(target)
+        new = Int4Linear.from_codes(codes, zeros, scales, group_size, bias, target, backend)
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent), child, new)
         del old

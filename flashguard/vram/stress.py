@@ -42,10 +42,13 @@ def build_model(name: str, weights: str, device: torch.device):
 
         torch.manual_seed(0)
         dtype = torch.bfloat16 if (weights == "int4" or device.type == "cpu") else torch.float16
-        with torch.device(device):
+        if weights == "int4":  # build in host RAM, quantize onto the device: the float model never fits 4 GB
             model = Qwen2ForCausalLM(deepseek_1_5b_config()).to(dtype).eval()
-        if weights == "int4":
-            quantize_linears_rtn(model, 128)
+            quantize_linears_rtn(model, 128, device=device)
+            model.to(device)
+        else:
+            with torch.device(device):
+                model = Qwen2ForCausalLM(deepseek_1_5b_config()).to(dtype).eval()
         if device.type == "cuda":
             torch.cuda.empty_cache()
         return model
