@@ -58,6 +58,9 @@ def cache_kwarg(model) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
+OUT_OF_MEMORY = getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError  # torch < 2.5: cuda's
+
+
 def apply_vram_budget(budget: int | None, device: torch.device) -> float | None:
     """Cap this process's CUDA allocator at ``budget`` bytes (``vram_budget``); returns the fraction set."""
     if budget is None or device.type != "cuda":
@@ -300,7 +303,7 @@ class Engine:
         (or a single decode token) raises ``GpuMemoryError``, which says what to change."""
         try:
             return self._forward_once(tokens)
-        except torch.OutOfMemoryError as exc:
+        except OUT_OF_MEMORY as exc:
             self.oom_retries += 1
             self._undo_partial_step()
             if self.device.type == "cuda":
