@@ -20,6 +20,8 @@ async def flashguard_moderate_output(llm=None, config=None, context: Optional[di
                                      bot_message: Optional[str] = None, user_message: Optional[str] = None,
                                      **kwargs) -> RailOutcome:
     engine = getattr(llm, "engine", None)
+    if engine is None:  # NeMo's langchain framework wraps the model: ChatFlashguard is its raw_llm
+        engine = getattr(getattr(llm, "raw_llm", None), "engine", None)
     if engine is None:
         raise RuntimeError("flashguard_moderate_output needs the main model to use `engine: flashguard` "
                            "(models[main].engine in config.yml)")

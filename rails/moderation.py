@@ -88,7 +88,15 @@ class ModerationSettings:
 
 
 def moderation_suffix(engine, question: str) -> list[int]:
-    """Token ids that close the assistant turn and ask ``question`` as the next user turn."""
+    """Token ids that close the assistant turn and ask ``question`` as the next user turn (memoised per engine:
+    rendering the chat template costs milliseconds, more than the shared-page forward at short contexts)."""
+    memo = engine.__dict__.setdefault("_moderation_suffix", {})
+    if question not in memo:
+        memo[question] = _render_suffix(engine, question)
+    return list(memo[question])
+
+
+def _render_suffix(engine, question: str) -> list[int]:
     tok = engine.tokenizer
     marker = "\x00FLASHGUARD-REPLY\x00"
     msgs = [{"role": "user", "content": "u"}, {"role": "assistant", "content": marker},
@@ -99,8 +107,12 @@ def moderation_suffix(engine, question: str) -> list[int]:
 
 
 def answer_ids(engine, word: str) -> list[int]:
-    """First token ids of ``word`` in its usual spellings (" No", "no", ...)."""
-    return sorted({engine.tokenizer(w, add_special_tokens=False)["input_ids"][0] for w in _VARIANTS(word.strip())})
+    """First token ids of ``word`` in its usual spellings (" No", "no", ...), memoised per engine."""
+    memo = engine.__dict__.setdefault("_moderation_answers", {})
+    if word not in memo:
+        memo[word] = sorted({engine.tokenizer(w, add_special_tokens=False)["input_ids"][0]
+                             for w in _VARIANTS(word.strip())})
+    return list(memo[word])
 
 
 def find_turn(engine, bot_message: str):

@@ -104,6 +104,7 @@ class Engine:
         self.context_length = self._context_length()
         self.eos_ids = self._eos_ids()
         self._cache_kwarg = cache_kwarg(self.model)
+        self._use_causal_sdpa()
         self.session_ids: list[int] = []
         self._cache = None
         self.store = None  # the tiered cache's PageStore (cache: tiered)
@@ -223,6 +224,16 @@ class Engine:
                 "shorten the conversation or raise models[main].parameters.max_context "
                 "(up to the model's own limit)")
         return ids
+
+    def _use_causal_sdpa(self) -> None:
+        """Plain causal models run flashguard's attention function even with a DynamicCache: SDPA with a
+        lower-right causal bias instead of a materialised mask (prefill chunks after the first, the
+        moderation suffix)."""
+        from ..kv import attention
+
+        if attention.plain_causal(self.model.config):
+            attention.register()
+            self.model.set_attn_implementation(attention.NAME)
 
     def _new_cache(self):
         from transformers import DynamicCache

@@ -162,6 +162,15 @@ async def iterate_in_thread(make_iter) -> AsyncIterator:
 
 def register() -> None:
     """Register ``engine: flashguard`` with NeMo Guardrails (idempotent)."""
+    from nemoguardrails.llm.frameworks.registry import get_default_framework
     from nemoguardrails.llm.providers import register_provider
 
-    register_provider(PROVIDER_NAME, FlashGuardModel)
+    if get_default_framework() == "langchain":  # NEMOGUARDRAILS_LLM_FRAMEWORK=langchain: a LangChain chat model
+        try:
+            from .langchain_chat import ChatFlashguard
+        except ImportError as exc:
+            raise ImportError("NeMo's langchain framework mode needs `pip install flashguard[langchain]` "
+                              "(langchain-community)") from exc
+        register_provider(PROVIDER_NAME, ChatFlashguard)
+    else:
+        register_provider(PROVIDER_NAME, FlashGuardModel)

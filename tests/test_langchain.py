@@ -1,0 +1,78 @@
+"""``ChatFlashguard`` (langchain-core 1.x BaseChatModel): invoke, stream, a chain, bad parameters, and NeMo
+Guardrails' ``langchain`` framework mode with the moderation rail, all on the embedded model."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import FLASH, ROOT
+
+langchain_core = pytest.importorskip("langchain_core")
+
+
+@pytest.fixture(scope="module")
+def llm(engine):
+    from flashguard.guardrails.langchain_chat import ChatFlashguard
+
+    model = ChatFlashguard(max_tokens=24)
+    assert model.engine is engine  # same parameters -> the process's one engine
+    return model
+
+
+def test_invoke_and_stream_agree(llm):
+    from langchain_core.messages import HumanMessage, SystemMessage
+
+    msgs = [SystemMessage("You are a helpful assistant."), HumanMessage("What is the capital of France?")]
+    reply = llm.invoke(msgs)
+    assert "Paris" in reply.content
+    assert reply.usage_metadata["output_tokens"] > 0 and reply.usage_metadata["input_tokens"] > 10
+    chunks = list(llm.stream(msgs))
+    assert len(chunks) > 1
+    assert "".join(c.content for c in chunks) == reply.content  # greedy: streaming is the same text
+
+
+def test_in_a_chain(llm):
+    from langchain_core.output_parsers import StrOutputParser
+    from langchain_core.prompts import ChatPromptTemplate
+
+    chain = ChatPromptTemplate.from_messages([("human", "What is the capital of {country}?")]) | llm | \
+        StrOutputParser()
+    assert "Paris" in chain.invoke({"country": "France"})
+
+
+def test_bad_parameter_names_the_key():
+    from flashguard.guardrails.langchain_chat import ChatFlashguard
+
+    # pydantic wraps flashguard's ConfigError (a ValueError) in its ValidationError (also a ValueError)
+    with pytest.raises(ValueError, match=r"models\[main\]\.parameters\.kv\.policy: must be one of exact"):
+        ChatFlashguard(kv={"policy": "everything"})
+    with pytest.raises(ValueError, match="unknown key 'temprature'"):
+        ChatFlashguard(temprature=0.5)
+
+
+SCRIPT = r"""
+import logging, sys
+logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+from nemoguardrails.llm.frameworks.registry import set_default_framework
+set_default_framework("langchain")
+from nemoguardrails import LLMRails, RailsConfig
+rails = LLMRails(RailsConfig.from_path(sys.argv[1]))
+from nemoguardrails.integrations.langchain.llm_adapter import LangChainLLMAdapter
+assert isinstance(rails.llm, LangChainLLMAdapter), type(rails.llm)
+print(type(rails.llm.raw_llm).__name__)
+res = rails.generate(messages=[{"role": "user", "content": "What is the capital of France?"}])
+print(res["content"])
+"""
+
+
+def test_nemo_langchain_framework_mode_runs_the_rail():
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    out = subprocess.run([sys.executable, "-c", SCRIPT, str(FLASH)], capture_output=True, text=True, env=env,
+                         timeout=600, cwd=str(ROOT))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "ChatFlashguard" in out.stdout and "Paris" in out.stdout
+    assert "flashguard moderation: allow" in out.stderr  # the output rail ran on the same engine
