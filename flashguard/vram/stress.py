@@ -97,6 +97,8 @@ def run(args) -> dict:
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
+        if args.memory_history:
+            torch.cuda.memory._record_memory_history(max_entries=500000)
     t0 = time.perf_counter()
     with torch.inference_mode():
         logits = None
@@ -121,6 +123,12 @@ def run(args) -> dict:
             sync()
             lat.append(time.perf_counter() - t)
         decode_s = time.perf_counter() - t_dec
+    if cuda and args.memory_history:
+        import pickle
+
+        with open(args.memory_history, "wb") as fh:
+            pickle.dump(torch.cuda.memory._snapshot(), fh)
+        torch.cuda.memory._record_memory_history(enabled=None)
     result = {"model": args.model, "weights": args.weights, "cache": args.cache, "policy": args.policy,
               "l2_codec": args.l2_codec, "context": args.context, "steps": args.steps, "device": str(device),
               "prefill_chunk": args.prefill_chunk, "vram_budget": budget, "prefill_s": prefill_s,
@@ -210,3 +218,5 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vram-budget", default=None, help="e.g. 4GiB: caps the CUDA allocator, as vram_budget does")
     p.add_argument("--device", default="auto")
     p.add_argument("--json", default=None)
+    p.add_argument("--memory-history", default=None,
+                   help="write torch's CUDA allocation history (a pickle for torch.cuda.memory viewers) here")
