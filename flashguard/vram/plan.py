@@ -116,11 +116,14 @@ def plan(shape: Shape, *, gpu_mem: int, context: int, weights: str = "int4", cac
         l2 = l3 = 0
     else:
         pages = context // kv.page_size
+        # resident: sinks + the largest adaptive window + one chunk; a prefill chunk attends to the window as
+        # it is while prefilling (l1_tokens: the window grows only with how far back decode queries reach)
         window = min(context, kv.sink_tokens + kv.l1_max_tokens + chunk + kv.page_size)
+        prefill_window = min(context, kv.sink_tokens + kv.l1_tokens + chunk)
         summaries = pages * s.layers * s.kv_heads * 2 * s.head_dim * 2
         fetch = min(FETCH_BLOCK_TOKENS, context) * 2 * kvd * 2 * 2  # the fetched block and its decode buffer
         parts["kv cache"] = window * per_token_kv + summaries + fetch
-        segment = max(min(FETCH_BLOCK_TOKENS, context), window)
+        segment = max(min(FETCH_BLOCK_TOKENS, context), prefill_window)
         # one query tile against one segment: the 16-bit einsum result while it is copied to fp32, the fp32
         # scores (scaled, masked, exp'd in place), the 16-bit probabilities, the bool mask
         attn = s.heads * min(chunk, 512) * segment * (2 + 4 + 2 + 1)
