@@ -124,9 +124,11 @@ def plan(shape: Shape, *, gpu_mem: int, context: int, weights: str = "int4", cac
         fetch = min(FETCH_BLOCK_TOKENS, context) * 2 * kvd * 2 * 2  # the fetched block and its decode buffer
         parts["kv cache"] = window * per_token_kv + summaries + fetch
         segment = max(min(FETCH_BLOCK_TOKENS, context), prefill_window)
-        # one query tile against one segment: the 16-bit einsum result while it is copied to fp32, the fp32
-        # scores (scaled, masked, exp'd in place), the 16-bit probabilities, the bool mask
-        attn = s.heads * min(chunk, 512) * segment * (2 + 4 + 2 + 1)
+        # one query tile against one segment: fp32 scores (scaled, masked, exp'd in place) plus, at either end,
+        # one 16-bit copy (the einsum result being widened, or the probabilities for the second einsum); the
+        # bool mask is per query and key, shared by the heads
+        tile = min(chunk, 512)
+        attn = s.heads * tile * segment * (4 + 2) + tile * segment
         off = max(0, context - window)
         l2 = min(off, kv.l2_tokens) * s.layers * 2 * kvd * (1 if kv.l2_codec == "int8" else 2)
         l3 = max(0, off - kv.l2_tokens) * s.layers * 2 * kvd // 2 if kv.l3_tokens else 0
