@@ -75,3 +75,20 @@ def test_smi_without_a_gpu_or_server():
     assert report["gpus"] == [] and report["host"]["total"] > 0
     text = _cli("smi", "--url", "http://127.0.0.1:9").stdout
     assert "no GPU visible" in text and "host RAM" in text
+
+
+def test_fit_to_budget_shrinks_chunk_and_window_then_names_keys():
+    s = deepseek()
+    kv = CacheConfig(page_size=64, l1_tokens=4096, l1_max_tokens=8192, sink_tokens=64)
+    budget = int(1.9 * 2**30)
+    assert not planner.plan(s, gpu_mem=budget + planner.CUDA_CONTEXT, context=131072, weights="int4",
+                            cache="tiered", prefill_chunk=4096, kv=kv).fits
+    new_kv, chunk, notes = planner.fit_to_budget(s, budget=budget, context=131072, weights="int4", cache="tiered",
+                                                 prefill_chunk=4096, kv=kv)
+    assert chunk < 4096 or new_kv.l1_max_tokens < 8192
+    assert planner.plan(s, gpu_mem=budget + planner.CUDA_CONTEXT, context=131072, weights="int4", cache="tiered",
+                        prefill_chunk=chunk, kv=new_kv).fits
+    assert notes and not any("still exceeds" in n for n in notes)
+    _, _, notes = planner.fit_to_budget(s, budget=4 << 30, context=131072, weights="fp16", cache="dynamic",
+                                        prefill_chunk=4096, kv=kv)
+    assert "set weights: int4, cache: tiered" in notes[-1]

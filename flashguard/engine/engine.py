@@ -110,7 +110,10 @@ class Engine:
         self.store = None  # the tiered cache's PageStore (cache: tiered)
         self.turns: list[Turn] = []  # recent generations, newest last (bounded)
         self.prefill_chunk = config.prefill_chunk  # halves (for good) when a chunk does not fit the GPU budget
+        self.kv = config.kv                        # the tiered cache's settings, fitted to vram_budget below
         self.oom_retries = 0
+        if self.budget_fraction is not None:
+            self._fit_to_budget()
 
     # ---- prompts -------------------------------------------------------------------------
     def encode_messages(self, messages: Sequence[dict]) -> list[int]:
@@ -225,6 +228,19 @@ class Engine:
                 "(up to the model's own limit)")
         return ids
 
+    def _fit_to_budget(self) -> None:
+        """Size the prefill chunk and the tiered window from the plan for the full context within vram_budget."""
+        from ..quant.int4_linear import Int4Linear
+        from ..vram import plan as planner
+
+        weights = "int4" if any(isinstance(m, Int4Linear) for m in self.model.modules()) else "fp16"
+        shape = planner.Shape.from_config(self.model.config, self.source.label)
+        self.kv, self.prefill_chunk, notes = planner.fit_to_budget(
+            shape, budget=self.config.vram_budget, context=self.context_length, weights=weights,
+            cache=self.config.cache, prefill_chunk=self.prefill_chunk, kv=self.kv)
+        for note in notes:
+            log.warning("flashguard: vram_budget %.2f GiB: %s", self.config.vram_budget / 2**30, note)
+
     def _use_causal_sdpa(self) -> None:
         """Plain causal models run flashguard's attention function even with a DynamicCache: SDPA with a
         lower-right causal bias instead of a materialised mask (prefill chunks after the first, the
@@ -243,8 +259,8 @@ class Engine:
             from ..kv.store import PageStore
 
             if self.store is None:  # one store per engine: sessions share pages by content hash
-                self.store = PageStore(self.config.kv, pin_memory=self.device.type == "cuda")
-            return TieredCache(self.model.config, self.config.kv, store=self.store,
+                self.store = PageStore(self.kv, pin_memory=self.device.type == "cuda")
+            return TieredCache(self.model.config, self.kv, store=self.store,
                                model_id=self.source.identity).attach(self.model)
         return DynamicCache(config=self.model.config)
 

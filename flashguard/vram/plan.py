@@ -199,3 +199,33 @@ def resolve_shape(model: str) -> Shape:
     from transformers import AutoConfig
 
     return Shape.from_config(AutoConfig.from_pretrained(model), os.path.basename(model.rstrip("/\\")))
+
+
+def fit_to_budget(shape: Shape, *, budget: int, context: int, weights: str, cache: str, prefill_chunk: int,
+                  kv, cuda_context: int = CUDA_CONTEXT) -> tuple:
+    """What the engine does with ``vram_budget`` at start: the prefill chunk and tiered window (the two things it
+    can still change once the weights are loaded) shrunk until the plan for ``context`` fits ``budget`` (the
+    allocator cap, so the CUDA context is not counted). Returns ``(kv, prefill_chunk, notes)``; ``notes`` lists
+    what changed and, when even that does not fit, the keys to change in config.yml."""
+    notes: list[str] = []
+
+    def fits(k, c) -> bool:
+        return plan(shape, gpu_mem=budget + cuda_context, context=context, weights=weights, cache=cache,
+                    prefill_chunk=c, kv=k, cuda_context=cuda_context).fits
+
+    chunk = prefill_chunk
+    while not fits(kv, chunk) and chunk > 256:
+        chunk //= 2
+    if chunk != prefill_chunk:
+        notes.append(f"prefill_chunk {prefill_chunk} -> {chunk}")
+    if cache == "tiered":
+        while not fits(kv, chunk) and kv.l1_max_tokens > max(kv.page_size, 1024):
+            smaller = max(kv.page_size, kv.l1_max_tokens // 2)
+            kv = dataclasses.replace(kv, l1_max_tokens=smaller, l1_tokens=min(kv.l1_tokens, smaller))
+            notes.append(f"kv.l1_max_tokens -> {smaller}")
+    if not fits(kv, chunk):
+        hint = "weights: int4" if weights != "int4" else ""
+        hint += (", " if hint else "") + ("cache: tiered" if cache != "tiered" else "a smaller model or context")
+        notes.append(f"the plan for {context} tokens still exceeds vram_budget; set {hint} "
+                     "(`flashguard plan` shows the categories)")
+    return kv, chunk, notes
