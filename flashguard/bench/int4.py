@@ -18,16 +18,9 @@ import time
 
 import torch
 
-from .kv import deepseek_1_5b_config
-
-
-def weight_bytes(model) -> int:
-    seen, total = set(), 0
-    for t in list(model.parameters()) + list(model.buffers()):
-        if t.data_ptr() not in seen and t.device.type == "cuda":
-            seen.add(t.data_ptr())
-            total += t.numel() * t.element_size()
-    return total
+from ..vram.accounting import model_bytes
+from ..vram.plan import deepseek_1_5b_config
+from . import emit
 
 
 def decode_speed(model, ctx: int, steps: int, chunk: int, vocab: int) -> dict:
@@ -130,7 +123,7 @@ def main(argv=None) -> int:
             quantize_linears_rtn(model, args.group_size)
             gc.collect()
             torch.cuda.empty_cache()
-        row = {"weights": name, "weight_gib": weight_bytes(model) / 2**30}
+        row = {"weights": name, "weight_gib": model_bytes(model) / 2**30}
         for ctx in args.contexts:
             speed = decode_speed(model, ctx, args.steps, args.chunk, cfg.vocab_size)
             row[f"decode_tok_s_{ctx}"] = speed["decode_tok_s"]
@@ -138,14 +131,7 @@ def main(argv=None) -> int:
         result["rows"].append(row)
         print(json.dumps(row), flush=True)
         del model
-    table = render(result, args.contexts)
-    print(table)
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(result, fh, indent=1)
-    if args.out:
-        with open(args.out, "w") as fh:
-            fh.write(table)
+    emit(render(result, args.contexts), result, args.out, args.json)
     return 0
 
 

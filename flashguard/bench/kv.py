@@ -17,24 +17,9 @@ import time
 
 import torch
 
-
-def deepseek_1_5b_config(vocab: int = 151936):
-    from transformers import Qwen2Config
-
-    return Qwen2Config(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
-                       num_key_value_heads=2, head_dim=128, vocab_size=vocab, max_position_embeddings=131072 + 4096,
-                       rope_theta=10000.0, tie_word_embeddings=False)
-
-
-def kv_bytes_on_gpu(cache) -> int:
-    if hasattr(cache, "l1_bytes"):
-        return cache.l1_bytes()
-    total = 0
-    for layer in getattr(cache, "layers", []):
-        for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
-            if isinstance(t, torch.Tensor) and t.is_cuda:
-                total += t.numel() * t.element_size()
-    return total
+from ..vram.accounting import cache_device_bytes
+from ..vram.plan import deepseek_1_5b_config
+from . import emit
 
 
 def run_row(model, make_cache, ids, chunk, steps, kwarg):
@@ -66,7 +51,7 @@ def run_row(model, make_cache, ids, chunk, steps, kwarg):
     row = {"prefill_s": prefill, "decode_tok_s": steps / decode if steps else 0.0,
            "peak_alloc_gib": (torch.cuda.max_memory_allocated() - base_alloc) / 2**30,
            "peak_reserved_gib": (torch.cuda.max_memory_reserved() - base_res) / 2**30,
-           "gpu_kv_mib": kv_bytes_on_gpu(cache) / 2**20}
+           "gpu_kv_mib": cache_device_bytes(cache) / 2**20}
     if hasattr(cache, "stats"):
         st = cache.stats()
         row["pages"] = st["pages"]
@@ -134,11 +119,7 @@ def main(argv=None) -> int:
                     json.dump({"weights_gib": weights_gib, "rows": results}, fh, indent=1)
     if args.profile:
         profile_sparse(model, cfg, kv, kwarg, args.contexts[-1], args.chunk, args.profile)
-    table = render(results, weights_gib)
-    print(table)
-    if args.out:
-        with open(args.out, "w") as fh:
-            fh.write(table)
+    emit(render(results, weights_gib), {"weights_gib": weights_gib, "rows": results}, args.out, args.json)
     return 0
 
 

@@ -69,7 +69,8 @@ def main(argv=None) -> int:
 
     from transformers import AutoTokenizer, Qwen2ForCausalLM
 
-    from flashguard.bench.kv import deepseek_1_5b_config
+    from flashguard.bench import emit
+    from flashguard.vram.plan import deepseek_1_5b_config
     from flashguard.config import EngineConfig
     from flashguard.engine.engine import Engine
     from flashguard.engine.loader import ModelSource
@@ -120,14 +121,7 @@ def main(argv=None) -> int:
                 fh.write(prof.key_averages().table(sort_by="cpu_time_total", row_limit=25))
         engine.reset_session()
     rows = rows[1:]
-    table = render(rows)
-    print(table)
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(rows, fh, indent=1)
-    if args.out:
-        with open(args.out, "w") as fh:
-            fh.write(table)
+    emit(render(rows), rows, args.out, args.json)
     return 0
 
 

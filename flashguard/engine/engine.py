@@ -323,7 +323,7 @@ class Engine:
 
     MIN_CHUNK = 16
 
-    def _forward_fitting(self, tokens: list[int]) -> torch.Tensor:
+    def _forward_fitting(self, tokens: list[int], retried: bool = False) -> torch.Tensor:
         """``_forward_once``, but a CUDA out-of-memory is recovered: the cache is brought back to the tokens
         before this call, the allocator's cached blocks are released, and the tokens run again in halves; the
         engine keeps the smaller prefill chunk afterwards. Only a step that does not fit at ``MIN_CHUNK`` tokens
@@ -336,8 +336,8 @@ class Engine:
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
             if len(tokens) <= self.MIN_CHUNK:
-                if len(tokens) == 1 and self.oom_retries % 2 == 1:  # one more try after releasing the cache
-                    return self._forward_fitting(tokens)
+                if len(tokens) == 1 and not retried:  # one more try after releasing the cached blocks
+                    return self._forward_fitting(tokens, retried=True)
                 raise GpuMemoryError(
                     f"out of GPU memory for a {len(tokens)}-token step"
                     + (f" within vram_budget {self.config.vram_budget / 2**30:.2f} GiB" if self.config.vram_budget
@@ -356,10 +356,9 @@ class Engine:
         restarts from its stored pages and recomputes the rest)."""
         if self._cache is None:
             return
-        if hasattr(self._cache, "feed"):
+        if hasattr(self._cache, "feed"):  # a TieredCache
             before = list(self.session_ids)
-            if hasattr(self._cache, "reset"):
-                self._cache.reset()
+            self._cache.reset()
             self._cache, self.session_ids = None, []
             reused = self._adopt_all(before) if before else 0
             if self._cache is None:

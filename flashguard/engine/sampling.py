@@ -29,6 +29,15 @@ class SamplingParams:
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise PromptError(f"stop must be a list of non-empty strings, got {list(self.stop)!r}")
 
+    @classmethod
+    def from_config(cls, config, *, max_tokens=None, temperature=None, top_p=None, seed=None,
+                    stop=None) -> "SamplingParams":
+        """A call's values where given (not None), the engine config's defaults otherwise."""
+        return cls(max_tokens=int(max_tokens or config.max_tokens),
+                   temperature=float(config.temperature if temperature is None else temperature),
+                   top_p=float(top_p or config.top_p), stop=tuple(stop or ()),
+                   seed=config.seed if seed is None else seed)
+
 
 def choose(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
     """Pick the next token from a 1-D logits row."""

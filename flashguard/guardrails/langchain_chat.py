@@ -101,13 +101,11 @@ class ChatFlashguard(BaseChatModel):
 
     # ---- helpers ----------------------------------------------------------------------------
     def _deltas(self, messages, stop, kwargs):
-        c = self._config
-        params = SamplingParams(
-            max_tokens=int(kwargs.get("max_tokens") or self.max_tokens or c.max_tokens),
-            temperature=float(_first(kwargs.get("temperature"), self.temperature, c.temperature)),
-            top_p=float(_first(kwargs.get("top_p"), self.top_p, c.top_p)),
-            stop=tuple(stop or self.stop or ()),
-            seed=_first(kwargs.get("seed"), self.seed, c.seed))
+        params = SamplingParams.from_config(
+            self._config, max_tokens=kwargs.get("max_tokens") or self.max_tokens,
+            temperature=_first(kwargs.get("temperature"), self.temperature),
+            top_p=_first(kwargs.get("top_p"), self.top_p), seed=_first(kwargs.get("seed"), self.seed),
+            stop=stop or self.stop)
         ids = self._engine.encode_messages([_as_dict(m) for m in messages])
         return self._engine.stream(ids, params)
 

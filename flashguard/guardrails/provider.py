@@ -90,15 +90,9 @@ class FlashGuardModel:
         stop = kwargs.get("stop", stop)
         if isinstance(stop, str):
             stop = [stop]
-        c = self.config
-        temperature = kwargs.get("temperature")
-        return SamplingParams(
-            max_tokens=int(kwargs.get("max_tokens") or c.max_tokens),
-            temperature=float(c.temperature if temperature is None else temperature),
-            top_p=float(kwargs.get("top_p") or c.top_p),
-            stop=tuple(stop or ()),
-            seed=kwargs.get("seed", c.seed),
-        )
+        return SamplingParams.from_config(self.config, max_tokens=kwargs.get("max_tokens"),
+                                          temperature=kwargs.get("temperature"), top_p=kwargs.get("top_p"),
+                                          seed=kwargs.get("seed"), stop=stop)
 
     async def _deltas(self, prompt, stop, kwargs):
         params = self.sampling(stop, kwargs)

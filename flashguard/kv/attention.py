@@ -69,17 +69,6 @@ def merge_into(acc: tuple[torch.Tensor, torch.Tensor] | None,
     return o, lse
 
 
-def merge(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-    """LSE-merge partial outputs of disjoint key sets."""
-    if len(parts) == 1:
-        return parts[0][0]
-    lses = torch.stack([lse for _, lse in parts])          # [S, kvh, g, Lq]
-    m = lses.amax(dim=0)
-    w = torch.exp(lses - m)                                 # [S, ...]
-    out = sum(w[i].unsqueeze(-1) * parts[i][0] for i in range(len(parts)))
-    return out / w.sum(dim=0).unsqueeze(-1)
-
-
 def flashguard_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     ref = getattr(module, "_flashguard_cache", None)
     cache = ref() if ref is not None else None

@@ -195,6 +195,7 @@ class TieredLayer(CacheLayerMixin):
             return 0
         return (self.hot_k.numel() + self.hot_v.numel()) * self.hot_k.element_size()
 
+    # ---- attention -----------------------------------------------------------------------
     def attend(self, q: torch.Tensor, scale: float) -> torch.Tensor:
         """q ``[Hq, Lq, D]`` for the last Lq tokens -> output ``[Hq, Lq, D]``."""
         kvh = self.win_k.shape[0]

@@ -21,7 +21,7 @@ from torch import nn
 
 from ..errors import ModelLoadError
 from . import awq_format
-from .int4_linear import Int4Linear
+from .int4_linear import Int4Linear, set_module
 
 
 @dataclass(frozen=True)
@@ -72,11 +72,6 @@ def _read_state_dict(folder: str) -> dict[str, torch.Tensor]:
     return state
 
 
-def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
-    parent_name, _, child = name.rpartition(".")
-    setattr(model.get_submodule(parent_name) if parent_name else model, child, module)
-
-
 def load_awq(folder: str, config, device: torch.device, dtype: torch.dtype, backend: str = "auto") -> nn.Module:
     from transformers import AutoModelForCausalLM
 
@@ -104,7 +99,7 @@ def load_awq(folder: str, config, device: torch.device, dtype: torch.dtype, back
                                  f"{(old.out_features, old.in_features)}", key="model_path")
         layer = Int4Linear.from_codes(codes, zeros, scales.t(), settings.group_size,
                                       None if bias is None else bias.to(dtype), device, backend)
-        _set_module(model, name, layer)
+        set_module(model, name, layer)
     floats = {k: v.to(device=device, dtype=dtype if v.is_floating_point() else v.dtype) for k, v in state.items()}
     missing, unexpected = model.load_state_dict(floats, strict=False, assign=True)
     if getattr(config, "tie_word_embeddings", False) or "lm_head.weight" not in floats:
@@ -129,7 +124,7 @@ def _rebuild_meta_buffers(model: nn.Module, device: torch.device) -> None:
                                      key="model_path")
             with torch.device("cpu"):  # signatures differ across transformers versions; build on CPU, then move
                 fresh = type(module)(config=module.config)
-            _set_module(model, name, fresh.to(device))
+            set_module(model, name, fresh.to(device))
 
 
 def int4_weight_bytes(model: nn.Module) -> dict[str, int]:

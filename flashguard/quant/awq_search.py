@@ -36,19 +36,21 @@ class _Captured(Exception):
     pass
 
 
-def calibration_text() -> str:
-    """English prose present on every Python install: the help topics of ``pydoc_data`` (first 70%)."""
+def _topics_text() -> str:
     from pydoc_data.topics import topics
 
-    text = "\n\n".join(topics[k] for k in sorted(topics))
+    return "\n\n".join(topics[k] for k in sorted(topics))
+
+
+def calibration_text() -> str:
+    """English prose present on every Python install: the help topics of ``pydoc_data`` (first 70%)."""
+    text = _topics_text()
     return text[: int(len(text) * 0.7)]
 
 
 def heldout_text() -> str:
     """The last 30% of the same topics, never seen by the calibration."""
-    from pydoc_data.topics import topics
-
-    text = "\n\n".join(topics[k] for k in sorted(topics))
+    text = _topics_text()
     return text[int(len(text) * 0.7):]
 
 

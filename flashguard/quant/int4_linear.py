@@ -115,6 +115,12 @@ class Int4Linear(nn.Module):
                 f"backend={self.backend}, bias={self.bias is not None}")
 
 
+def set_module(model: nn.Module, name: str, module: nn.Module) -> None:
+    """Replace the submodule at dotted ``name``."""
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, module)
+
+
 @torch.no_grad()
 def quantize_linears_rtn(model: nn.Module, group_size: int = 128, backend: str = "auto",
                          prefix: str = "model.layers.", device: torch.device | None = None) -> int:
@@ -129,7 +135,6 @@ def quantize_linears_rtn(model: nn.Module, group_size: int = 128, backend: str =
         codes, zeros, scales = awq_format.quantize_rtn(old.weight.data.to(target), group_size)
         bias = None if old.bias is None else old.bias.data.to(target)
         new = Int4Linear.from_codes(codes, zeros, scales, group_size, bias, target, backend)
-        parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent), child, new)
+        set_module(model, name, new)
         del old
     return len(names)

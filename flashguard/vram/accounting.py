@@ -69,6 +69,19 @@ def folder_bytes(path: str | None) -> int:
     return total
 
 
+def gpu_categories(device: torch.device, weights: int, kv: int) -> dict:
+    """GPU bytes by category now: weights and KV as attributed by their owner, the rest from the allocator
+    (activations/workspace = allocated - weights - kv; slack = reserved - allocated) and NVML (context/other)."""
+    dev = device.index or 0
+    allocated, reserved = torch.cuda.memory_allocated(dev), torch.cuda.memory_reserved(dev)
+    out = {"weights": weights, "kv cache": kv, "activations/workspace": max(0, allocated - weights - kv),
+           "allocator slack": reserved - allocated}
+    nv = nvml_process_bytes(dev, os.getpid())
+    if nv is not None:
+        out["cuda context/other"] = max(0, nv - reserved)
+    return out
+
+
 def engine_memory(engine) -> dict:
     import psutil
 
@@ -78,17 +91,10 @@ def engine_memory(engine) -> dict:
                  "gpu": None, "host": {}}
     if engine.device.type == "cuda":
         dev = engine.device.index or 0
-        allocated = torch.cuda.memory_allocated(dev)
-        reserved = torch.cuda.memory_reserved(dev)
-        gpu = {"weights": weights, "kv cache": kv, "activations/workspace": max(0, allocated - weights - kv),
-               "allocator slack": reserved - allocated, "reserved": reserved,
-               "peak reserved": torch.cuda.max_memory_reserved(dev),
-               "peak allocated": torch.cuda.max_memory_allocated(dev),
-               "budget": getattr(engine.config, "vram_budget", None)}
-        nv = nvml_process_bytes(dev, os.getpid())
-        if nv is not None:
-            gpu["cuda context/other"] = max(0, nv - reserved)
-        out["gpu"] = gpu
+        out["gpu"] = {**gpu_categories(engine.device, weights, kv), "reserved": torch.cuda.memory_reserved(dev),
+                      "peak reserved": torch.cuda.max_memory_reserved(dev),
+                      "peak allocated": torch.cuda.max_memory_allocated(dev),
+                      "budget": getattr(engine.config, "vram_budget", None)}
     else:
         out["cpu_weights"] = weights
         out["cpu_kv cache"] = kv

@@ -26,6 +26,16 @@ SLACK = 0.08           # reserved - allocated, measured 5-10% on the H200 runs
 CUDA_CONTEXT = 400 * 2**20
 
 
+def deepseek_1_5b_config(vocab: int = 151936):
+    """The transformers config of DeepSeek-R1-Distill-Qwen-1.5B (Qwen2: 28 layers, 12 heads, 2 KV heads, head_dim
+    128), for random-weight speed and memory runs and for planning."""
+    from transformers import Qwen2Config
+
+    return Qwen2Config(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                       num_key_value_heads=2, head_dim=128, vocab_size=vocab, max_position_embeddings=131072 + 4096,
+                       rope_theta=10000.0, tie_word_embeddings=False)
+
+
 @dataclass(frozen=True)
 class Shape:
     name: str
@@ -142,34 +152,32 @@ def plan(shape: Shape, *, gpu_mem: int, context: int, weights: str = "int4", cac
 
 
 def suggest(shape: Shape, *, gpu_mem: int, context: int, weights: str, cache: str, prefill_chunk: int, kv=None,
-            group: int = 128) -> dict:
-    """The smallest set of YAML changes, tried in order of cost to quality/speed, that makes the plan fit."""
+            group: int = 128, cuda_context: int = CUDA_CONTEXT) -> dict:
+    """The YAML changes that make a plan fit, cheapest for quality/speed first: int4 weights, the tiered cache,
+    then what ``fit_to_budget`` shrinks (prefill chunk, tiered window). Empty when it already fits."""
     from ..config import CacheConfig
 
     kv = kv or CacheConfig()
-    state = {"weights": weights, "cache": cache, "prefill_chunk": prefill_chunk, "kv": kv}
     changes: dict = {}
 
     def fits() -> bool:
-        return plan(shape, gpu_mem=gpu_mem, context=context, weights=state["weights"], cache=state["cache"],
-                    prefill_chunk=state["prefill_chunk"], kv=state["kv"], group=group).fits
+        return plan(shape, gpu_mem=gpu_mem, context=context, weights=weights, cache=cache,
+                    prefill_chunk=prefill_chunk, kv=kv, group=group, cuda_context=cuda_context).fits
 
-    steps = [("weights", "int4"), ("cache", "tiered")]
-    steps += [("prefill_chunk", c) for c in (1024, 512, 256, 128) if c < prefill_chunk]
-    steps += [("kv.l1_max_tokens", t) for t in (4096, 2048, 1024) if t < kv.l1_max_tokens]
-    for key, value in steps:
-        if fits():
-            return changes
-        if key.startswith("kv."):
-            field = key[3:]
-            state["kv"] = dataclasses.replace(state["kv"], **{field: value,
-                                                              "l1_tokens": min(state["kv"].l1_tokens, value)})
-        elif state[key] == value:
-            continue
-        else:
-            state[key] = value
-        changes[key] = value
-    return changes if fits() else {"error": "does not fit even with int4 weights, the tiered cache, a 128-token "
+    if not fits() and weights != "int4":
+        weights = changes["weights"] = "int4"
+    if not fits() and cache != "tiered":
+        cache = changes["cache"] = "tiered"
+    if fits():
+        return changes
+    new_kv, chunk, _ = fit_to_budget(shape, budget=gpu_mem - cuda_context, context=context, weights=weights,
+                                     cache=cache, prefill_chunk=prefill_chunk, kv=kv, cuda_context=cuda_context)
+    if chunk != prefill_chunk:
+        changes["prefill_chunk"] = chunk
+    if new_kv.l1_max_tokens != kv.l1_max_tokens:
+        changes["kv.l1_max_tokens"] = new_kv.l1_max_tokens
+    prefill_chunk, kv = chunk, new_kv
+    return changes if fits() else {"error": "does not fit even with int4 weights, the tiered cache, a 256-token "
                                             "prefill chunk and a 1024-token window; use a smaller model"}
 
 
@@ -181,8 +189,6 @@ def resolve_shape(model: str) -> Shape:
     import os
 
     if model == "deepseek-r1-distill-qwen-1.5b":
-        from ..bench.kv import deepseek_1_5b_config
-
         return Shape.from_config(deepseek_1_5b_config(), model)
     if model == "embedded":
         from transformers import AutoConfig
@@ -191,7 +197,7 @@ def resolve_shape(model: str) -> Shape:
 
         return Shape.from_config(AutoConfig.from_pretrained(loader.materialize(loader.resolve_model(None))),
                                  "SmolLM2-135M-Instruct")
-    if os.path.isfile(model) and model.lower().endswith(".gguf") or os.path.isfile(model):
+    if os.path.isfile(model):  # a GGUF file: its header holds the shape
         from ..engine import gguf_header
 
         return Shape.from_config(gguf_header.config_from_header(gguf_header.read_header(model)),

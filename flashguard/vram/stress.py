@@ -13,7 +13,6 @@ prediction for the same settings, the per-category memory table, and joules per 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
@@ -38,7 +37,7 @@ def build_model(name: str, weights: str, device: torch.device):
     if name == "deepseek-r1-distill-qwen-1.5b":
         from transformers import Qwen2ForCausalLM
 
-        from ..bench.kv import deepseek_1_5b_config
+        from .plan import deepseek_1_5b_config
 
         torch.manual_seed(0)
         dtype = torch.bfloat16 if (weights == "int4" or device.type == "cpu") else torch.float16
@@ -152,14 +151,7 @@ def run(args) -> dict:
         energy1 = _energy_mj(device.index or 0)
         if energy0 is not None and energy1 is not None:
             result["joules_per_token"] = (energy1 - energy0) / 1e3 / args.steps
-        kv_bytes = accounting.cache_device_bytes(cache)
-        allocated, reserved = torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
-        result["memory"] = {"weights": weights, "kv cache": kv_bytes,
-                            "activations/workspace": max(0, allocated - weights - kv_bytes),
-                            "allocator slack": reserved - allocated}
-        nv = accounting.nvml_process_bytes(device.index or 0, os.getpid())
-        if nv is not None:
-            result["memory"]["cuda context/other"] = max(0, nv - reserved)
+        result["memory"] = accounting.gpu_categories(device, weights, accounting.cache_device_bytes(cache))
         shape = Shape.from_config(model.config, args.model)
         p = plan(shape, gpu_mem=budget or torch.cuda.get_device_properties(device).total_memory,
                  context=args.context, weights="int4" if args.weights == "int4" else "fp16", cache=args.cache,
