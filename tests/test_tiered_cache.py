@@ -160,3 +160,16 @@ def test_passkey_grid_matches_dynamic_cache(engine, filler_sentences, capsys):
         if "68213" in want:
             assert got == want
     assert len(tiered.store.pages) > 0 and tiered._cache.layers[0].win_start > SPARSE.sink_tokens
+
+
+def test_two_caches_take_turns_on_one_model(engine, text_ids):
+    """Attention finds the cache whose update ran, not the last one attached: chunks of two sequences
+    interleaved on one model give what each gives alone."""
+    m, ids = engine.model, text_ids[:600]
+    alone = run(m, TieredCache(m.config, LOSSLESS).attach(m), ids, chunk=150)
+    a, b = TieredCache(m.config, LOSSLESS).attach(m), TieredCache(m.config, LOSSLESS).attach(m)
+    out_a, out_b = [], []
+    for s in range(0, len(ids), 150):
+        out_a.append(run(m, a, ids[s:s + 150], chunk=150))
+        out_b.append(run(m, b, ids[::-1][s:s + 150], chunk=150))
+    torch.testing.assert_close(torch.cat(out_a), alone, atol=1e-5, rtol=1e-5)

@@ -5,13 +5,16 @@ log-sum-exp ``lse_s``; the merge is ``o = sum exp(lse_s - m) o_s / sum exp(lse_s
 which equals softmax attention over the union of the segments.
 
 ``flashguard_attention`` is registered as ``tiered_kv`` with transformers' ``AttentionInterface`` (and a mask function that
-returns None with ``AttentionMaskInterface``): the model calls it per layer; it finds the TieredCache through
-``module._flashguard_cache`` (a weak reference set by ``TieredCache.attach(model)``) and ``module.layer_idx``.
-A module without a TieredCache falls back to PyTorch SDPA, so a model switched to this implementation still
-works with any other Cache.
+returns None with ``AttentionMaskInterface``): the model calls it per layer, right after the cache's ``update``.
+A TieredLayer's ``update`` notes itself for its layer index in a thread-local table (``note_update``), and the
+attention uses it when the keys it is given are the ones that layer returned; so any number of TieredCaches can
+take turns on one model. With any other Cache it falls back to PyTorch SDPA.
 """
 
 from __future__ import annotations
+
+import threading
+import weakref
 
 import torch
 
@@ -36,6 +39,46 @@ def partial_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     return _partial(q, k, v, scale, mask)
 
 
+_FUSED: dict = {}  # (device index, dtype) -> "flash" | "efficient" | None: what this GPU ran last
+
+
+def segment(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+            causal: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``partial_attention`` of a segment without a mask (``causal``: q and k are the same Lq tokens), on a
+    fused PyTorch kernel that returns the log-sum-exp when the tensors are fp16/bf16 on a GPU (flash on Ampere
+    and later, memory-efficient before), else the einsum path. The output is in the query dtype there.
+
+    GQA without copies: with no causal structure the group of query heads of one KV head is just more query
+    rows of that head (``[kvh, g * Lq, D]``); a causal segment repeats K/V per query head instead."""
+    kvh, g, lq, d = q.shape
+    key = (q.device.index, q.dtype)
+    kind = _FUSED.get(key, "flash") if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) else None
+    if kind is not None:
+        if causal:
+            qq = q.reshape(1, kvh * g, lq, d)
+            kk, vv = (t.repeat_interleave(g, dim=0).unsqueeze(0) for t in (k, v))
+        else:
+            qq, kk, vv = q.reshape(1, kvh, g * lq, d), k.unsqueeze(0), v.unsqueeze(0)
+        try:
+            if kind == "flash":
+                o, lse = torch.ops.aten._scaled_dot_product_flash_attention(qq, kk, vv, 0.0, causal, False,
+                                                                            scale=scale)[:2]
+            else:
+                o, lse = torch.ops.aten._scaled_dot_product_efficient_attention(qq, kk, vv, None, True, 0.0, causal,
+                                                                                scale=scale)[:2]
+            _FUSED[key] = kind
+            return o.reshape(kvh, g, lq, d), lse[..., :qq.shape[2]].reshape(kvh, g, lq)
+        except torch.cuda.OutOfMemoryError:
+            raise
+        except RuntimeError:
+            _FUSED[key] = "efficient" if kind == "flash" else None  # this GPU lacks it: try the next, once
+            return segment(q, k, v, scale, causal)
+    mask = None
+    if causal:
+        mask = torch.ones(lq, k.shape[1], dtype=torch.bool, device=q.device).tril_(k.shape[1] - lq)
+    return partial_attention(q, k, v, scale, mask)
+
+
 def _partial(q, k, v, scale, mask):
     # One score matrix in the accumulation dtype, updated in place (scale, mask, shift, exp): the peak is that
     # matrix plus its 16-bit copy for the second einsum, not five fp32 temporaries.
@@ -56,25 +99,33 @@ def _partial(q, k, v, scale, mask):
 
 def merge_into(acc: tuple[torch.Tensor, torch.Tensor] | None,
                part: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Running LSE merge of two partial results: memory stays one partial output however many segments."""
+    """Running LSE merge of two partial results: memory stays one partial output however many segments.
+    Every query must see at least one key in ``acc`` (the tiered attention starts with the L1 segment)."""
     if acc is None:
         return part
     (o1, l1), (o2, l2) = acc, part
-    m = torch.maximum(l1, l2)
-    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
-    w1, w2 = torch.exp(l1 - m), torch.exp(l2 - m)
-    total = w1 + w2
-    o = (w1.unsqueeze(-1) * o1 + w2.unsqueeze(-1) * o2) / total.clamp_min(1e-30).unsqueeze(-1)
-    lse = torch.where(total > 0, m + torch.log(total.clamp_min(1e-30)), torch.full_like(m, float("-inf")))
+    lse = torch.logaddexp(l1, l2)  # finite: the L1 segment, always merged first, shows every query a key
+    o = torch.exp(l1 - lse).unsqueeze(-1) * o1 + torch.exp(l2 - lse).unsqueeze(-1) * o2
     return o, lse
 
 
+_updated = threading.local()  # .layers: layer index -> weak reference to the TieredLayer updated last
+
+
+def note_update(index: int, layer) -> None:
+    """Called by ``TieredLayer.update``: the next attention call of this layer index on this thread is its."""
+    table = getattr(_updated, "layers", None)
+    if table is None:
+        table = _updated.layers = {}
+    table[index] = weakref.ref(layer)
+
+
 def flashguard_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    ref = getattr(module, "_flashguard_cache", None)
-    cache = ref() if ref is not None else None
-    if cache is not None and cache.layers[module.layer_idx].returned is not key:
-        cache = None  # this forward runs with another Cache object
-    if cache is None:
+    ref = getattr(_updated, "layers", {}).get(module.layer_idx)
+    layer = ref() if ref is not None else None
+    if layer is not None and layer.returned is not key:
+        layer = None  # this forward runs with another Cache object
+    if layer is None:
         if attention_mask is None and query.shape[0] == 1:  # no_mask() gave None: one causal sequence
             return causal_sdpa(query, key, value, scaling), None
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -84,7 +135,7 @@ def flashguard_attention(module, query, key, value, attention_mask, scaling=None
     if query.shape[0] != 1:
         raise ValueError("TieredCache serves one sequence at a time (batch size 1)")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    out = cache.layers[module.layer_idx].attend(query[0], scale)   # [Hq, Lq, D]
+    out = layer.attend(query[0], scale)   # [Hq, Lq, D]
     return out.transpose(0, 1).unsqueeze(0).to(query.dtype), None
 
 

@@ -15,7 +15,7 @@ Use::
     cache = TieredCache(model.config, CacheConfig(...)).attach(model)
     model.generate(input_ids, past_key_values=cache, ...)            # or the engine's own loop
 
-``attach`` switches the model to the ``flashguard`` attention and lets it find this cache. Token ids
+``attach`` switches the model to the ``tiered_kv`` attention (any number of caches may share a model). Token ids
 (``feed``) make page keys content hashes, so another cache on the same store reuses the pages of a common
 prefix (``adopt_prefix``); without them (plain ``generate``) pages are private to this cache.
 """
@@ -23,7 +23,6 @@ prefix (``adopt_prefix``); without them (plain ``generate``) pages are private t
 from __future__ import annotations
 
 import os
-import weakref
 from collections import OrderedDict
 
 import torch
@@ -33,7 +32,8 @@ from ..config import CacheConfig
 from . import attention, codecs
 from .store import PageStore, namespace_for, page_key
 
-FETCH_BLOCK_PAGES = 64
+FETCH_BLOCK_TOKENS = 32768  # tokens of pages decoded and attended at once on a GPU (one fused kernel call)
+FETCH_BLOCK_TOKENS_CPU = 4096  # on the einsum path the scores of a block are materialised: keep them small
 
 
 class PageLost(RuntimeError):
@@ -52,10 +52,10 @@ class TieredLayer(CacheLayerMixin):
         self.owner = owner
         self.index = index
         self.length = 0
-        self.sink_k = self.sink_v = None        # [kvh, <=S, D]
-        self.win_k = self.win_v = None          # [kvh, length - win_start, D]
+        self.l1_k = self.l1_v = None            # [kvh, capacity, D]: sinks at [0, S), the window right after
         self.win_start = 0
-        self.summaries = None                   # [n_full_pages, kvh, 2, D] on device
+        self.bounds = None                      # [kvh, 2D, capacity]: per full page key max (rows :D), min (D:)
+        self.n_pages = 0                        # full pages with bounds (columns of ``bounds`` in use)
         self.hot: "OrderedDict[int, int]" = OrderedDict()   # hot page -> slot of the hot arena
         self.hot_k = self.hot_v = None          # [slots, kvh, P, D] preallocated at the first sparse fetch
         self.returned = None
@@ -65,9 +65,10 @@ class TieredLayer(CacheLayerMixin):
     def lazy_initialization(self, key_states, value_states):
         self.dtype, self.device = key_states.dtype, key_states.device
         kvh, d = key_states.shape[1], key_states.shape[-1]
-        empty = key_states.new_zeros((kvh, 0, d))
-        self.sink_k, self.sink_v, self.win_k, self.win_v = empty, empty, empty, empty
-        self.summaries = key_states.new_zeros((0, kvh, 2, d))
+        self.l1_k = key_states.new_zeros((kvh, 0, d))
+        self.l1_v = value_states.new_zeros((kvh, 0, d))
+        self.bounds = key_states.new_zeros((kvh, 2 * d, 64))
+        self.n_pages = 0
         self.heat: list[float] = []             # per full page, on the host (no device syncs)
         self.win_start = self.owner.sink_tokens
         self.is_initialized = True
@@ -80,21 +81,21 @@ class TieredLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         if self.index == 0:
             self.owner._settle()  # the previous forward is complete in every layer: store pages, trim L1
-        k, v = key_states[0], value_states[0]
-        s = self.owner.sink_tokens
-        if self.length < s:
-            take = min(s - self.length, k.shape[1])
-            self.sink_k = torch.cat([self.sink_k, k[:, :take]], dim=1)
-            self.sink_v = torch.cat([self.sink_v, v[:, :take]], dim=1)
-            k, v = k[:, take:], v[:, take:]
-        if k.shape[1]:
-            self.win_k = torch.cat([self.win_k, k], dim=1)
-            self.win_v = torch.cat([self.win_v, v], dim=1)
-        self.length += key_states.shape[2]
-        self.returned = self.win_k.unsqueeze(0)  # the attention function checks it got *this* cache's keys
+        n, new = self.l1_len, key_states.shape[2]
+        self._reserve(n + new)
+        if torch.is_inference_mode_enabled():
+            self.l1_k[:, n:n + new] = key_states[0]
+            self.l1_v[:, n:n + new] = value_states[0]
+        else:
+            with torch.inference_mode():  # the buffers may be inference tensors (made by the engine)
+                self.l1_k[:, n:n + new] = key_states[0]
+                self.l1_v[:, n:n + new] = value_states[0]
+        self.length += new
+        self.returned = key_states  # the attention function checks it got *this* cache's keys
+        attention.note_update(self.index, self)
         if self.index == self.owner.num_layers - 1:
             self.owner.length = self.length
-        return self.returned, self.win_v.unsqueeze(0)
+        return key_states, value_states
 
     def get_seq_length(self) -> int:
         return self.length
@@ -115,31 +116,81 @@ class TieredLayer(CacheLayerMixin):
     def reset(self) -> None:
         self.owner.reset()
 
-    # ---- tokens and pages --------------------------------------------------------------------
-    def tokens(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K/V of tokens [start, end) that are in L1 (sinks or window)."""
-        s = self.owner.sink_tokens
-        parts_k, parts_v = [], []
-        if start < s:
-            parts_k.append(self.sink_k[:, start:min(end, s)])
-            parts_v.append(self.sink_v[:, start:min(end, s)])
-        if end > self.win_start:
-            a = max(start, self.win_start) - self.win_start
-            parts_k.append(self.win_k[:, a:end - self.win_start])
-            parts_v.append(self.win_v[:, a:end - self.win_start])
-        return torch.cat(parts_k, dim=1), torch.cat(parts_v, dim=1)
+    # ---- L1: sinks and window in one buffer ---------------------------------------------------
+    @property
+    def l1_len(self) -> int:
+        """Tokens in L1: the sinks, then (once they are full) the window [win_start, length)."""
+        return min(self.length, self.owner.sink_tokens) + max(0, self.length - self.win_start)
 
+    @property
+    def sink_k(self) -> torch.Tensor:
+        return self.l1_k[:, :min(self.length, self.owner.sink_tokens)]
+
+    @property
+    def win_k(self) -> torch.Tensor:
+        s = self.owner.sink_tokens
+        return self.l1_k[:, s:s + max(0, self.length - self.win_start)]
+
+    def _reserve(self, tokens: int) -> None:
+        """Make the L1 buffer hold ``tokens``; it is sized to the window it serves (sinks + window + two pages),
+        grows for a long prefill chunk and shrinks back at ``_trim``."""
+        if tokens <= self.l1_k.shape[1]:
+            return
+        p = self.owner.page_size
+        self._resize(max(tokens, self.owner.sink_tokens + self.owner.window + 2 * p))
+
+    @torch.inference_mode()
+    def _resize(self, capacity: int) -> None:
+        n = self.l1_len
+        k = self.l1_k.new_empty((self.l1_k.shape[0], capacity, self.l1_k.shape[2]))
+        v = self.l1_v.new_empty(k.shape)
+        k[:, :n], v[:, :n] = self.l1_k[:, :n], self.l1_v[:, :n]
+        self.l1_k, self.l1_v = k, v
+
+    @torch.inference_mode()
+    def _drop_window_page(self) -> None:
+        """The oldest window page leaves L1 (it is already in the store): shift the window left by a page."""
+        s, p, nw = self.owner.sink_tokens, self.owner.page_size, self.length - self.win_start
+        self.l1_k[:, s:s + nw - p] = self.l1_k[:, s + p:s + nw].clone()
+        self.l1_v[:, s:s + nw - p] = self.l1_v[:, s + p:s + nw].clone()
+        self.win_start += p
+
+    def _trim(self) -> None:
+        """After a long prefill chunk, give the device back the buffer's extra room."""
+        want = self.owner.sink_tokens + self.owner.window + 2 * self.owner.page_size
+        if self.l1_k.shape[1] > want + self.owner.page_size and self.l1_len <= want:
+            self._resize(want)
+
+    @torch.inference_mode()
+    def _set_l1(self, sink: tuple, window: tuple, win_start: int, length: int) -> None:
+        """Refill L1 from (k, v) pairs ``[kvh, n, D]`` for the sinks and the window (prefix adoption, crops)."""
+        k = torch.cat([sink[0], window[0]], dim=1)
+        v = torch.cat([sink[1], window[1]], dim=1)
+        self.l1_k, self.l1_v = k, v
+        self.win_start, self.length = win_start, length
+        self._reserve(k.shape[1])
+
+    def tokens(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V of tokens [start, end) that are in L1 (sinks or window): views when they are in one of them."""
+        s = self.owner.sink_tokens
+        if end <= s or start >= self.win_start:
+            a, b = (start, end) if end <= s else (start - self.win_start + s, end - self.win_start + s)
+            return self.l1_k[:, a:b], self.l1_v[:, a:b]
+        return (torch.cat([self.l1_k[:, start:s], self.l1_k[:, s:end - self.win_start + s]], dim=1),
+                torch.cat([self.l1_v[:, start:s], self.l1_v[:, s:end - self.win_start + s]], dim=1))
+
+    # ---- pages off L1 ---------------------------------------------------------------------
     def fetch(self, pages: list[int], keep_hot: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Device K/V ``[kvh, len(pages) * page_size, D]`` of off-window pages (hot set, else the store), in no
         particular page order (attention over a set of pages does not depend on it).
 
-        Pages missing from the hot set are stacked on the host, moved in one copy and decoded in one op; hot
-        pages are gathered from a preallocated arena in one ``index_select``, and ``keep_hot`` copies the newly
-        fetched pages into the arena in one ``index_copy_`` (a view of the fetched block would keep the whole
-        block alive: measured ~1 GB at 128K).
+        Hot pages come from a preallocated device arena in one ``index_select``; the others from the store's L2
+        arena: one host range (or one host gather) and one copy per codec field, decoded in one op. ``keep_hot``
+        copies the newly fetched pages into the hot arena in one ``index_copy_`` (a view of the fetched block
+        would keep the whole block alive: measured ~1 GB at 128K).
         """
         hot = [p for p in pages if p in self.hot]
-        missing = [p for p in pages if p not in self.hot]
+        missing = [p for p in pages if p not in self.hot] if hot else pages
         parts_k, parts_v = [], []
         if hot:
             slots = torch.tensor([self.hot[p] for p in hot], device=self.device)
@@ -148,13 +199,8 @@ class TieredLayer(CacheLayerMixin):
             parts_k.append(self.hot_k.index_select(0, slots))
             parts_v.append(self.hot_v.index_select(0, slots))
         if missing:
-            encs = [self.owner.store.get(self.owner.page_keys[p], self.index) for p in missing]
-            if any(e is None for e in encs):
-                raise PageLost(f"layer {self.index}: a page of this sequence is gone from the store")
-            batch = {n: torch.stack([e[n] for e in encs]) for n in encs[0] if n != "bits"}
-            if "bits" in encs[0]:
-                batch["bits"] = encs[0]["bits"]
-            k, v = codecs.decode(batch, self.dtype, self.device)       # [n, kvh, P, D]
+            slots = self.owner._l2_slots(missing)
+            k, v = codecs.decode(self.owner.store.arena.gather(self.index, slots, self.device), self.dtype)
             parts_k.append(k)
             parts_v.append(v)
             if keep_hot:
@@ -164,6 +210,7 @@ class TieredLayer(CacheLayerMixin):
         n, kvh, p, d = k.shape
         return k.transpose(0, 1).reshape(kvh, n * p, d), v.transpose(0, 1).reshape(kvh, n * p, d)
 
+    @torch.inference_mode()
     def _keep(self, pages: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
         """Copy ``pages`` (rows of k/v) into the hot arena, evicting the coldest hot pages to make room."""
         cap = self.owner.hot_pages
@@ -190,6 +237,18 @@ class TieredLayer(CacheLayerMixin):
         self.hot_k.index_copy_(0, index, k.index_select(0, pick))
         self.hot_v.index_copy_(0, index, v.index_select(0, pick))
 
+    @torch.inference_mode()
+    def _add_bounds(self, summ: torch.Tensor) -> None:
+        """Append the key bounds of pages ``[n, kvh, 2 (min, max), D]`` as columns ``[max; min]``."""
+        n = summ.shape[0]
+        if self.n_pages + n > self.bounds.shape[2]:
+            grown = self.bounds.new_zeros(self.bounds.shape[:2] + (max(2 * self.bounds.shape[2], self.n_pages + n),))
+            grown[:, :, :self.n_pages] = self.bounds[:, :, :self.n_pages]
+            self.bounds = grown
+        cols = torch.cat([summ[:, :, 1], summ[:, :, 0]], dim=-1).permute(1, 2, 0)   # [kvh, 2D, n]
+        self.bounds[:, :, self.n_pages:self.n_pages + n] = cols.to(self.bounds.dtype)
+        self.n_pages += n
+
     def hot_bytes(self) -> int:
         if self.hot_k is None:
             return 0
@@ -198,30 +257,36 @@ class TieredLayer(CacheLayerMixin):
     # ---- attention -----------------------------------------------------------------------
     def attend(self, q: torch.Tensor, scale: float) -> torch.Tensor:
         """q ``[Hq, Lq, D]`` for the last Lq tokens -> output ``[Hq, Lq, D]``."""
-        kvh = self.win_k.shape[0]
+        kvh = self.l1_k.shape[0]
         hq, lq, d = q.shape
         qg = q.reshape(kvh, hq // kvh, lq, d)
-        first_page = self.owner.sink_tokens // self.owner.page_size
-        last_page = self.win_start // self.owner.page_size       # off-window pages: [first_page, last_page)
-        # L1: sinks + window, causal for the current chunk
-        l1_k = torch.cat([self.sink_k, self.win_k], dim=1)
-        l1_v = torch.cat([self.sink_v, self.win_v], dim=1)
-        mask = None
-        if lq > 1:
-            kpos = torch.cat([torch.arange(self.sink_k.shape[1], device=q.device),
+        p = self.owner.page_size
+        first_page = self.owner.sink_tokens // p
+        last_page = self.win_start // p       # off-window pages: [first_page, last_page)
+        n = self.l1_len
+        l1_k, l1_v = self.l1_k[:, :n], self.l1_v[:, :n]
+        if lq == 1:
+            acc = attention.segment(qg, l1_k, l1_v, scale)
+        elif self.length - lq >= self.win_start:
+            # the chunk is the end of the window: everything before it is visible, the chunk itself is causal
+            acc = attention.segment(qg, l1_k[:, n - lq:], l1_v[:, n - lq:], scale, causal=True)
+            if n > lq:
+                acc = attention.merge_into(acc, attention.segment(qg, l1_k[:, :n - lq], l1_v[:, :n - lq], scale))
+        else:  # the chunk reaches into the sinks (the first chunk): one masked segment
+            kpos = torch.cat([torch.arange(min(self.length, self.owner.sink_tokens), device=q.device),
                               torch.arange(self.win_start, self.length, device=q.device)])
             qpos = torch.arange(self.length - lq, self.length, device=q.device)
-            mask = kpos.unsqueeze(0) <= qpos.unsqueeze(1)
-        acc = attention.partial_attention(qg, l1_k, l1_v, scale, mask)
+            acc = attention.partial_attention(qg, l1_k, l1_v, scale, kpos.unsqueeze(0) <= qpos.unsqueeze(1))
         if last_page > first_page:
             pages = list(range(first_page, last_page))
             sparse = self.owner.config.policy == "sparse" and lq == 1
             if sparse:
                 pages = self._select(qg, pages)
             self.owner._count_reads(len(pages))
-            for a in range(0, len(pages), FETCH_BLOCK_PAGES):
-                k, v = self.fetch(pages[a:a + FETCH_BLOCK_PAGES], keep_hot=sparse)
-                acc = attention.merge_into(acc, attention.partial_attention(qg, k, v, scale))
+            block = self.owner.fetch_block_pages(q)
+            for a in range(0, len(pages), block):
+                k, v = self.fetch(pages[a:a + block], keep_hot=sparse)
+                acc = attention.merge_into(acc, attention.segment(qg, k, v, scale))
         return acc[0].reshape(hq, lq, d)
 
     def _select(self, qg: torch.Tensor, pages: list[int]) -> list[int]:
@@ -230,13 +295,12 @@ class TieredLayer(CacheLayerMixin):
         if len(pages) <= budget:
             chosen = pages
         else:
-            summ = self.summaries[pages[0]:pages[-1] + 1].float()    # pages is a contiguous range: [n, kvh, 2, D]
-            qf = qg[:, :, 0].float()                                   # [kvh, g, D]
-            bound = torch.einsum("hgd,nhd->hgn", qf.clamp(min=0), summ[:, :, 1]) + \
-                torch.einsum("hgd,nhd->hgn", qf.clamp(max=0), summ[:, :, 0])
-            per_head = bound.amax(dim=1)                               # [kvh, n]
-            top = per_head.topk(budget, dim=-1).indices.flatten().unique()
-            chosen = sorted(pages[i] for i in top.tolist())
+            q = qg[:, :, 0]                                              # [kvh, g, D]
+            # the upper bound sum_d max(q_d max_d, q_d min_d) as one matmul against [max; min] (model dtype)
+            bound = torch.bmm(torch.cat([q.clamp(min=0), q.clamp(max=0)], dim=-1),
+                              self.bounds[:, :, pages[0]:pages[-1] + 1])  # pages is a contiguous range
+            top = bound.amax(dim=1).topk(budget, dim=-1).indices       # [kvh, budget]
+            chosen = sorted({pages[0] + i for row in top.tolist() for i in row})  # the union over KV heads
         if len(chosen):
             for p in self.hot:
                 self.heat[p] *= 0.9
@@ -270,18 +334,16 @@ class TieredCache(Cache):
         self.token_ids: list[int] = []
         self.length = 0
         self.page_reads = 0
+        self._slot_table: dict[int, int] = {}   # page index -> L2 slot, valid for the store epoch below
+        self._slot_epoch = -1
         super().__init__(layers=[TieredLayer(self, i) for i in range(self.num_layers)])
 
     # ---- wiring ----------------------------------------------------------------------------
     def attach(self, model) -> "TieredCache":
-        """Switch ``model`` to the tiered attention and point its attention modules at this cache."""
+        """Switch ``model`` to the tiered attention (which finds this cache through its ``update`` calls)."""
         attention.register()
         if getattr(model.config, "_attn_implementation", None) != attention.NAME:
             model.set_attn_implementation(attention.NAME)
-        ref = weakref.ref(self)
-        for module in model.modules():
-            if hasattr(module, "layer_idx") and hasattr(module, "q_proj"):
-                module._flashguard_cache = ref
         return self
 
     def feed(self, token_ids) -> None:
@@ -316,7 +378,7 @@ class TieredCache(Cache):
             vs.append(v)
             s = torch.stack([k.amin(dim=1), k.amax(dim=1)], dim=1)   # [kvh, 2, D]
             summ.append(s)
-            layer.summaries = torch.cat([layer.summaries, s.unsqueeze(0)])
+            layer._add_bounds(s.unsqueeze(0))
             layer.heat.append(0.0)
         self.store.put(key, torch.stack(ks), torch.stack(vs), torch.stack(summ))
         self.page_keys.append(key)
@@ -325,10 +387,12 @@ class TieredCache(Cache):
         p = self.page_size
         self._adapt_window()
         for layer in self.layers:
+            if not layer.is_initialized:
+                continue
             full_end = len(self.page_keys) * p
             while layer.length - layer.win_start > self.window + p and layer.win_start + p <= full_end:
-                layer.win_k, layer.win_v = layer.win_k[:, p:], layer.win_v[:, p:]
-                layer.win_start += p
+                layer._drop_window_page()
+            layer._trim()
 
     def _adapt_window(self) -> None:
         """Grow L1 while sparse queries keep reaching just behind it; shrink back when they stop."""
@@ -342,6 +406,31 @@ class TieredCache(Cache):
 
     def _count_reads(self, n: int) -> None:
         self.page_reads += n
+
+    def fetch_block_pages(self, q: torch.Tensor) -> int:
+        fused = q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
+        return max(1, (FETCH_BLOCK_TOKENS if fused else FETCH_BLOCK_TOKENS_CPU) // self.page_size)
+
+    def _l2_slots(self, pages: list[int]) -> list[int]:
+        """L2 arena slots of page indices: from this cache's slot table while the store's ``epoch`` says no page
+        moved, else asked of the store (which promotes pages from L3 as needed)."""
+        store = self.store
+        if self._slot_epoch != store.epoch:
+            self._slot_table, self._slot_epoch = {}, store.epoch
+        table = self._slot_table
+        try:
+            slots = [table[p] for p in pages]
+            store.stats.hits["l2"] += len(pages)
+            return slots
+        except KeyError:
+            pass
+        slots = store.slots([self.page_keys[p] for p in pages])
+        if slots is None:
+            raise PageLost("a page of this sequence is gone from the store")
+        if self._slot_epoch != store.epoch:   # a promotion moved other pages: start the table again
+            self._slot_table, self._slot_epoch = {}, store.epoch
+        self._slot_table.update(zip(pages, slots))
+        return slots
 
     # ---- prefix sharing and cropping -----------------------------------------------------------
     def adopt_prefix(self, token_ids, model_dtype: torch.dtype, device) -> int:
@@ -394,12 +483,12 @@ class TieredCache(Cache):
                 return torch.cat(ks, dim=1), torch.cat(vs, dim=1)
 
             sink_end = min(length, self.sink_tokens)
-            layer.sink_k, layer.sink_v = span(0, sink_end) if sink_end else (layer.sink_k[:, :0], layer.sink_v[:, :0])
-            layer.win_start = win_start
-            layer.win_k, layer.win_v = span(win_start, length) if length > win_start else (
-                layer.win_k[:, :0], layer.win_v[:, :0])
-            layer.length = length
-            layer.summaries = summaries[:, li] if summaries is not None else layer.summaries[:0]
+            empty = (layer.l1_k[:, :0], layer.l1_v[:, :0])
+            layer._set_l1(span(0, sink_end) if sink_end else empty,
+                          span(win_start, length) if length > win_start else empty, win_start, length)
+            layer.n_pages = 0
+            if summaries is not None:
+                layer._add_bounds(summaries[:, li])
             layer.heat = [0.0] * n_pages
             layer.hot.clear()
         self.length = length
@@ -418,18 +507,15 @@ class TieredCache(Cache):
         keep = length // self.page_size
         dropped = self.page_keys[keep:]
         l0 = self.layers[0]
-        if length >= l0.win_start:  # still inside the window: just cut
+        if length >= l0.win_start:  # still inside the window: just cut (L1 is a prefix of its buffer)
             for layer in self.layers:
-                layer.win_k = layer.win_k[:, :length - layer.win_start]
-                layer.win_v = layer.win_v[:, :length - layer.win_start]
-                layer.sink_k, layer.sink_v = layer.sink_k[:, :length], layer.sink_v[:, :length]
                 layer.length = length
             self.length = length
         else:  # below the window: refill L1 from the stored pages (the partial last page included)
             self.page_keys = self.page_keys[:-(-length // self.page_size)]
             self._rebuild_l1(length, l0.dtype, l0.device)
         for layer in self.layers:
-            layer.summaries, layer.heat = layer.summaries[:keep], layer.heat[:keep]
+            layer.n_pages, layer.heat = min(layer.n_pages, keep), layer.heat[:keep]
             layer.hot = OrderedDict((p, slot) for p, slot in layer.hot.items() if p < keep)
         self.page_keys = self.page_keys[:keep]
         for key in dropped:
@@ -453,7 +539,7 @@ class TieredCache(Cache):
         total = 0
         for layer in self.layers:
             if layer.is_initialized:
-                for t in (layer.sink_k, layer.sink_v, layer.win_k, layer.win_v, layer.summaries):
+                for t in (layer.l1_k, layer.l1_v, layer.bounds):
                     total += t.numel() * t.element_size()
                 total += layer.hot_bytes()
         return total
@@ -477,10 +563,10 @@ class TieredCache(Cache):
             if not layer.is_initialized:
                 continue
             assert layer.length == self.length
-            assert layer.sink_k.shape[1] == min(self.length, self.sink_tokens)
-            assert layer.win_k.shape[1] == self.length - layer.win_start
+            assert layer.l1_k.shape[1] >= layer.l1_len and layer.l1_v.shape == layer.l1_k.shape
+            assert layer.length <= self.sink_tokens or layer.win_start <= layer.length
             assert layer.win_start % p == 0 and layer.win_start >= self.sink_tokens
-            assert layer.summaries.shape[0] == len(self.page_keys)
+            assert layer.n_pages == len(self.page_keys) <= layer.bounds.shape[2]
         for key in self.page_keys:
             assert key in self.store.pages, "a page of this cache is missing from the store"
         self.store.check_integrity()

@@ -59,12 +59,13 @@ def decode(e: Encoded, dtype: torch.dtype, device: torch.device | str | None = N
     if "k" in e:
         return (e["k"].to(device=device, non_blocking=True).to(dtype),
                 e["v"].to(device=device, non_blocking=True).to(dtype))
-    t = {n: x.to(device, non_blocking=True) for n, x in e.items() if n != "bits"}
+    t = {n: (x if device is None or x.device == torch.device(device) else x.to(device, non_blocking=True))
+         for n, x in e.items() if n != "bits"}
     kq, vq = t["kq"], t["vq"]
     if int(e["bits"].reshape(-1)[0]) == 4:
         kq, vq = _unpack4(kq), _unpack4(vq)
-    k = kq.to(dtype) * t["ks"].to(dtype) + t["kz"].to(dtype)
-    v = vq.to(dtype) * t["vs"].to(dtype) + t["vz"].to(dtype)
+    k = torch.addcmul(t["kz"].to(dtype), kq.to(dtype), t["ks"].to(dtype))   # q * scale + zero, one kernel
+    v = torch.addcmul(t["vz"].to(dtype), vq.to(dtype), t["vs"].to(dtype))
     return k, v.flatten(-2)
 
 

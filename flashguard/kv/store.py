@@ -9,8 +9,9 @@ Contract:
 - ``put(key, k, v, summary)`` stores a full page (``[layers, kv_heads, page_size, head_dim]``) in L2,
   encoded with the L2 codec; if the key exists it only takes a reference. The caller holds one reference
   per page in its page table and gives it back with ``release``.
-- ``get(key, layer)`` returns the encoded tensors of one layer of a page, promoting it from L3 to L2
-  (a page fault) when needed; ``None`` when the key is unknown.
+- ``get(key, layer)`` returns (a copy of) the encoded tensors of one layer of a page, promoting it from L3
+  to L2 (a page fault) when needed; ``None`` when the key is unknown. The hot path instead asks
+  ``slots(keys)`` once and reads many pages of a layer with ``arena.gather`` (L2 is one pinned arena).
 - When L2 holds more than ``l2_tokens`` the coldest pages are demoted to L3 (int4 + zstd files); when L3 is
   over ``l3_tokens`` (or disabled) the coldest unreferenced pages are dropped, and referenced ones stay in
   L2 over budget rather than being lost: nothing a live sequence needs is ever dropped.
@@ -51,7 +52,7 @@ def namespace_for(model_id: str, dtype: torch.dtype, config: CacheConfig) -> byt
 @dataclass
 class _Page:
     refs: int = 0
-    l2: dict | None = None       # encoded tensors, layers first (CPU, pinned when CUDA is used)
+    l2: int | None = None        # slot in the L2 arena
     l3: str | None = None        # file path
     summary: torch.Tensor | None = None  # [layers, kv_heads, 2, head_dim] key min/max, CPU
     heat: float = 0.0
@@ -72,10 +73,105 @@ class TierStats:
     corrupt_pages: int = 0        # L3 reads that failed verification: dropped, recomputed by the caller
 
 
+class L2Arena:
+    """L2 pages in one host tensor per codec field, laid out ``[layers, slots, ...]``: a page is a slot.
+
+    A sequence's pages sit in consecutive slots as they are written, so a layer's run of pages is one contiguous
+    host range: one copy to the device, no per-page Python (the hot path of exact attention and of prefill).
+    The tensors are pinned when the store serves a GPU, so those copies run asynchronously.
+    Overwriting a slot waits for the device's pending copies first (a freed slot may still be being read).
+    """
+
+    def __init__(self, pin: bool):
+        self.pin = pin
+        self.fields: dict[str, torch.Tensor] = {}
+        self.bits = None                      # the codec's "bits" marker, shared by every page
+        self.free: list[int] = []
+        self.capacity = 0
+
+    def _grow(self, enc: dict) -> None:
+        cap = max(64, self.capacity * 2)
+        new = {}
+        for name, t in enc.items():
+            if name == "bits":
+                continue
+            shape = (t.shape[0], cap) + tuple(t.shape[1:])
+            new[name] = _host_empty(shape, t.dtype, self.pin)
+            if self.fields:
+                with torch.inference_mode():
+                    new[name][:, :self.capacity].copy_(self.fields[name])
+        self.fields = new
+        self.free.extend(range(cap - 1, self.capacity - 1, -1))   # pop() hands out the lowest slot first
+        self.capacity = cap
+
+    def write(self, enc: dict) -> int:
+        """Store an encoded page (tensors ``[layers, ...]``, any device); returns its slot."""
+        if not self.free:
+            self._grow(enc)
+        if "bits" in enc:
+            self.bits = enc["bits"].cpu()
+        slot = self.free.pop()
+        if self.pin and torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.current_stream().synchronize()   # a device copy may still read this freed slot
+        with torch.inference_mode():
+            for name, t in enc.items():
+                if name != "bits":
+                    self.fields[name][:, slot].copy_(t)
+        return slot
+
+    def read(self, slot: int, layer: int | None = None) -> dict:
+        """Views of one page (all layers, or one)."""
+        out = {n: (t[:, slot] if layer is None else t[layer, slot]) for n, t in self.fields.items()}
+        if self.bits is not None:
+            out["bits"] = self.bits
+        return out
+
+    def release(self, slot: int) -> None:
+        self.free.append(slot)
+
+    def page_bytes(self) -> int:
+        return sum(t[:, 0].numel() * t.element_size() for t in self.fields.values())
+
+    def gather(self, layer: int, slots: list[int], device) -> dict:
+        """One layer of several pages, ``[len(slots), ...]`` per field, on ``device``: a view and one copy per
+        field when the slots are consecutive, else a host gather into pinned memory and one copy."""
+        out = {}
+        a = slots[0]
+        run = slots == list(range(a, a + len(slots)))
+        index = None if run else torch.tensor(slots)
+        for name, t in self.fields.items():
+            src = t[layer]
+            if run:
+                part = src[a:a + len(slots)]
+            else:
+                part = _host_empty((len(slots),) + tuple(src.shape[1:]), src.dtype, self.pin)
+                torch.index_select(src, 0, index, out=part)
+            out[name] = part.to(device, non_blocking=True)
+        if self.bits is not None:
+            out["bits"] = self.bits
+        return out
+
+
+def _host_empty(shape, dtype, pin: bool) -> torch.Tensor:
+    with torch.inference_mode(False):  # a normal tensor: writable inside and outside inference mode
+        return _host_alloc(shape, dtype, pin)
+
+
+def _host_alloc(shape, dtype, pin: bool) -> torch.Tensor:
+    if pin:
+        try:
+            return torch.empty(shape, dtype=dtype, pin_memory=True)
+        except RuntimeError:
+            pass  # no pinnable memory left: pageable memory works, only slower to copy
+    return torch.empty(shape, dtype=dtype)
+
+
 class PageStore:
     def __init__(self, config: CacheConfig, pin_memory: bool = False):
         self.config = config
         self.pin = pin_memory
+        self.arena = L2Arena(pin_memory)
+        self.epoch = 0  # bumped whenever a page leaves its L2 slot (callers may cache key -> slot until then)
         self.pages: "OrderedDict[bytes, _Page]" = OrderedDict()  # LRU order: oldest first
         self.lock = threading.RLock()
         self.stats = TierStats()
@@ -103,15 +199,11 @@ class PageStore:
                 return
             t0 = time.perf_counter()
             enc = codecs.encode(k, v, self.config.l2_codec)
-            enc = {n: self._host(t) for n, t in enc.items()}
+            slot = self.arena.write(enc)
             self.stats.codec_seconds += time.perf_counter() - t0
-            self.stats.bytes_to_l2 += codecs.nbytes(enc)
-            self.pages[key] = _Page(refs=1, l2=enc, summary=summary.to("cpu"))
+            self.stats.bytes_to_l2 += self.arena.page_bytes()
+            self.pages[key] = _Page(refs=1, l2=slot, summary=summary.to("cpu"))
             self._enforce_budgets()
-
-    def _host(self, t: torch.Tensor) -> torch.Tensor:
-        t = t.to("cpu", non_blocking=False).contiguous()
-        return t.pin_memory() if self.pin else t
 
     def _touch(self, key: bytes) -> _Page | None:
         """The page, marked most recently used; None (and a miss) if unknown. Call with the lock held."""
@@ -151,19 +243,43 @@ class PageStore:
                 try:
                     self._promote(key, page)
                 except PageCorrupt as exc:
-                    self.stats.corrupt_pages += 1
-                    self._warn_once("corrupt", f"flashguard: dropped an L3 page that failed verification ({exc}); "
-                                    "its tokens will be recomputed")
-                    self.disk.remove(page.l3)
-                    self.l3_pages -= 1
-                    del self.pages[key]
+                    self._drop_corrupt(key, page, exc)
                     return None
             else:
                 self.stats.hits["l2"] += 1
-            enc = page.l2
-        return enc if layer is None else {n: (t if n == "bits" else t[layer]) for n, t in enc.items()}
+            # copies: a view would change under the caller when a later call reuses this slot
+            return {n: t.clone() for n, t in self.arena.read(page.l2, layer).items()}
 
-    def _promote(self, key: bytes, page: _Page) -> None:
+    def slots(self, keys: list[bytes]) -> list[int] | None:
+        """L2 slots of ``keys`` (promoting pages from L3, none of these demoted meanwhile); None when one is
+        unknown or failed verification. Valid until ``epoch`` changes; read them with ``arena.gather``."""
+        with self.lock:
+            out = []
+            for key in keys:
+                page = self._touch(key)
+                if page is None:
+                    return None
+                page.heat += 1.0
+                if page.l2 is None:
+                    try:
+                        self._promote(key, page, protect=set(keys))
+                    except PageCorrupt as exc:
+                        self._drop_corrupt(key, page, exc)
+                        return None
+                else:
+                    self.stats.hits["l2"] += 1
+                out.append(page.l2)
+            return out
+
+    def _drop_corrupt(self, key: bytes, page: _Page, exc: Exception) -> None:
+        self.stats.corrupt_pages += 1
+        self._warn_once("corrupt", f"flashguard: dropped an L3 page that failed verification ({exc}); "
+                        "its tokens will be recomputed")
+        self.disk.remove(page.l3)
+        self.l3_pages -= 1
+        del self.pages[key]
+
+    def _promote(self, key: bytes, page: _Page, protect: set | None = None) -> None:
         t0 = time.perf_counter()
         blob = self.disk.read(key, page.l3)
         self.stats.disk_seconds += time.perf_counter() - t0
@@ -177,16 +293,16 @@ class PageStore:
             raise PageCorrupt(f"undecodable page: {exc}") from exc
         enc = codecs.encode(k, v, self.config.l2_codec)
         self.stats.codec_seconds += time.perf_counter() - t0
-        page.l2 = {n: self._host(t) for n, t in enc.items()}
-        self._enforce_budgets(protect=key)
+        page.l2 = self.arena.write(enc)
+        self._enforce_budgets(protect=(protect or set()) | {key})
 
     # ---- budgets --------------------------------------------------------------------------
-    def _enforce_budgets(self, protect: bytes | None = None) -> None:
-        in_l2 = [k for k, p in self.pages.items() if p.l2 is not None]
-        excess = len(in_l2) - self.l2_pages_max
+    def _enforce_budgets(self, protect: set = frozenset()) -> None:
+        excess = self.arena.capacity - len(self.arena.free) - self.l2_pages_max
         if excess <= 0:
             return
-        victims = sorted((k for k in in_l2 if k != protect), key=lambda k: self.pages[k].heat)
+        in_l2 = [k for k, p in self.pages.items() if p.l2 is not None]
+        victims = sorted((k for k in in_l2 if k not in protect), key=lambda k: self.pages[k].heat)
         for key in victims[:excess]:
             self._demote(key, self.pages[key])
         for p in self.pages.values():
@@ -196,7 +312,7 @@ class PageStore:
         if page.l3 is None and self.disk is not None and self.l3_pages < self.l3_pages_max:
             try:
                 t0 = time.perf_counter()
-                k, v = codecs.decode(page.l2, torch.float32)
+                k, v = codecs.decode(self.arena.read(page.l2), torch.float32)
                 blob = codecs.to_bytes(codecs.encode(k, v, self.config.l3_codec))
                 self.stats.codec_seconds += time.perf_counter() - t0
                 t0 = time.perf_counter()
@@ -207,9 +323,11 @@ class PageStore:
             except OSError as exc:
                 self.stats.disk_errors += 1
                 self._disk_warning(f"cannot write to the L3 folder {self.l3_dir}: {exc.strerror or exc}")
-        if page.l3 is not None:
+        if page.l3 is not None or page.refs == 0:
+            self.arena.release(page.l2)
             page.l2 = None
-        elif page.refs == 0:
+            self.epoch += 1
+        if page.l3 is None and page.refs == 0:
             del self.pages[key]  # unreferenced and no room on disk: forget it (a later miss recomputes)
         # else: referenced and L3 unavailable -> stays in L2 over budget; nothing a sequence needs is lost
 
@@ -226,9 +344,9 @@ class PageStore:
     # ---- introspection --------------------------------------------------------------------
     def tier_counts(self) -> dict:
         with self.lock:
-            return {"l2_pages": sum(p.l2 is not None for p in self.pages.values()),
-                    "l3_pages": self.l3_pages, "pages": len(self.pages),
-                    "l2_bytes": sum(codecs.nbytes(p.l2) for p in self.pages.values() if p.l2 is not None)}
+            l2 = sum(p.l2 is not None for p in self.pages.values())
+            return {"l2_pages": l2, "l3_pages": self.l3_pages, "pages": len(self.pages),
+                    "l2_bytes": l2 * self.arena.page_bytes(), "l2_arena_slots": self.arena.capacity}
 
     def stats_dict(self) -> dict:
         s = self.stats
@@ -244,6 +362,10 @@ class PageStore:
                 assert p.refs >= 0, f"negative refcount on {key.hex()}"
                 assert p.l2 is not None or p.l3 is not None, f"page {key.hex()} is in no tier"
             assert self.l3_pages == sum(p.l3 is not None for p in self.pages.values()), "L3 page count drifted"
+            slots = [p.l2 for p in self.pages.values() if p.l2 is not None]
+            assert len(set(slots)) == len(slots), "two pages share an L2 slot"
+            assert not set(slots) & set(self.arena.free), "a page's L2 slot is also free"
+            assert len(slots) + len(self.arena.free) == self.arena.capacity, "an L2 slot leaked"
             for key, p in self.pages.items():
                 if p.l3 is not None:
                     assert p.l3.startswith(self.l3_dir), f"L3 file of {key.hex()} is outside the L3 folder"
