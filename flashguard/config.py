@@ -111,6 +111,8 @@ class EngineConfig:
     weights        "float" (as stored) or "int4": a float model is AWQ-quantized once (group size 64) and
                    cached in the user cache folder; an AWQ checkpoint is always loaded in int4.
     int4_kernel    "auto" (torch's int4 kernel for the device), "cuda", "cpu" or "dequant" (any device).
+    cuda_graphs    record one-token decode steps of Llama/Qwen2 models as CUDA graphs (engine/decode_step.py);
+                   false runs the same steps eagerly.
     system_prompt  system message used when the conversation has none; None = the template's default.
     """
 
@@ -129,6 +131,7 @@ class EngineConfig:
     vram_budget: int | None = None
     weights: str = "float"
     int4_kernel: str = "auto"
+    cuda_graphs: bool = True
     system_prompt: str | None = None
 
     def __post_init__(self) -> None:

@@ -24,8 +24,11 @@ from . import emit
 
 
 def decode_speed(model, ctx: int, steps: int, chunk: int, vocab: int) -> dict:
+    """Prefill ``ctx`` tokens, then time ``steps`` greedy steps twice on the same DynamicCache: the model's forward
+    (eager, what transformers runs) and flashguard's DecodeStep (the layers as CUDA graphs, as the engine runs)."""
     from transformers import DynamicCache
 
+    from flashguard.engine.decode_step import DecodeStep
     from flashguard.engine.engine import cache_kwarg
 
     kwarg = cache_kwarg(model)
@@ -47,8 +50,19 @@ def decode_speed(model, ctx: int, steps: int, chunk: int, vocab: int) -> dict:
             tok = model(input_ids=tok, **{kwarg: cache}, logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
         torch.cuda.synchronize()
         decode = time.perf_counter() - t0
-    del cache
-    return {"prefill_tok_s": ctx / prefill, "decode_tok_s": steps / decode, "step_ms": 1e3 * decode / steps}
+        step = DecodeStep(model)
+        t = int(tok[0, 0])
+        for _ in range(3):
+            t = int(step.step(t, cache).argmax())
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            t = int(step.step(t, cache).argmax())
+        torch.cuda.synchronize()
+        graphs = time.perf_counter() - t0
+    del cache, step
+    return {"prefill_tok_s": ctx / prefill, "decode_tok_s": steps / decode, "step_ms": 1e3 * decode / steps,
+            "graph_decode_tok_s": steps / graphs}
 
 
 def kernel_table(cfg, group: int, iters: int = 200) -> list[dict]:
@@ -128,6 +142,7 @@ def main(argv=None) -> int:
             speed = decode_speed(model, ctx, args.steps, args.chunk, cfg.vocab_size)
             row[f"decode_tok_s_{ctx}"] = speed["decode_tok_s"]
             row[f"prefill_tok_s_{ctx}"] = speed["prefill_tok_s"]
+            row[f"graph_decode_tok_s_{ctx}"] = speed["graph_decode_tok_s"]
         result["rows"].append(row)
         print(json.dumps(row), flush=True)
         del model
@@ -139,16 +154,18 @@ def render(result, contexts) -> str:
     rows = {r["weights"]: r for r in result["rows"]}
     lines = [f"{result['device']}, torch {result['torch']}; random-weight DeepSeek-R1-Distill-Qwen-1.5B shape; "
              f"int4 kernel vs reference dequantization: max rel. error {result['kernel_rel_err']:.2e}", "",
-             "| weights | weight GiB | " + " | ".join(f"prefill tok/s @{c} | decode tok/s @{c}" for c in contexts)
-             + " |", "|---|---|" + "---|---|" * len(contexts)]
+             "Decode twice in the same loop: `eager` = the model's forward, `graphs` = flashguard's DecodeStep "
+             "(the engine's decode path).", "",
+             "| weights | weight GiB | " + " | ".join(
+                 f"prefill tok/s @{c} | eager decode tok/s @{c} | graphs decode tok/s @{c}" for c in contexts)
+             + " |", "|---|---|" + "---|---|---|" * len(contexts)]
+    keys = [f"{k}_{c}" for c in contexts for k in ("prefill_tok_s", "decode_tok_s", "graph_decode_tok_s")]
     for name in ("fp16", "int4"):
         r = rows[name]
-        lines.append(f"| {name} | {r['weight_gib']:.3f} | " + " | ".join(
-            f"{r[f'prefill_tok_s_{c}']:.0f} | {r[f'decode_tok_s_{c}']:.1f}" for c in contexts) + " |")
+        lines.append(f"| {name} | {r['weight_gib']:.3f} | " + " | ".join(f"{r.get(k, float('nan')):.1f}" for k in keys)
+                     + " |")
     lines.append("| int4 / fp16 | {:.2f}x | ".format(rows["int4"]["weight_gib"] / rows["fp16"]["weight_gib"]) + " | ".join(
-        "{:.2f}x | {:.2f}x".format(rows["int4"][f"prefill_tok_s_{c}"] / rows["fp16"][f"prefill_tok_s_{c}"],
-                                   rows["int4"][f"decode_tok_s_{c}"] / rows["fp16"][f"decode_tok_s_{c}"])
-        for c in contexts) + " |")
+        "{:.2f}x".format(rows["int4"].get(k, float("nan")) / rows["fp16"].get(k, float("nan"))) for k in keys) + " |")
     lines += ["", "Kernel level, one token (CUDA events, microseconds per call):", "",
               "| linear | in x out | fp16 us | int4 us | int4 speed-up |", "|---|---|---|---|---|"]
     tot16 = tot4 = 0.0

@@ -22,7 +22,19 @@ from ..vram.plan import deepseek_1_5b_config
 from . import emit
 
 
-def run_row(model, make_cache, ids, chunk, steps, kwarg):
+WARMUP_STEPS = 2  # untimed decode steps of every row (lazy inits, the decode step's CUDA graphs)
+
+
+def decode_one(model, cache, tok, kwarg, step):
+    """One greedy step: the engine's DecodeStep when given, else the model's forward (what transformers runs)."""
+    if hasattr(cache, "feed"):
+        cache.feed(tok[0].tolist())
+    if step is not None:
+        return step.step(int(tok[0, 0]), cache).argmax(-1).view(1, 1)
+    return model(input_ids=tok, **{kwarg: cache}, logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
+
+
+def run_row(model, make_cache, ids, chunk, steps, kwarg, step=None):
     torch.cuda.synchronize()
     gc.collect()
     torch.cuda.empty_cache()
@@ -41,11 +53,12 @@ def run_row(model, make_cache, ids, chunk, steps, kwarg):
         torch.cuda.synchronize()
         prefill = time.perf_counter() - t0
         tok = logits[:, -1].argmax(-1, keepdim=True)
+        for _ in range(WARMUP_STEPS):
+            tok = decode_one(model, cache, tok, kwarg, step)
+        torch.cuda.synchronize()
         t0 = time.perf_counter()
         for _ in range(steps):
-            if hasattr(cache, "feed"):
-                cache.feed(tok[0].tolist())
-            tok = model(input_ids=tok, **{kwarg: cache}, logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
+            tok = decode_one(model, cache, tok, kwarg, step)
         torch.cuda.synchronize()
         decode = time.perf_counter() - t0
     row = {"prefill_s": prefill, "decode_tok_s": steps / decode if steps else 0.0,
@@ -66,7 +79,10 @@ def main(argv=None) -> int:
     ap.add_argument("--chunk", type=int, default=4096)
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--exact-steps", type=int, default=8)
-    ap.add_argument("--rows", nargs="+", default=["dynamic", "offloaded", "exact", "sparse"])
+    ap.add_argument("--rows", nargs="+", default=["dynamic", "offloaded", "exact", "sparse"],
+                    help="dynamic, offloaded (transformers' forward), exact, sparse (flashguard's decode step, CUDA "
+                         "graphs), sparse-eager (TieredCache under transformers' forward), dynamic-step "
+                         "(DynamicCache under flashguard's decode step: what the graphs alone give)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--json", default=None)
     ap.add_argument("--profile", default=None, help="write a torch.profiler table of 4 sparse decode steps here")
@@ -76,6 +92,7 @@ def main(argv=None) -> int:
 
     from flashguard import CacheConfig
     from flashguard.engine.engine import cache_kwarg
+    from flashguard.engine.decode_step import DecodeStep
     from flashguard.kv.cache import TieredCache
 
     torch.manual_seed(0)
@@ -88,22 +105,24 @@ def main(argv=None) -> int:
     kv = CacheConfig(page_size=64, l1_tokens=2048, sink_tokens=64, l2_tokens=262144, l3_tokens=0,
                      budget_tokens=2048, l1_max_tokens=4096)
     results = []
+    step = DecodeStep(model)
     for ctx in args.contexts:
         ids = torch.randint(0, cfg.vocab_size, (1, ctx), device="cuda")
         for name in args.rows:
             def make():
-                if name == "dynamic":
+                if name in ("dynamic", "dynamic-step"):
                     model.set_attn_implementation("sdpa")
                     return DynamicCache(config=cfg)
                 if name == "offloaded":
                     model.set_attn_implementation("sdpa")
                     return DynamicCache(config=cfg, offloading=True)
-                policy = "exact" if name == "exact" else "sparse"
+                policy = "exact" if name == "exact" else "sparse"   # sparse, sparse-eager
                 return TieredCache(cfg, CacheConfig(**{**kv.__dict__, "policy": policy})).attach(model)
 
             steps = args.exact_steps if name == "exact" else args.steps
             try:
-                row = run_row(model, make, ids, args.chunk, steps, kwarg)
+                uses_step = name in ("exact", "sparse", "dynamic-step")
+                row = run_row(model, make, ids, args.chunk, steps, kwarg, step if uses_step else None)
             except torch.cuda.OutOfMemoryError as exc:
                 row = {"error": f"OOM: {str(exc)[:80]}"}
             except Exception as exc:  # a row that breaks is reported, the others still run
@@ -118,12 +137,12 @@ def main(argv=None) -> int:
                 with open(args.json, "w") as fh:
                     json.dump({"weights_gib": weights_gib, "rows": results}, fh, indent=1)
     if args.profile:
-        profile_sparse(model, cfg, kv, kwarg, args.contexts[-1], args.chunk, args.profile)
+        profile_sparse(model, cfg, kv, kwarg, args.contexts[-1], args.chunk, args.profile, step)
     emit(render(results, weights_gib), {"weights_gib": weights_gib, "rows": results}, args.out, args.json)
     return 0
 
 
-def profile_sparse(model, cfg, kv, kwarg, ctx, chunk, path) -> None:
+def profile_sparse(model, cfg, kv, kwarg, ctx, chunk, path, step) -> None:
     """Where a sparse decode step spends its time (CPU and CUDA), after a prefill of ``ctx`` tokens."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -138,12 +157,10 @@ def profile_sparse(model, cfg, kv, kwarg, ctx, chunk, path) -> None:
             model(input_ids=ids[:, a:a + chunk], **{kwarg: cache}, logits_to_keep=1)
         tok = ids[:, -1:]
         for _ in range(4):  # warm the hot set
-            cache.feed(tok[0].tolist())
-            tok = model(input_ids=tok, **{kwarg: cache}, logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
+            tok = decode_one(model, cache, tok, kwarg, step)
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for _ in range(4):
-                cache.feed(tok[0].tolist())
-                tok = model(input_ids=tok, **{kwarg: cache}, logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
+                tok = decode_one(model, cache, tok, kwarg, step)
             torch.cuda.synchronize()
     with open(path, "w") as fh:
         fh.write(prof.key_averages().table(sort_by="cpu_time_total", row_limit=30))

@@ -26,6 +26,7 @@ import torch
 from ..config import EngineConfig
 from ..errors import GpuMemoryError, PromptError
 from . import loader
+from .decode_step import DecodeStep
 from .sampling import SamplingParams, StopMatcher, choose
 from .stats import EngineStats
 
@@ -105,6 +106,8 @@ class Engine:
         self.eos_ids = self._eos_ids()
         self._cache_kwarg = cache_kwarg(self.model)
         self._use_causal_sdpa()
+        self._step = DecodeStep(self.model, graphs=config.cuda_graphs and self.device.type == "cuda") \
+            if DecodeStep.supports(self.model) else None
         self.session_ids: list[int] = []
         self._cache = None
         self.store = None  # the tiered cache's PageStore (cache: tiered)
@@ -376,9 +379,13 @@ class Engine:
                     layer.keys, layer.values = keys[..., :keep, :], layer.values[..., :keep, :]
 
     def _forward_once(self, tokens: list[int]) -> torch.Tensor:
-        inp = torch.tensor([tokens], dtype=torch.long, device=self.device)
         if hasattr(self._cache, "feed"):
             self._cache.feed(tokens)
+        if len(tokens) == 1 and self._step is not None:  # a decode step: graphs (CUDA) or the lean eager path
+            logits = self._step.step(tokens[0], self._cache)
+            self.session_ids.extend(tokens)
+            return logits
+        inp = torch.tensor([tokens], dtype=torch.long, device=self.device)
         with torch.inference_mode():
             out = self.model(input_ids=inp, **{self._cache_kwarg: self._cache}, use_cache=True, logits_to_keep=1)
         self.session_ids.extend(tokens)

@@ -22,7 +22,8 @@ loads = 0  # how many times weights were loaded in this process (tests read it)
 def engine_key(config: EngineConfig, source: loader.ModelSource) -> tuple:
     device = loader.resolve_device(config.device)
     return (source.identity, str(device), str(loader.resolve_dtype(config.dtype, device)), config.cache, config.kv,
-            config.max_context, config.prefill_chunk, config.system_prompt, config.weights, config.int4_kernel)
+            config.max_context, config.prefill_chunk, config.system_prompt, config.weights, config.int4_kernel,
+            config.cuda_graphs)
 
 
 def get_engine(config: EngineConfig) -> Engine:

@@ -63,6 +63,7 @@ def run(args) -> dict:
     from transformers import DynamicCache
 
     from ..config import CacheConfig, parse_bytes
+    from ..engine.decode_step import DecodeStep
     from ..engine.engine import apply_vram_budget, cache_kwarg
     from ..kv.cache import TieredCache
     from ..kv.store import PageStore
@@ -109,6 +110,7 @@ def run(args) -> dict:
         sync()
         prefill_s = time.perf_counter() - t0
         tok = logits[:, -1].argmax(-1, keepdim=True)
+        step = DecodeStep(model) if DecodeStep.supports(model) else None   # the engine's decode path
         before = store.stats_dict() if store else None
         alloc0 = torch.cuda.memory_stats(device)["allocated_bytes.all.allocated"] if cuda else 0
         energy0 = _energy_mj(device.index or 0) if cuda else None
@@ -118,7 +120,10 @@ def run(args) -> dict:
             t = time.perf_counter()
             if hasattr(cache, "feed"):
                 cache.feed(tok[0].tolist())
-            tok = model(input_ids=tok, **{kwarg: cache}, logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
+            if step is not None:
+                tok = step.step(int(tok[0, 0]), cache).argmax(-1).view(1, 1)
+            else:
+                tok = model(input_ids=tok, **{kwarg: cache}, logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
             sync()
             lat.append(time.perf_counter() - t)
         decode_s = time.perf_counter() - t_dec

@@ -1,0 +1,145 @@
+"""One-token decode steps for plain causal Llama / Qwen2 models, with the model's layers captured as CUDA graphs.
+
+Why: a decode step of a small model in eager PyTorch is bound by the host, not the GPU. Each layer launches ~30
+small kernels from Python; for the DeepSeek-R1-Distill-Qwen-1.5B shape on an H200 host that is 60-110 ms a step
+against a few ms of GPU work (docs/benchmarks/kv_h200.md). ``DecodeStep`` runs the model's own modules (norms,
+projections, MLP, ``lm_head``) but records everything *between two attention calls* as one CUDA graph segment
+(layers + 1 graphs a step) and calls the cache's attention eagerly in between: a TieredCache decides on the host,
+step by step, which pages to bring, which a replayed graph cannot do. On a CPU, or when capture fails, the same
+segments run eagerly (the tests compare them with the model's forward).
+
+Contract:
+- ``DecodeStep.supports(model)``: a plain causal Llama / Qwen2 decoder (``attention.plain_causal``) whose modules
+  have the standard names; anything else keeps the model's forward.
+- ``step(token_id, cache) -> logits [vocab]`` appends one token at position ``cache.get_seq_length()``, updating
+  ``cache`` exactly as the model's forward would (``cache.update``; a TieredCache then ``attend``s, any other
+  Cache gets one fused attention call over what ``update`` returned).
+- Batch size 1. The graphs hold a few MB of activations; they are made at the first step.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from ..kv import attention
+
+log = logging.getLogger("flashguard")
+
+
+class DecodeStep:
+    def __init__(self, model, graphs: bool | None = None):
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+        self.rope = apply_rotary_pos_emb
+        inner = model.model
+        self.embed, self.layers, self.norm, self.lm_head = inner.embed_tokens, inner.layers, inner.norm, model.lm_head
+        self.rotary = inner.rotary_emb
+        first = self.layers[0].self_attn
+        self.head_dim, self.scaling = first.head_dim, first.scaling
+        weight = self.embed.weight
+        self.device, self.dtype = weight.device, weight.dtype
+        self.use_graphs = self.device.type == "cuda" if graphs is None else graphs
+        n = len(self.layers)
+        hq = model.config.num_attention_heads
+        self.token = torch.zeros((1, 1), dtype=torch.long, device=self.device)
+        self.position = torch.zeros((1, 1), dtype=torch.long, device=self.device)
+        self.attn_out = [torch.zeros((1, 1, hq * self.head_dim), dtype=self.dtype, device=self.device)
+                         for _ in range(n)]
+        self.graphs: list | None = None
+        self.outputs: list | None = None
+
+    @staticmethod
+    def supports(model) -> bool:
+        inner = getattr(model, "model", None)
+        if inner is None or not attention.plain_causal(model.config):
+            return False
+        names = ("embed_tokens", "layers", "norm", "rotary_emb")
+        if not all(hasattr(inner, n) for n in names) or not hasattr(model, "lm_head"):
+            return False
+        layer = inner.layers[0]
+        return all(hasattr(layer.self_attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")) and not \
+            hasattr(layer.self_attn, "q_norm")
+
+    # ---- the segments ----------------------------------------------------------------------
+    def _segment(self, i: int, inputs: tuple) -> tuple:
+        """Work between attention ``i - 1`` and attention ``i``. Segment 0 embeds the token and computes the
+        rotary angles; the last one (``i == layers``) ends with the final norm and ``lm_head``."""
+        if i == 0:
+            h = self.embed(self.token)
+            cos, sin = self.rotary(h, self.position)
+        else:
+            h, cos, sin = inputs
+            prev = self.layers[i - 1]
+            h = h + prev.self_attn.o_proj(self.attn_out[i - 1])
+            h = h + prev.mlp(prev.post_attention_layernorm(h))
+        if i == len(self.layers):
+            return (self.lm_head(self.norm(h))[0, -1],)
+        attn = self.layers[i].self_attn
+        x = self.layers[i].input_layernorm(h)
+        q = attn.q_proj(x).view(1, 1, -1, self.head_dim).transpose(1, 2)
+        k = attn.k_proj(x).view(1, 1, -1, self.head_dim).transpose(1, 2)
+        v = attn.v_proj(x).view(1, 1, -1, self.head_dim).transpose(1, 2)
+        q, k = self.rope(q, k, cos, sin)
+        return h, cos, sin, q, k, v
+
+    def _attend(self, i: int, cache, q, k, v) -> None:
+        layer = cache.layers[i]
+        if not hasattr(layer, "attend"):  # a cache that may keep the tensors it is given: not the graph's outputs
+            k, v = k.clone(), v.clone()
+        k_all, v_all = cache.update(k, v, i)
+        if hasattr(layer, "attend"):   # a TieredLayer: its own tiers
+            out = layer.attend(q[0], self.scaling)                          # [Hq, 1, D]
+        else:  # one query over every key: the query heads of a KV head are rows of one fused-kernel call
+            kvh = k_all.shape[1]
+            qg = q[0].reshape(kvh, q.shape[1] // kvh, 1, self.head_dim)
+            out = attention.segment(qg, k_all[0], v_all[0], self.scaling)[0]
+        self.attn_out[i].copy_(out.reshape(1, 1, -1))
+
+    # ---- running -------------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self, token_id: int, cache) -> torch.Tensor:
+        self.token.fill_(int(token_id))
+        self.position.fill_(cache.get_seq_length())
+        if self.use_graphs and self.graphs is None:
+            self._capture()
+        n = len(self.layers)
+        if self.graphs is None:  # eager: the same segments
+            out = self._segment(0, ())
+            for i in range(n):
+                self._attend(i, cache, *out[3:])
+                out = self._segment(i + 1, out[:3])
+            return out[0]
+        for i in range(n):
+            self.graphs[i].replay()
+            self._attend(i, cache, *self.outputs[i][3:])
+        self.graphs[n].replay()
+        return self.outputs[n][0].clone()  # the graph's own output changes at the next replay
+
+    def _capture(self) -> None:
+        """Record the layers + 1 segments, each reading the previous one's outputs, in one memory pool."""
+        try:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # warm up outside capture (lazy inits, kernel choices)
+                out = self._segment(0, ())
+                for i in range(1, len(self.layers) + 1):
+                    out = self._segment(i, out[:3])
+            torch.cuda.current_stream().wait_stream(side)
+            pool = torch.cuda.graph_pool_handle()
+            graphs, outputs, prev = [], [], ()
+            for i in range(len(self.layers) + 1):
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=pool):
+                    out = self._segment(i, prev)
+                graphs.append(g)
+                outputs.append(out)
+                prev = out[:3]
+            self.graphs, self.outputs = graphs, outputs
+        except torch.cuda.OutOfMemoryError:
+            raise
+        except RuntimeError as exc:  # a module that cannot be captured: stay eager, say so once
+            log.warning("flashguard: decode runs without CUDA graphs (%s)", exc)
+            self.use_graphs = False
+            self.graphs = self.outputs = None

@@ -1,0 +1,89 @@
+"""DecodeStep (the engine's one-token step: CUDA graphs on a GPU, the same segments eagerly here) against the
+model's own forward, with a DynamicCache and with a TieredCache whose three tiers are in use."""
+
+import pydoc_data.topics as topics
+import pytest
+import torch
+from transformers import DynamicCache
+
+from flashguard import CacheConfig
+from flashguard.engine.decode_step import DecodeStep
+from flashguard.kv.cache import TieredCache
+
+pytestmark = pytest.mark.slow
+
+TIERS = dict(page_size=32, l1_tokens=128, sink_tokens=32, l2_tokens=256, l1_max_tokens=256, budget_tokens=256)
+
+
+def prefill(model, cache, ids):
+    for a in range(0, len(ids), 200):
+        if hasattr(cache, "feed"):
+            cache.feed(ids[a:a + 200])
+        with torch.inference_mode():
+            logits = model(input_ids=torch.tensor([ids[a:a + 200]]), past_key_values=cache).logits[0, -1]
+    return logits
+
+
+def steps_both_ways(model, make_cache, ids, steps):
+    """Greedy steps from the same prefix: DecodeStep on one cache, model(...) on another; their logits."""
+    ours, theirs = make_cache(), make_cache()
+    step = DecodeStep(model, graphs=False)
+    token = int(prefill(model, ours, ids).argmax())
+    assert token == int(prefill(model, theirs, ids).argmax())
+    a, b = [], []
+    for _ in range(steps):
+        for c in (ours, theirs):
+            if hasattr(c, "feed"):
+                c.feed([token])
+        a.append(step.step(token, ours).float())
+        with torch.inference_mode():
+            b.append(model(input_ids=torch.tensor([[token]]), past_key_values=theirs).logits[0, -1].float())
+        token = int(b[-1].argmax())
+    return torch.stack(a), torch.stack(b), ours
+
+
+def test_supports_plain_causal_llama_and_qwen2_only(engine):
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    assert DecodeStep.supports(engine.model)  # SmolLM2: Llama
+    gemma = Gemma3TextConfig(hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                             num_key_value_heads=1, head_dim=32, vocab_size=128)
+    assert not DecodeStep.supports(Gemma3ForCausalLM(gemma))  # sliding-window layers keep the model's forward
+
+
+@pytest.mark.parametrize("kind", ["dynamic", "tiered-exact", "tiered-sparse"])
+def test_smollm2_steps_match_the_models_forward(engine, kind):
+    text = "".join(topics.topics[k] for k in sorted(topics.topics)[:8])
+    ids = engine.tokenizer(text)["input_ids"][:700]
+    model = engine.model
+    if kind == "dynamic":
+        def make():
+            return DynamicCache(config=model.config)
+    else:
+        policy = kind.split("-")[1]
+
+        def make():
+            return TieredCache(model.config, CacheConfig(**TIERS, policy=policy)).attach(model)
+    ours, theirs, cache = steps_both_ways(model, make, ids, 40)
+    torch.testing.assert_close(ours, theirs, atol=2e-4, rtol=1e-4)
+    assert (ours.argmax(-1) == theirs.argmax(-1)).all()
+    if kind != "dynamic":
+        assert cache.length == len(ids) + 40 and cache.layers[0].win_start > 32  # pages left L1
+        cache.check_integrity()
+
+
+def test_qwen2_shape_with_biases_matches(text_ids=None):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                      num_hidden_layers=4, intermediate_size=512, vocab_size=300, max_position_embeddings=4096)
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(cfg).double().eval()
+    assert DecodeStep.supports(model) and model.model.layers[0].self_attn.q_proj.bias is not None
+    ids = torch.randint(0, 300, (500,), generator=torch.Generator().manual_seed(1)).tolist()
+
+    def make():
+        return TieredCache(cfg, CacheConfig(**TIERS, policy="exact", l2_codec="fp16",
+                                            l3_codec="fp16-zstd")).attach(model)
+    ours, theirs, _ = steps_both_ways(model, make, ids, 20)
+    torch.testing.assert_close(ours, theirs, atol=1e-9, rtol=1e-9)

@@ -1,0 +1,67 @@
+"""Paths that exist only on a CUDA GPU (skipped elsewhere; run on the device machine): the fused attention
+segments with their log-sum-exp, and CUDA-graph decode steps against the same steps run eagerly."""
+
+import pytest
+import torch
+
+from flashguard import CacheConfig
+from flashguard.kv import attention
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("lq", [1, 300])
+def test_fused_segment_matches_the_einsum_path(causal, lq):
+    if causal and lq == 1:
+        pytest.skip("one query is never causal here")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    kvh, grp, d, n = 2, 6, 128, lq if causal else 1000
+    q = torch.randn(kvh, grp, lq, d, device="cuda", generator=g, dtype=torch.float16)
+    k = torch.randn(kvh, n, d, device="cuda", generator=g, dtype=torch.float16)
+    v = torch.randn(kvh, n, d, device="cuda", generator=g, dtype=torch.float16)
+    mask = torch.ones(lq, n, dtype=torch.bool, device="cuda").tril_(n - lq) if causal else None
+    o_ref, lse_ref = attention.partial_attention(q.float(), k.float(), v.float(), d ** -0.5, mask)
+    o, lse = attention.segment(q, k, v, d ** -0.5, causal=causal)
+    assert attention._FUSED[(q.device.index, q.dtype)] in ("flash", "efficient")
+    torch.testing.assert_close(o.float(), o_ref, atol=3e-3, rtol=3e-3)
+    torch.testing.assert_close(lse, lse_ref, atol=3e-3, rtol=3e-3)
+
+
+@pytest.mark.parametrize("policy", ["exact", "sparse"])
+def test_graph_steps_match_eager_steps(policy):
+    from transformers import DynamicCache, Qwen2Config, Qwen2ForCausalLM
+
+    from flashguard.engine.decode_step import DecodeStep
+    from flashguard.kv.cache import TieredCache
+
+    cfg = Qwen2Config(hidden_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=128,
+                      num_hidden_layers=6, intermediate_size=1024, vocab_size=1000, max_position_embeddings=8192)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = Qwen2ForCausalLM(cfg).to(torch.float16).eval()
+    tiers = CacheConfig(page_size=64, l1_tokens=256, sink_tokens=64, l1_max_tokens=512, budget_tokens=256,
+                        l3_tokens=0, policy=policy)  # L2 only: the GPU machine lacks cryptography (L3 sealing)
+    ids = torch.randint(0, 1000, (1, 3000), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    graphs, eager = DecodeStep(model), DecodeStep(model, graphs=False)
+    outs = []
+    for step in (graphs, eager):
+        cache = TieredCache(cfg, tiers).attach(model)
+        with torch.inference_mode():
+            for a in range(0, 3000, 1000):
+                cache.feed(ids[0, a:a + 1000].tolist())
+                tok = int(model(input_ids=ids[:, a:a + 1000], past_key_values=cache).logits[0, -1].argmax())
+        logits = []
+        for _ in range(24):
+            cache.feed([tok])
+            row = step.step(tok, cache).float()
+            logits.append(row)
+            tok = int(row.argmax())
+        outs.append(torch.stack(logits))
+        cache.check_integrity()
+    assert graphs.graphs is not None and eager.graphs is None
+    torch.testing.assert_close(outs[0], outs[1], atol=2e-2, rtol=2e-2)
+    dyn = DynamicCache(config=cfg)
+    with torch.inference_mode():
+        model(input_ids=ids[:, :2000], past_key_values=dyn)
+    assert graphs.step(5, dyn).shape == (1000,)  # any Cache works under the graphs
