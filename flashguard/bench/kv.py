@@ -85,7 +85,8 @@ def main(argv=None) -> int:
                          "(DynamicCache under flashguard's decode step: what the graphs alone give)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--json", default=None)
-    ap.add_argument("--profile", default=None, help="write a torch.profiler table of 4 sparse decode steps here")
+    ap.add_argument("--profile", default=None, help="write torch.profiler tables of 4 sparse and 4 exact decode "
+                    "steps at the last context here")
     args = ap.parse_args(argv)
 
     from transformers import DynamicCache, Qwen2ForCausalLM
@@ -137,19 +138,22 @@ def main(argv=None) -> int:
                 with open(args.json, "w") as fh:
                     json.dump({"weights_gib": weights_gib, "rows": results}, fh, indent=1)
     if args.profile:
-        profile_sparse(model, cfg, kv, kwarg, args.contexts[-1], args.chunk, args.profile, step)
+        with open(args.profile, "w") as fh:
+            for policy in ("sparse", "exact"):
+                fh.write(f"## {policy}, {args.contexts[-1]} tokens, 4 decode steps\n\n")
+                fh.write(profile_steps(model, cfg, kv, kwarg, args.contexts[-1], args.chunk, step, policy) + "\n\n")
     emit(render(results, weights_gib), {"weights_gib": weights_gib, "rows": results}, args.out, args.json)
     return 0
 
 
-def profile_sparse(model, cfg, kv, kwarg, ctx, chunk, path, step) -> None:
-    """Where a sparse decode step spends its time (CPU and CUDA), after a prefill of ``ctx`` tokens."""
+def profile_steps(model, cfg, kv, kwarg, ctx, chunk, step, policy) -> str:
+    """Where a decode step of ``policy`` spends its time (CPU and CUDA), after a prefill of ``ctx`` tokens."""
     from torch.profiler import ProfilerActivity, profile
 
     from flashguard import CacheConfig
     from flashguard.kv.cache import TieredCache
 
-    cache = TieredCache(cfg, CacheConfig(**{**kv.__dict__, "policy": "sparse"})).attach(model)
+    cache = TieredCache(cfg, CacheConfig(**{**kv.__dict__, "policy": policy})).attach(model)
     ids = torch.randint(0, cfg.vocab_size, (1, ctx), device="cuda")
     with torch.inference_mode():
         for a in range(0, ctx, chunk):
@@ -162,8 +166,7 @@ def profile_sparse(model, cfg, kv, kwarg, ctx, chunk, path, step) -> None:
             for _ in range(4):
                 tok = decode_one(model, cache, tok, kwarg, step)
             torch.cuda.synchronize()
-    with open(path, "w") as fh:
-        fh.write(prof.key_averages().table(sort_by="cpu_time_total", row_limit=30))
+    return prof.key_averages().table(sort_by="cpu_time_total", row_limit=30)
 
 
 def render(results, weights_gib) -> str:

@@ -36,6 +36,15 @@ FETCH_BLOCK_TOKENS = 32768  # tokens of pages decoded and attended at once on a 
 FETCH_BLOCK_TOKENS_CPU = 4096  # on the einsum path the scores of a block are materialised: keep them small
 
 
+def _index(values: list[int], device: torch.device) -> torch.Tensor:
+    """An index tensor on ``device``; on a GPU copied from pinned memory without waiting (a copy from pageable
+    memory synchronises the stream first)."""
+    t = torch.tensor(values, dtype=torch.long)
+    if device.type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 class PageLost(RuntimeError):
     """A page this cache needs is gone from the store (it failed verification, or could not be kept).
 
@@ -193,7 +202,7 @@ class TieredLayer(CacheLayerMixin):
         missing = [p for p in pages if p not in self.hot] if hot else pages
         parts_k, parts_v = [], []
         if hot:
-            slots = torch.tensor([self.hot[p] for p in hot], device=self.device)
+            slots = _index([self.hot[p] for p in hot], self.device)
             for p in hot:
                 self.hot.move_to_end(p)
             parts_k.append(self.hot_k.index_select(0, slots))
@@ -207,6 +216,11 @@ class TieredLayer(CacheLayerMixin):
                 self._keep(missing, k, v)
         k = parts_k[0] if len(parts_k) == 1 else torch.cat(parts_k)
         v = parts_v[0] if len(parts_v) == 1 else torch.cat(parts_v)
+        return self._as_kv(k, v)
+
+    @staticmethod
+    def _as_kv(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pages ``[n, kvh, P, D]`` -> one segment ``[kvh, n * P, D]``."""
         n, kvh, p, d = k.shape
         return k.transpose(0, 1).reshape(kvh, n * p, d), v.transpose(0, 1).reshape(kvh, n * p, d)
 
@@ -232,8 +246,7 @@ class TieredLayer(CacheLayerMixin):
         slots = free[:len(rows)]
         for r, s in zip(rows, slots):
             self.hot[pages[r]] = s
-        index = torch.tensor(slots, device=k.device)
-        pick = torch.tensor(rows, device=k.device)
+        index, pick = _index(slots, k.device), _index(rows, k.device)
         self.hot_k.index_copy_(0, index, k.index_select(0, pick))
         self.hot_v.index_copy_(0, index, v.index_select(0, pick))
 
@@ -265,6 +278,14 @@ class TieredLayer(CacheLayerMixin):
         last_page = self.win_start // p       # off-window pages: [first_page, last_page)
         n = self.l1_len
         l1_k, l1_v = self.l1_k[:, :n], self.l1_v[:, :n]
+        sparse = self.owner.config.policy == "sparse" and lq == 1
+        if sparse and last_page > first_page:
+            # one token: its selected pages and L1 are one segment (one kernel call, no merge)
+            pages = self._select(qg, list(range(first_page, last_page)))
+            self.owner._count_reads(len(pages))
+            k, v = self.fetch(pages, keep_hot=True)
+            out = attention.segment(qg, torch.cat([l1_k, k], dim=1), torch.cat([l1_v, v], dim=1), scale)
+            return out[0].reshape(hq, lq, d)
         if lq == 1:
             acc = attention.segment(qg, l1_k, l1_v, scale)
         elif self.length - lq >= self.win_start:
@@ -277,17 +298,43 @@ class TieredLayer(CacheLayerMixin):
                               torch.arange(self.win_start, self.length, device=q.device)])
             qpos = torch.arange(self.length - lq, self.length, device=q.device)
             acc = attention.partial_attention(qg, l1_k, l1_v, scale, kpos.unsqueeze(0) <= qpos.unsqueeze(1))
-        if last_page > first_page:
+        if last_page > first_page:  # every page (exact policy, prefill chunks), streamed in blocks
             pages = list(range(first_page, last_page))
-            sparse = self.owner.config.policy == "sparse" and lq == 1
-            if sparse:
-                pages = self._select(qg, pages)
             self.owner._count_reads(len(pages))
-            block = self.owner.fetch_block_pages(q)
-            for a in range(0, len(pages), block):
-                k, v = self.fetch(pages[a:a + block], keep_hot=sparse)
+            for k, v in self._stream_pages(pages, self.owner.fetch_block_pages(q)):
                 acc = attention.merge_into(acc, attention.segment(qg, k, v, scale))
         return acc[0].reshape(hq, lq, d)
+
+    def _stream_pages(self, pages: list[int], block: int):
+        """K/V of ``pages`` from the store, ``block`` pages at a time; on a GPU the copy of the next block runs on
+        a side stream while the current one is decoded and attended (double buffering)."""
+        blocks = [pages[a:a + block] for a in range(0, len(pages), block)]
+        stream = self.owner.copy_stream(self.device)
+        if stream is None:
+            for b in blocks:
+                yield self.fetch(b)
+            return
+        arena, main = self.owner.store.arena, torch.cuda.current_stream(self.device)
+
+        def issue(b):
+            slots = self.owner._l2_slots(b)
+            stream.wait_stream(main)  # the slots' host rows are final; device memory reuse is ordered
+            with torch.cuda.stream(stream):
+                enc = arena.gather(self.index, slots, self.device)
+                done = torch.cuda.Event()
+                done.record(stream)
+            return enc, done
+
+        nxt = issue(blocks[0])
+        for i in range(len(blocks)):
+            enc, done = nxt
+            if i + 1 < len(blocks):
+                nxt = issue(blocks[i + 1])
+            main.wait_event(done)
+            for t in enc.values():
+                if t.is_cuda:
+                    t.record_stream(main)
+            yield self._as_kv(*codecs.decode(enc, self.dtype))
 
     def _select(self, qg: torch.Tensor, pages: list[int]) -> list[int]:
         """Quest: top pages per KV head by upper bound, union over heads, within the token budget."""
@@ -336,6 +383,7 @@ class TieredCache(Cache):
         self.page_reads = 0
         self._slot_table: dict[int, int] = {}   # page index -> L2 slot, valid for the store epoch below
         self._slot_epoch = -1
+        self._copy_stream = None
         super().__init__(layers=[TieredLayer(self, i) for i in range(self.num_layers)])
 
     # ---- wiring ----------------------------------------------------------------------------
@@ -357,31 +405,38 @@ class TieredCache(Cache):
             self.namespace = namespace_for(self.model_id, key_states.dtype, self.config)
 
     # ---- page bookkeeping (runs before the next forward, when every layer has the last one) -----
+    SETTLE_PAGES = 16  # pages encoded together when a prefill chunk completes many (bounds the temporaries)
+
     def _settle(self) -> None:
-        p = self.page_size
-        while (len(self.page_keys) + 1) * p <= self.length:
-            self._complete_page(len(self.page_keys))
+        full = self.length // self.page_size
+        while len(self.page_keys) < full:
+            self._complete_pages(len(self.page_keys), min(full, len(self.page_keys) + self.SETTLE_PAGES))
         self._evict_window()
 
-    def _complete_page(self, idx: int) -> None:
-        p = self.page_size
-        a, b = idx * p, (idx + 1) * p
-        parent = self.page_keys[-1] if self.page_keys else b"root"
-        if len(self.token_ids) >= b:
-            key = page_key(parent, self.token_ids[a:b], self.namespace)
-        else:
-            key = os.urandom(16)  # no token ids: a private page
+    def _complete_pages(self, first: int, end: int) -> None:
+        """Pages [first, end) are full: key them, bound their keys per layer and store them (one encode)."""
+        p, n = self.page_size, end - first
+        a, b = first * p, end * p
+        keys, parent = [], self.page_keys[-1] if self.page_keys else b"root"
+        for i in range(first, end):
+            if len(self.token_ids) >= (i + 1) * p:
+                parent = page_key(parent, self.token_ids[i * p:(i + 1) * p], self.namespace)
+            else:
+                parent = os.urandom(16)  # no token ids: a private page
+            keys.append(parent)
         ks, vs, summ = [], [], []
         for layer in self.layers:
             k, v = layer.tokens(a, b)
+            kvh, _, d = k.shape
+            k, v = k.reshape(kvh, n, p, d), v.reshape(kvh, n, p, d)
             ks.append(k)
             vs.append(v)
-            s = torch.stack([k.amin(dim=1), k.amax(dim=1)], dim=1)   # [kvh, 2, D]
+            s = torch.stack([k.amin(dim=2), k.amax(dim=2)], dim=2).transpose(0, 1)   # [n, kvh, 2, D]
             summ.append(s)
-            layer._add_bounds(s.unsqueeze(0))
-            layer.heat.append(0.0)
-        self.store.put(key, torch.stack(ks), torch.stack(vs), torch.stack(summ))
-        self.page_keys.append(key)
+            layer._add_bounds(s)
+            layer.heat.extend([0.0] * n)
+        self.store.put_many(keys, torch.stack(ks), torch.stack(vs), torch.stack(summ, dim=1))
+        self.page_keys.extend(keys)
 
     def _evict_window(self) -> None:
         p = self.page_size
@@ -406,6 +461,14 @@ class TieredCache(Cache):
 
     def _count_reads(self, n: int) -> None:
         self.page_reads += n
+
+    def copy_stream(self, device: torch.device):
+        """The side stream that brings pages to ``device`` (None off CUDA): one per cache, made on first use."""
+        if device.type != "cuda":
+            return None
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(device)
+        return self._copy_stream
 
     def fetch_block_pages(self, q: torch.Tensor) -> int:
         fused = q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)

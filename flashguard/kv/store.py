@@ -74,33 +74,45 @@ class TierStats:
 
 
 class L2Arena:
-    """L2 pages in one host tensor per codec field, laid out ``[layers, slots, ...]``: a page is a slot.
+    """L2 pages in one host byte tensor ``[layers, slots, bytes]``: a page is a slot, and one layer of a page is
+    one row holding every codec field (``layout``: name, dtype, shape, byte offset).
 
-    A sequence's pages sit in consecutive slots as they are written, so a layer's run of pages is one contiguous
-    host range: one copy to the device, no per-page Python (the hot path of exact attention and of prefill).
-    The tensors are pinned when the store serves a GPU, so those copies run asynchronously.
-    Overwriting a slot waits for the device's pending copies first (a freed slot may still be being read).
+    Reading many pages of a layer is one host gather (or, for consecutive slots, a view: a sequence's pages sit
+    in consecutive slots as they are written) and one copy to the device, however many codec fields there are;
+    the fields are then views of the copied rows. The tensor is pinned when the store serves a GPU, so those
+    copies run asynchronously. Overwriting a slot waits for the device's pending copies first (a freed slot may
+    still be being read).
     """
 
     def __init__(self, pin: bool):
         self.pin = pin
-        self.fields: dict[str, torch.Tensor] = {}
+        self.data: torch.Tensor | None = None
+        self.layout: list[tuple[str, torch.dtype, tuple, int]] = []
+        self.row_bytes = 0
         self.bits = None                      # the codec's "bits" marker, shared by every page
         self.free: list[int] = []
         self.capacity = 0
 
-    def _grow(self, enc: dict) -> None:
-        cap = max(64, self.capacity * 2)
-        new = {}
+    def _plan(self, enc: dict) -> None:
+        off = 0
         for name, t in enc.items():
             if name == "bits":
                 continue
-            shape = (t.shape[0], cap) + tuple(t.shape[1:])
-            new[name] = _host_empty(shape, t.dtype, self.pin)
-            if self.fields:
-                with torch.inference_mode():
-                    new[name][:, :self.capacity].copy_(self.fields[name])
-        self.fields = new
+            nbytes = t[0].numel() * t.element_size()
+            self.layout.append((name, t.dtype, tuple(t.shape[1:]), off))
+            off += -(-nbytes // 16) * 16      # 16-byte aligned fields
+        self.row_bytes = off
+
+    def _grow(self, enc: dict) -> None:
+        if not self.layout:
+            self._plan(enc)
+        layers = next(t for n, t in enc.items() if n != "bits").shape[0]
+        cap = max(64, self.capacity * 2)
+        new = _host_empty((layers, cap, self.row_bytes), torch.uint8, self.pin)
+        if self.data is not None:
+            with torch.inference_mode():
+                new[:, :self.capacity].copy_(self.data)
+        self.data = new
         self.free.extend(range(cap - 1, self.capacity - 1, -1))   # pop() hands out the lowest slot first
         self.capacity = cap
 
@@ -114,42 +126,47 @@ class L2Arena:
         if self.pin and torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.current_stream().synchronize()   # a device copy may still read this freed slot
         with torch.inference_mode():
-            for name, t in enc.items():
-                if name != "bits":
-                    self.fields[name][:, slot].copy_(t)
+            for name, dtype, shape, off in self.layout:  # a page promoted from L3 may come back in float32
+                t = enc[name].reshape(enc[name].shape[0], -1).to(dtype)
+                raw = t.contiguous().view(torch.uint8)
+                self.data[:, slot, off:off + raw.shape[1]].copy_(raw)
         return slot
 
-    def read(self, slot: int, layer: int | None = None) -> dict:
-        """Views of one page (all layers, or one)."""
-        out = {n: (t[:, slot] if layer is None else t[layer, slot]) for n, t in self.fields.items()}
+    def _fields(self, rows: torch.Tensor) -> dict:
+        """Views of the codec fields in byte rows ``[..., row_bytes]``."""
+        out = {}
+        lead = tuple(rows.shape[:-1])
+        for name, dtype, shape, off in self.layout:
+            n = 1
+            for s in shape:
+                n *= s
+            size = torch.empty((), dtype=dtype).element_size()
+            out[name] = rows[..., off:off + n * size].view(dtype).view(lead + shape)
         if self.bits is not None:
             out["bits"] = self.bits
         return out
+
+    def read(self, slot: int, layer: int | None = None) -> dict:
+        """Views of one page (all layers, or one)."""
+        return self._fields(self.data[:, slot] if layer is None else self.data[layer, slot])
 
     def release(self, slot: int) -> None:
         self.free.append(slot)
 
     def page_bytes(self) -> int:
-        return sum(t[:, 0].numel() * t.element_size() for t in self.fields.values())
+        return 0 if self.data is None else self.data.shape[0] * self.row_bytes
 
     def gather(self, layer: int, slots: list[int], device) -> dict:
-        """One layer of several pages, ``[len(slots), ...]`` per field, on ``device``: a view and one copy per
-        field when the slots are consecutive, else a host gather into pinned memory and one copy."""
-        out = {}
+        """One layer of several pages (fields ``[len(slots), ...]``) on ``device``: one view or host gather and
+        one copy for all fields."""
         a = slots[0]
-        run = slots == list(range(a, a + len(slots)))
-        index = None if run else torch.tensor(slots)
-        for name, t in self.fields.items():
-            src = t[layer]
-            if run:
-                part = src[a:a + len(slots)]
-            else:
-                part = _host_empty((len(slots),) + tuple(src.shape[1:]), src.dtype, self.pin)
-                torch.index_select(src, 0, index, out=part)
-            out[name] = part.to(device, non_blocking=True)
-        if self.bits is not None:
-            out["bits"] = self.bits
-        return out
+        src = self.data[layer]
+        if slots == list(range(a, a + len(slots))):
+            rows = src[a:a + len(slots)]
+        else:
+            rows = _host_empty((len(slots), self.row_bytes), torch.uint8, self.pin)
+            torch.index_select(src, 0, torch.tensor(slots), out=rows)
+        return self._fields(rows.to(device, non_blocking=True))
 
 
 def _host_empty(shape, dtype, pin: bool) -> torch.Tensor:
@@ -190,19 +207,35 @@ class PageStore:
 
     # ---- writes ---------------------------------------------------------------------------
     def put(self, key: bytes, k: torch.Tensor, v: torch.Tensor, summary: torch.Tensor) -> None:
+        """One page: k/v ``[layers, kv_heads, page_size, head_dim]``, summary ``[layers, kv_heads, 2, head_dim]``."""
+        self.put_many([key], k.unsqueeze(2), v.unsqueeze(2), summary.unsqueeze(0))
+
+    def put_many(self, keys: list[bytes], k: torch.Tensor, v: torch.Tensor, summary: torch.Tensor) -> None:
+        """Several pages at once: k/v ``[layers, kv_heads, n, page_size, head_dim]``, summary ``[n, layers, ...]``.
+        Pages already stored take a reference; the new ones are encoded in one go and copied to the host once."""
         with self.lock:
-            page = self.pages.get(key)
-            if page is not None:
+            new = []
+            for i, key in enumerate(keys):
+                page = self.pages.get(key)
+                if page is None:
+                    new.append(i)
+                    continue
                 page.refs += 1
                 self.stats.pages_shared += 1
                 self.pages.move_to_end(key)
+            if not new:
                 return
             t0 = time.perf_counter()
-            enc = codecs.encode(k, v, self.config.l2_codec)
-            slot = self.arena.write(enc)
+            if len(new) < len(keys):
+                pick = torch.tensor(new, device=k.device)
+                k, v, summary = k.index_select(2, pick), v.index_select(2, pick), summary[new]
+            enc = {n: t.to("cpu") for n, t in codecs.encode(k, v, self.config.l2_codec).items()}
+            summary = summary.to("cpu")
+            for j, i in enumerate(new):
+                slot = self.arena.write({n: (t if n == "bits" else t[:, :, j]) for n, t in enc.items()})
+                self.pages[keys[i]] = _Page(refs=1, l2=slot, summary=summary[j].clone())
             self.stats.codec_seconds += time.perf_counter() - t0
-            self.stats.bytes_to_l2 += self.arena.page_bytes()
-            self.pages[key] = _Page(refs=1, l2=slot, summary=summary.to("cpu"))
+            self.stats.bytes_to_l2 += len(new) * self.arena.page_bytes()
             self._enforce_budgets()
 
     def _touch(self, key: bytes) -> _Page | None:
