@@ -43,13 +43,16 @@ class CacheConfig:
     l3_tokens      tokens kept on disk (int4 + zstd); 0 disables L3.
     l3_dir         folder for L3 pages; None means a private folder in the user's temp dir.
     policy         "exact": attend to every page; "sparse": Quest-style top pages within budget_tokens.
-    budget_tokens  sparse policy: tokens of off-window pages attended per query.
+    budget_tokens  sparse policy: tokens of off-window pages each KV head picks per query (Quest); a query attends
+                   their union topped up to kv_heads x budget_tokens (a fixed count).
     adaptive_l1    grow/shrink the L1 window with how far back recent queries reached.
     l1_max_tokens  upper bound of the adaptive L1 window.
     l2_codec       "int8" (per-channel keys, per-token values, as KIVI) or "fp16" (lossless).
     l3_codec       "int4-zstd", "int8-zstd" or "fp16-zstd" (lossless).
     isolation_salt mixed into every page key; pages never cross salts (tenants, configs).
     l3_encrypt     seal L3 files with AES-256-GCM under a key held only in memory (else a BLAKE2b checksum).
+    zero_copy      on CUDA, sparse decoding picks its pages on the GPU and reads them straight from pinned host
+                   RAM (kv/uva.py, needs Triton); false uses the host gather and the hot set.
     """
 
     page_size: int = 64
@@ -66,6 +69,7 @@ class CacheConfig:
     l3_codec: str = "int4-zstd"
     isolation_salt: str = ""
     l3_encrypt: bool = True
+    zero_copy: bool = True
 
     def __post_init__(self) -> None:
         _check_choice(self.policy, POLICIES, "kv.policy")

@@ -65,3 +65,46 @@ def test_graph_steps_match_eager_steps(policy):
     with torch.inference_mode():
         model(input_ids=ids[:, :2000], past_key_values=dyn)
     assert graphs.step(5, dyn).shape == (1000,)  # any Cache works under the graphs
+
+
+def test_zero_copy_reads_match_host_gathers():
+    from flashguard.kv import uva
+
+    assert uva.available(torch.device("cuda")), uva.last_error
+    host = torch.randint(0, 255, (300, 4096), dtype=torch.uint8).pin_memory()
+    rows = torch.tensor([7, 299, 0, 7, 150], device="cuda")
+    assert torch.equal(uva.gather_rows(host, rows, torch.device("cuda")).cpu(), host[rows.cpu()])
+
+
+def test_sparse_zero_copy_equals_host_path():
+    """The same query on the same cache state: the pages read on the GPU straight from pinned RAM and the pages
+    brought by the host (hot set + host gather) give the same attention (page order aside: fp16 rounding)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from flashguard.kv.cache import TieredCache
+
+    cfg = Qwen2Config(hidden_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=128,
+                      num_hidden_layers=4, intermediate_size=1024, vocab_size=1000, max_position_embeddings=8192)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = Qwen2ForCausalLM(cfg).to(torch.float16).eval()
+    ids = torch.randint(0, 1000, (1, 4000), device="cuda", generator=torch.Generator("cuda").manual_seed(2))
+    cache = TieredCache(cfg, CacheConfig(page_size=64, l1_tokens=256, sink_tokens=64, l1_max_tokens=512,
+                                         budget_tokens=256, l3_tokens=0)).attach(model)
+    with torch.inference_mode():
+        for a in range(0, 4000, 1000):
+            cache.feed(ids[0, a:a + 1000].tolist())
+            model(input_ids=ids[:, a:a + 1000], past_key_values=cache)
+    assert cache.zero_copy(torch.device("cuda"))
+    layer = cache.layers[2]
+    first, last = 1, layer.win_start // 64
+    q = torch.randn(2, 2, 1, 128, device="cuda", dtype=torch.float16, generator=torch.Generator("cuda").manual_seed(3))
+    k1, v1 = layer._sparse(q, first, last)
+    cache.zero_copy = lambda device: False   # the host path on the same state
+    k2, v2 = layer._sparse(q, first, last)
+    assert k1.shape == k2.shape == (2, 2 * 4 * 64, 128)   # kv_heads x budget pages of 64 tokens
+    o1, lse1 = attention.segment(q, k1, v1, 128 ** -0.5)
+    o2, lse2 = attention.segment(q, k2, v2, 128 ** -0.5)
+    torch.testing.assert_close(o1.float(), o2.float(), atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(lse1, lse2, atol=2e-3, rtol=2e-3)
+    cache.check_integrity()

@@ -60,7 +60,8 @@ def test_plain_generate_accepts_the_cache(engine, text_ids):
 
 def teacher_forced(model, cache, ids, prefix, steps):
     """Logits of ``steps`` single-token decode steps after a chunked prefill of ``prefix`` tokens."""
-    run(model, cache, ids[:prefix])
+    if prefix:
+        run(model, cache, ids[:prefix])
     rows = []
     for t in range(prefix, prefix + steps):
         rows.append(run(model, cache, ids[t:t + 1])[-1])
@@ -68,20 +69,26 @@ def teacher_forced(model, cache, ids, prefix, steps):
 
 
 def test_sparse_default_codecs_kl_and_top1(engine, text_ids, capsys):
-    m, prefix, steps = engine.model, 1800, 200
+    m, prefix, steps = engine.model, 3000, 200
     ref = teacher_forced(m, DynamicCache(config=m.config), text_ids, prefix, steps)
     cache = TieredCache(m.config, SPARSE).attach(m)
-    out = teacher_forced(m, cache, text_ids, prefix, steps)
+    run(m, cache, text_ids[:prefix])
+    reads = cache.page_reads
+    out = teacher_forced(m, cache, text_ids[prefix:], 0, steps)
+    per_step = (cache.page_reads - reads) / steps / m.config.num_hidden_layers
+    off_window = prefix // SPARSE.page_size - (SPARSE.l1_max_tokens + SPARSE.sink_tokens) // SPARSE.page_size
     lp_ref, lp = torch.log_softmax(ref.float(), -1), torch.log_softmax(out.float(), -1)
     kl = (lp_ref.exp() * (lp_ref - lp)).sum(-1).mean().item()
     top1 = (ref.argmax(-1) == out.argmax(-1)).float().mean().item()
     with capsys.disabled():
-        print(f"\nsparse (int8 L2, int4+zstd L3), {steps} decode steps after {prefix} tokens: KL={kl:.5f} nats, "
-              f"top-1={top1:.1%}, stats={cache.stats()['store']['page_faults']} page faults")
-    # The issue's target is KL <= 0.01 (met) and top-1 >= 99%. Measured top-1 is ~93.5% here: on this
-    # teacher-forced text many positions are near-ties for a 135M model, and int4 L3 pages flip them.
-    # The bound below guards against regressions; docs/benchmarks/kv_fidelity.md reports the numbers.
-    assert kl <= 0.01 and top1 >= 0.90
+        print(f"\nsparse (int8 L2, int4+zstd L3), {steps} decode steps after {prefix} tokens, {per_step:.0f} of "
+              f">={off_window} off-window pages read per step and layer: KL={kl:.5f} nats, top-1={top1:.1%}, "
+              f"stats={cache.stats()['store']['page_faults']} page faults")
+    assert per_step == 3 * SPARSE.budget_tokens // SPARSE.page_size < off_window  # 3 KV heads x budget: sparse
+    # The issue's targets: KL <= 0.01 and top-1 >= 99% (measured 0.0023 and 99.0% here). On this teacher-forced
+    # text many positions are near-ties for a 135M model that int8/int4 pages can flip, so the bound below
+    # leaves a point of margin for other CPUs' rounding; docs/benchmarks/kv_fidelity.md reports the numbers.
+    assert kl <= 0.01 and top1 >= 0.98
     assert cache.store.tier_counts()["l3_pages"] > 0
 
 

@@ -80,7 +80,7 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--exact-steps", type=int, default=8)
     ap.add_argument("--rows", nargs="+", default=["dynamic", "offloaded", "exact", "sparse"],
-                    help="dynamic, offloaded (transformers' forward), exact, sparse (flashguard's decode step, CUDA "
+                    help="dynamic, offloaded, quantized (transformers' forward; quantized needs optimum-quanto), exact, sparse (flashguard's decode step, CUDA "
                          "graphs), sparse-eager (TieredCache under transformers' forward), dynamic-step "
                          "(DynamicCache under flashguard's decode step: what the graphs alone give)")
     ap.add_argument("--out", default=None)
@@ -89,7 +89,7 @@ def main(argv=None) -> int:
                     "steps at the last context here")
     args = ap.parse_args(argv)
 
-    from transformers import DynamicCache, Qwen2ForCausalLM
+    from transformers import DynamicCache, QuantizedCache, Qwen2ForCausalLM
 
     from flashguard import CacheConfig
     from flashguard.engine.engine import cache_kwarg
@@ -117,6 +117,9 @@ def main(argv=None) -> int:
                 if name == "offloaded":
                     model.set_attn_implementation("sdpa")
                     return DynamicCache(config=cfg, offloading=True)
+                if name == "quantized":  # transformers' QuantizedCache, int4 through optimum-quanto (carried there)
+                    model.set_attn_implementation("sdpa")
+                    return QuantizedCache(backend="quanto", config=cfg, nbits=4)
                 policy = "exact" if name == "exact" else "sparse"   # sparse, sparse-eager
                 return TieredCache(cfg, CacheConfig(**{**kv.__dict__, "policy": policy})).attach(model)
 

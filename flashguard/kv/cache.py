@@ -29,7 +29,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..config import CacheConfig
-from . import attention, codecs
+from . import attention, codecs, uva
 from .store import PageStore, namespace_for, page_key
 
 FETCH_BLOCK_TOKENS = 32768  # tokens of pages decoded and attended at once on a GPU (one fused kernel call)
@@ -281,9 +281,7 @@ class TieredLayer(CacheLayerMixin):
         sparse = self.owner.config.policy == "sparse" and lq == 1
         if sparse and last_page > first_page:
             # one token: its selected pages and L1 are one segment (one kernel call, no merge)
-            pages = self._select(qg, list(range(first_page, last_page)))
-            self.owner._count_reads(len(pages))
-            k, v = self.fetch(pages, keep_hot=True)
+            k, v = self._sparse(qg, first_page, last_page)
             out = attention.segment(qg, torch.cat([l1_k, k], dim=1), torch.cat([l1_v, v], dim=1), scale)
             return out[0].reshape(hq, lq, d)
         if lq == 1:
@@ -336,26 +334,44 @@ class TieredLayer(CacheLayerMixin):
                     t.record_stream(main)
             yield self._as_kv(*codecs.decode(enc, self.dtype))
 
-    def _select(self, qg: torch.Tensor, pages: list[int]) -> list[int]:
-        """Quest: top pages per KV head by upper bound, union over heads, within the token budget."""
+    def _pick(self, qg: torch.Tensor, first: int, last: int) -> torch.Tensor | None:
+        """Quest over the off-window pages [first, last): a device index (relative to ``first``) of the pages one
+        query attends, or None for all of them. Each KV head's top ``budget`` pages by the upper bound
+        ``sum_d max(q_d max_d, q_d min_d)``; their union comes first and is topped up with the pages of highest
+        bound to ``kv_heads * budget`` pages, a fixed count, so the GPU can pick and read without the host."""
+        n, kvh = last - first, qg.shape[0]
         budget = max(1, self.owner.config.budget_tokens // self.owner.page_size)
-        if len(pages) <= budget:
-            chosen = pages
-        else:
-            q = qg[:, :, 0]                                              # [kvh, g, D]
-            # the upper bound sum_d max(q_d max_d, q_d min_d) as one matmul against [max; min] (model dtype)
-            bound = torch.bmm(torch.cat([q.clamp(min=0), q.clamp(max=0)], dim=-1),
-                              self.bounds[:, :, pages[0]:pages[-1] + 1])  # pages is a contiguous range
-            top = bound.amax(dim=1).topk(budget, dim=-1).indices       # [kvh, budget]
-            chosen = sorted({pages[0] + i for row in top.tolist() for i in row})  # the union over KV heads
-        if len(chosen):
-            for p in self.hot:
-                self.heat[p] *= 0.9
-            for p in chosen:
-                self.heat[p] += 1.0
-            reach_edge = (self.win_start // self.owner.page_size) - self.owner.adapt_pages
-            self.last_reach = sum(1 for p in chosen if p >= reach_edge)
-        return chosen
+        if n <= kvh * budget:
+            return None
+        q = qg[:, :, 0]                                              # [kvh, g, D]
+        bound = torch.bmm(torch.cat([q.clamp(min=0), q.clamp(max=0)], dim=-1),   # one matmul against [max; min]
+                          self.bounds[:, :, first:last]).amax(dim=1).float()     # [kvh, n]
+        top = bound.topk(budget, dim=-1).indices                     # [kvh, budget]
+        score = bound.amax(dim=0).scatter(0, top.flatten(), float("inf"))
+        return score.topk(kvh * budget).indices
+
+    def _sparse(self, qg: torch.Tensor, first: int, last: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V of the pages one decoding query attends (``_pick``): read straight from pinned host RAM on the
+        GPU when zero-copy works (no host round trip), else through the hot set and a host gather."""
+        pick = self._pick(qg, first, last)
+        edge = self.win_start // self.owner.page_size - self.owner.adapt_pages - first
+        owner = self.owner
+        if owner.zero_copy(self.device):
+            slots = owner.device_slots(self.device)[first:last]
+            slots = slots if pick is None else slots[pick]
+            arena = owner.store.arena
+            rows = uva.gather_rows(arena.data[self.index], slots, self.device)
+            owner._count_reads(slots.shape[0])
+            self.last_reach = (pick >= edge).sum() if pick is not None else max(0, last - first - max(0, edge))
+            return self._as_kv(*codecs.decode(arena.fields_of(rows), self.dtype))
+        chosen = list(range(first, last)) if pick is None else sorted(first + i for i in pick.tolist())
+        for p in self.hot:
+            self.heat[p] *= 0.9
+        for p in chosen:
+            self.heat[p] += 1.0
+        self.last_reach = sum(1 for p in chosen if p - first >= edge)
+        owner._count_reads(len(chosen))
+        return self.fetch(chosen, keep_hot=True)
 
 
 class TieredCache(Cache):
@@ -384,6 +400,7 @@ class TieredCache(Cache):
         self._slot_table: dict[int, int] = {}   # page index -> L2 slot, valid for the store epoch below
         self._slot_epoch = -1
         self._copy_stream = None
+        self._dev_slots, self._dev_slots_key = None, None
         super().__init__(layers=[TieredLayer(self, i) for i in range(self.num_layers)])
 
     # ---- wiring ----------------------------------------------------------------------------
@@ -453,7 +470,7 @@ class TieredCache(Cache):
         """Grow L1 while sparse queries keep reaching just behind it; shrink back when they stop."""
         if self.config.policy != "sparse" or not self.config.adaptive_l1:
             return
-        reach = sum(layer.last_reach for layer in self.layers) / max(1, self.num_layers)
+        reach = float(sum(layer.last_reach for layer in self.layers)) / max(1, self.num_layers)  # one sync
         if reach >= self.adapt_pages / 2 and self.window + self.page_size <= self.config.l1_max_tokens:
             self.window += self.page_size
         elif reach < 1 and self.window - self.page_size >= self.config.l1_tokens:
@@ -461,6 +478,21 @@ class TieredCache(Cache):
 
     def _count_reads(self, n: int) -> None:
         self.page_reads += n
+
+    def zero_copy(self, device: torch.device) -> bool:
+        """Sparse decoding reads pages on the GPU straight from the pinned L2 arena (``uva.py``): when the config
+        allows it, every page is in L2 (L3 pages need the host) and the arena is pinned."""
+        return (self.config.zero_copy and device.type == "cuda" and self.store.l3_pages == 0
+                and self.store.arena.pinned and uva.available(device))
+
+    def device_slots(self, device: torch.device) -> torch.Tensor:
+        """L2 slot of every full page, as a device tensor (rebuilt when pages are added or moved)."""
+        key = (self.store.epoch, len(self.page_keys))
+        if self._dev_slots is None or self._dev_slots_key != key:
+            slots = self._l2_slots(list(range(len(self.page_keys))))
+            self._dev_slots = _index(slots, device)
+            self._dev_slots_key = (self.store.epoch, len(self.page_keys))
+        return self._dev_slots
 
     def copy_stream(self, device: torch.device):
         """The side stream that brings pages to ``device`` (None off CUDA): one per cache, made on first use."""

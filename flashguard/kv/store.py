@@ -92,6 +92,7 @@ class L2Arena:
         self.bits = None                      # the codec's "bits" marker, shared by every page
         self.free: list[int] = []
         self.capacity = 0
+        self.pinned = False                   # the GPU may read it directly (uva.py)
 
     def _plan(self, enc: dict) -> None:
         off = 0
@@ -109,10 +110,13 @@ class L2Arena:
         layers = next(t for n, t in enc.items() if n != "bits").shape[0]
         cap = max(64, self.capacity * 2)
         new = _host_empty((layers, cap, self.row_bytes), torch.uint8, self.pin)
+        if self.pin and torch.cuda.is_initialized():
+            torch.cuda.synchronize()  # kernels may still read the old block directly (zero-copy)
         if self.data is not None:
             with torch.inference_mode():
                 new[:, :self.capacity].copy_(self.data)
         self.data = new
+        self.pinned = self.pin and new.is_pinned()
         self.free.extend(range(cap - 1, self.capacity - 1, -1))   # pop() hands out the lowest slot first
         self.capacity = cap
 
@@ -132,7 +136,7 @@ class L2Arena:
                 self.data[:, slot, off:off + raw.shape[1]].copy_(raw)
         return slot
 
-    def _fields(self, rows: torch.Tensor) -> dict:
+    def fields_of(self, rows: torch.Tensor) -> dict:
         """Views of the codec fields in byte rows ``[..., row_bytes]``."""
         out = {}
         lead = tuple(rows.shape[:-1])
@@ -148,7 +152,7 @@ class L2Arena:
 
     def read(self, slot: int, layer: int | None = None) -> dict:
         """Views of one page (all layers, or one)."""
-        return self._fields(self.data[:, slot] if layer is None else self.data[layer, slot])
+        return self.fields_of(self.data[:, slot] if layer is None else self.data[layer, slot])
 
     def release(self, slot: int) -> None:
         self.free.append(slot)
@@ -166,7 +170,7 @@ class L2Arena:
         else:
             rows = _host_empty((len(slots), self.row_bytes), torch.uint8, self.pin)
             torch.index_select(src, 0, torch.tensor(slots), out=rows)
-        return self._fields(rows.to(device, non_blocking=True))
+        return self.fields_of(rows.to(device, non_blocking=True))
 
 
 def _host_empty(shape, dtype, pin: bool) -> torch.Tensor:
