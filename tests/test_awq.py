@@ -195,3 +195,29 @@ def test_int4_engine_answers_sensibly(awq_embedded):
         ids = engine.encode_messages([{"role": "user", "content": question}])
         text = engine.generate(ids, SamplingParams(max_tokens=24)).text
         assert answer in text.lower().replace(" 4", " four"), text
+
+
+def test_transformers_with_gptqmodel_loads_a_flashguard_checkpoint(awq_embedded):
+    """Where gptqmodel is installed (not in CI: a 1.6 GB environment whose pypcre dependency compiles C),
+    transformers loads ``flashguard quantize`` output through it: every linear dequantizes to flashguard's weights
+    (up to gptqmodel's fp16 arithmetic) and the model predicts the same tokens."""
+    pytest.importorskip("gptqmodel")
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from flashguard.quant.awq_load import load_awq
+
+    theirs = AutoModelForCausalLM.from_pretrained(awq_embedded, device_map="cpu", dtype=torch.float32).eval()
+    ours = load_awq(awq_embedded, AutoConfig.from_pretrained(awq_embedded), torch.device("cpu"), torch.float32,
+                    "dequant").eval()
+    worst, linears = 0.0, 0
+    for name, module in ours.named_modules():
+        if hasattr(module, "dequantized_weight"):
+            w = module.dequantized_weight(torch.float32)
+            g = theirs.get_submodule(name).awq_weight_dequantize(device=torch.device("cpu"), dtype=torch.float32).T
+            worst = max(worst, ((w - g).abs().max() / w.abs().max()).item())
+            linears += 1
+    assert linears == 7 * ours.config.num_hidden_layers and worst < 2e-3
+    ids = AutoTokenizer.from_pretrained(awq_embedded)("The capital of France is a city called",
+                                                      return_tensors="pt").input_ids
+    with torch.inference_mode():
+        assert torch.equal(ours(ids).logits.argmax(-1), theirs(ids).logits.argmax(-1))

@@ -28,7 +28,7 @@ def decode_speed(model, ctx: int, steps: int, chunk: int, vocab: int) -> dict:
     (eager, what transformers runs) and flashguard's DecodeStep (the layers as CUDA graphs, as the engine runs)."""
     from transformers import DynamicCache
 
-    from flashguard.engine.decode_step import DecodeStep
+    from flashguard.engine.decode_step import DecodeStep, greedy_step
     from flashguard.engine.engine import cache_kwarg
 
     kwarg = cache_kwarg(model)
@@ -42,25 +42,18 @@ def decode_speed(model, ctx: int, steps: int, chunk: int, vocab: int) -> dict:
         torch.cuda.synchronize()
         prefill = time.perf_counter() - t0
         tok = logits[:, -1].argmax(-1, keepdim=True)
-        for _ in range(3):  # warm-up steps are not timed
-            tok = model(input_ids=tok, **{kwarg: cache}, logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            tok = model(input_ids=tok, **{kwarg: cache}, logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
-        torch.cuda.synchronize()
-        decode = time.perf_counter() - t0
-        step = DecodeStep(model)
-        t = int(tok[0, 0])
-        for _ in range(3):
-            t = int(step.step(t, cache).argmax())
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            t = int(step.step(t, cache).argmax())
-        torch.cuda.synchronize()
-        graphs = time.perf_counter() - t0
-    del cache, step
+        timed = {}
+        for name, step in (("eager", None), ("graphs", DecodeStep(model))):
+            for _ in range(3):  # warm-up steps are not timed
+                tok = greedy_step(model, cache, tok, step, kwarg)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                tok = greedy_step(model, cache, tok, step, kwarg)
+            torch.cuda.synchronize()
+            timed[name] = time.perf_counter() - t0
+        decode, graphs = timed["eager"], timed["graphs"]
+    del cache
     return {"prefill_tok_s": ctx / prefill, "decode_tok_s": steps / decode, "step_ms": 1e3 * decode / steps,
             "graph_decode_tok_s": steps / graphs}
 

@@ -17,21 +17,13 @@ import time
 
 import torch
 
+from ..engine.decode_step import greedy_step
 from ..vram.accounting import cache_device_bytes
 from ..vram.plan import deepseek_1_5b_config
 from . import emit
 
 
 WARMUP_STEPS = 2  # untimed decode steps of every row (lazy inits, the decode step's CUDA graphs)
-
-
-def decode_one(model, cache, tok, kwarg, step):
-    """One greedy step: the engine's DecodeStep when given, else the model's forward (what transformers runs)."""
-    if hasattr(cache, "feed"):
-        cache.feed(tok[0].tolist())
-    if step is not None:
-        return step.step(int(tok[0, 0]), cache).argmax(-1).view(1, 1)
-    return model(input_ids=tok, **{kwarg: cache}, logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
 
 
 def run_row(model, make_cache, ids, chunk, steps, kwarg, step=None):
@@ -54,11 +46,11 @@ def run_row(model, make_cache, ids, chunk, steps, kwarg, step=None):
         prefill = time.perf_counter() - t0
         tok = logits[:, -1].argmax(-1, keepdim=True)
         for _ in range(WARMUP_STEPS):
-            tok = decode_one(model, cache, tok, kwarg, step)
+            tok = greedy_step(model, cache, tok, step, kwarg)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         for _ in range(steps):
-            tok = decode_one(model, cache, tok, kwarg, step)
+            tok = greedy_step(model, cache, tok, step, kwarg)
         torch.cuda.synchronize()
         decode = time.perf_counter() - t0
     row = {"prefill_s": prefill, "decode_tok_s": steps / decode if steps else 0.0,
@@ -164,10 +156,10 @@ def profile_steps(model, cfg, kv, kwarg, ctx, chunk, step, policy) -> str:
             model(input_ids=ids[:, a:a + chunk], **{kwarg: cache}, logits_to_keep=1)
         tok = ids[:, -1:]
         for _ in range(4):  # warm the hot set
-            tok = decode_one(model, cache, tok, kwarg, step)
+            tok = greedy_step(model, cache, tok, step, kwarg)
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for _ in range(4):
-                tok = decode_one(model, cache, tok, kwarg, step)
+                tok = greedy_step(model, cache, tok, step, kwarg)
             torch.cuda.synchronize()
     return prof.key_averages().table(sort_by="cpu_time_total", row_limit=30)
 

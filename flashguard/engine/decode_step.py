@@ -143,3 +143,13 @@ class DecodeStep:
             log.warning("flashguard: decode runs without CUDA graphs (%s)", exc)
             self.use_graphs = False
             self.graphs = self.outputs = None
+
+
+def greedy_step(model, cache, token: torch.Tensor, step: "DecodeStep | None", kwarg: str = "past_key_values"):
+    """One greedy token ``[1, 1]`` after ``token`` ``[1, 1]``: through ``step`` when given, else the model's forward
+    (what transformers runs); a TieredCache is fed the token first. The benchmarks' and ``stress``'s loop."""
+    if hasattr(cache, "feed"):
+        cache.feed(token[0].tolist())
+    if step is not None:
+        return step.step(int(token[0, 0]), cache).argmax(-1).view(1, 1)
+    return model(input_ids=token, **{kwarg: cache}, logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)

@@ -132,10 +132,6 @@ class TieredLayer(CacheLayerMixin):
         return min(self.length, self.owner.sink_tokens) + max(0, self.length - self.win_start)
 
     @property
-    def sink_k(self) -> torch.Tensor:
-        return self.l1_k[:, :min(self.length, self.owner.sink_tokens)]
-
-    @property
     def win_k(self) -> torch.Tensor:
         s = self.owner.sink_tokens
         return self.l1_k[:, s:s + max(0, self.length - self.win_start)]

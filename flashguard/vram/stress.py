@@ -63,7 +63,7 @@ def run(args) -> dict:
     from transformers import DynamicCache
 
     from ..config import CacheConfig, parse_bytes
-    from ..engine.decode_step import DecodeStep
+    from ..engine.decode_step import DecodeStep, greedy_step
     from ..engine.engine import apply_vram_budget, cache_kwarg
     from ..kv.cache import TieredCache
     from ..kv.store import PageStore
@@ -118,12 +118,7 @@ def run(args) -> dict:
         t_dec = time.perf_counter()
         for _ in range(args.steps):
             t = time.perf_counter()
-            if hasattr(cache, "feed"):
-                cache.feed(tok[0].tolist())
-            if step is not None:
-                tok = step.step(int(tok[0, 0]), cache).argmax(-1).view(1, 1)
-            else:
-                tok = model(input_ids=tok, **{kwarg: cache}, logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
+            tok = greedy_step(model, cache, tok, step, kwarg)
             sync()
             lat.append(time.perf_counter() - t)
         decode_s = time.perf_counter() - t_dec
