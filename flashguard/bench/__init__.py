@@ -1,6 +1,7 @@
 """GPU benchmarks (``python -m flashguard.bench.kv | int4 | moderation``)."""
 
 import json
+import time
 
 
 def emit(table: str, data, out: str | None, json_path: str | None) -> None:
@@ -12,3 +13,20 @@ def emit(table: str, data, out: str | None, json_path: str | None) -> None:
     if out:
         with open(out, "w") as fh:
             fh.write(table)
+
+
+def timed_steps(model, cache, token, step, kwarg: str, warmup: int, steps: int):
+    """``warmup`` untimed then ``steps`` timed greedy decode steps (``decode_step.greedy_step``) on a GPU;
+    returns (the last token, seconds of the timed steps)."""
+    import torch
+
+    from ..engine.decode_step import greedy_step
+
+    for _ in range(warmup):
+        token = greedy_step(model, cache, token, step, kwarg)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        token = greedy_step(model, cache, token, step, kwarg)
+    torch.cuda.synchronize()
+    return token, time.perf_counter() - t0

@@ -20,7 +20,7 @@ import torch
 
 from ..vram.accounting import model_bytes
 from ..vram.plan import deepseek_1_5b_config
-from . import emit
+from . import emit, timed_steps
 
 
 def decode_speed(model, ctx: int, steps: int, chunk: int, vocab: int) -> dict:
@@ -28,7 +28,7 @@ def decode_speed(model, ctx: int, steps: int, chunk: int, vocab: int) -> dict:
     (eager, what transformers runs) and flashguard's DecodeStep (the layers as CUDA graphs, as the engine runs)."""
     from transformers import DynamicCache
 
-    from flashguard.engine.decode_step import DecodeStep, greedy_step
+    from flashguard.engine.decode_step import DecodeStep
     from flashguard.engine.engine import cache_kwarg
 
     kwarg = cache_kwarg(model)
@@ -42,17 +42,8 @@ def decode_speed(model, ctx: int, steps: int, chunk: int, vocab: int) -> dict:
         torch.cuda.synchronize()
         prefill = time.perf_counter() - t0
         tok = logits[:, -1].argmax(-1, keepdim=True)
-        timed = {}
-        for name, step in (("eager", None), ("graphs", DecodeStep(model))):
-            for _ in range(3):  # warm-up steps are not timed
-                tok = greedy_step(model, cache, tok, step, kwarg)
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                tok = greedy_step(model, cache, tok, step, kwarg)
-            torch.cuda.synchronize()
-            timed[name] = time.perf_counter() - t0
-        decode, graphs = timed["eager"], timed["graphs"]
+        tok, decode = timed_steps(model, cache, tok, None, kwarg, 3, steps)           # the model's forward
+        tok, graphs = timed_steps(model, cache, tok, DecodeStep(model), kwarg, 3, steps)  # the engine's step
     del cache
     return {"prefill_tok_s": ctx / prefill, "decode_tok_s": steps / decode, "step_ms": 1e3 * decode / steps,
             "graph_decode_tok_s": steps / graphs}

@@ -20,7 +20,7 @@ import torch
 from ..engine.decode_step import greedy_step
 from ..vram.accounting import cache_device_bytes
 from ..vram.plan import deepseek_1_5b_config
-from . import emit
+from . import emit, timed_steps
 
 
 WARMUP_STEPS = 2  # untimed decode steps of every row (lazy inits, the decode step's CUDA graphs)
@@ -44,15 +44,8 @@ def run_row(model, make_cache, ids, chunk, steps, kwarg, step=None):
             logits = model(input_ids=part, **{kwarg: cache}, logits_to_keep=1).logits
         torch.cuda.synchronize()
         prefill = time.perf_counter() - t0
-        tok = logits[:, -1].argmax(-1, keepdim=True)
-        for _ in range(WARMUP_STEPS):
-            tok = greedy_step(model, cache, tok, step, kwarg)
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            tok = greedy_step(model, cache, tok, step, kwarg)
-        torch.cuda.synchronize()
-        decode = time.perf_counter() - t0
+        _, decode = timed_steps(model, cache, logits[:, -1].argmax(-1, keepdim=True), step, kwarg, WARMUP_STEPS,
+                                steps)
     row = {"prefill_s": prefill, "decode_tok_s": steps / decode if steps else 0.0,
            "peak_alloc_gib": (torch.cuda.max_memory_allocated() - base_alloc) / 2**30,
            "peak_reserved_gib": (torch.cuda.max_memory_reserved() - base_res) / 2**30,

@@ -90,16 +90,7 @@ class TieredLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         if self.index == 0:
             self.owner._settle()  # the previous forward is complete in every layer: store pages, trim L1
-        n, new = self.l1_len, key_states.shape[2]
-        self._reserve(n + new)
-        if torch.is_inference_mode_enabled():
-            self.l1_k[:, n:n + new] = key_states[0]
-            self.l1_v[:, n:n + new] = value_states[0]
-        else:
-            with torch.inference_mode():  # the buffers may be inference tensors (made by the engine)
-                self.l1_k[:, n:n + new] = key_states[0]
-                self.l1_v[:, n:n + new] = value_states[0]
-        self.length += new
+        self._append(key_states[0], value_states[0])
         self.returned = key_states  # the attention function checks it got *this* cache's keys
         attention.note_update(self.index, self)
         if self.index == self.owner.num_layers - 1:
@@ -144,6 +135,14 @@ class TieredLayer(CacheLayerMixin):
         p = self.owner.page_size
         self._resize(max(tokens, self.owner.sink_tokens + self.owner.window + 2 * p))
 
+    @torch.inference_mode()  # the buffers may be inference tensors (made by the engine) in a plain generate()
+    def _append(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        n, new = self.l1_len, k.shape[1]
+        self._reserve(n + new)
+        self.l1_k[:, n:n + new] = k
+        self.l1_v[:, n:n + new] = v
+        self.length += new
+
     @torch.inference_mode()
     def _resize(self, capacity: int) -> None:
         n = self.l1_len
@@ -185,14 +184,13 @@ class TieredLayer(CacheLayerMixin):
                 torch.cat([self.l1_v[:, start:s], self.l1_v[:, s:end - self.win_start + s]], dim=1))
 
     # ---- pages off L1 ---------------------------------------------------------------------
-    def fetch(self, pages: list[int], keep_hot: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """Device K/V ``[kvh, len(pages) * page_size, D]`` of off-window pages (hot set, else the store), in no
-        particular page order (attention over a set of pages does not depend on it).
+    def fetch(self, pages: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Device K/V ``[kvh, len(pages) * page_size, D]`` of the pages one query picked, through the hot set
+        (the sparse host path), in no particular page order (attention over a set of pages does not depend on it).
 
         Hot pages come from a preallocated device arena in one ``index_select``; the others from the store's L2
-        arena: one host range (or one host gather) and one copy per codec field, decoded in one op. ``keep_hot``
-        copies the newly fetched pages into the hot arena in one ``index_copy_`` (a view of the fetched block
-        would keep the whole block alive: measured ~1 GB at 128K).
+        arena (one host gather and one copy), decoded in one op and copied into the hot arena in one
+        ``index_copy_`` (a view of the fetched block would keep the whole block alive: measured ~1 GB at 128K).
         """
         hot = [p for p in pages if p in self.hot]
         missing = [p for p in pages if p not in self.hot] if hot else pages
@@ -208,8 +206,7 @@ class TieredLayer(CacheLayerMixin):
             k, v = codecs.decode(self.owner.store.arena.gather(self.index, slots, self.device), self.dtype)
             parts_k.append(k)
             parts_v.append(v)
-            if keep_hot:
-                self._keep(missing, k, v)
+            self._keep(missing, k, v)
         k = parts_k[0] if len(parts_k) == 1 else torch.cat(parts_k)
         v = parts_v[0] if len(parts_v) == 1 else torch.cat(parts_v)
         return self._as_kv(k, v)
@@ -294,40 +291,40 @@ class TieredLayer(CacheLayerMixin):
             acc = attention.partial_attention(qg, l1_k, l1_v, scale, kpos.unsqueeze(0) <= qpos.unsqueeze(1))
         if last_page > first_page:  # every page (exact policy, prefill chunks), streamed in blocks
             pages = list(range(first_page, last_page))
-            self.owner._count_reads(len(pages))
+            self.owner.page_reads += len(pages)
             for k, v in self._stream_pages(pages, self.owner.fetch_block_pages(q)):
                 acc = attention.merge_into(acc, attention.segment(qg, k, v, scale))
         return acc[0].reshape(hq, lq, d)
 
     def _stream_pages(self, pages: list[int], block: int):
-        """K/V of ``pages`` from the store, ``block`` pages at a time; on a GPU the copy of the next block runs on
-        a side stream while the current one is decoded and attended (double buffering)."""
-        blocks = [pages[a:a + block] for a in range(0, len(pages), block)]
-        stream = self.owner.copy_stream(self.device)
-        if stream is None:
-            for b in blocks:
-                yield self.fetch(b)
-            return
-        arena, main = self.owner.store.arena, torch.cuda.current_stream(self.device)
+        """K/V of ``pages`` from the store, ``block`` pages at a time. The next block's host rows are gathered
+        before the current one is decoded and attended; on a GPU their copy runs on a side stream meanwhile
+        (double buffering)."""
+        arena, stream = self.owner.store.arena, self.owner.copy_stream(self.device)
+        main = torch.cuda.current_stream(self.device) if stream is not None else None
 
         def issue(b):
             slots = self.owner._l2_slots(b)
-            stream.wait_stream(main)  # the slots' host rows are final; device memory reuse is ordered
+            if stream is None:
+                return arena.gather(self.index, slots, self.device), None
+            stream.wait_stream(main)  # device memory the main stream freed may be reused by this copy
             with torch.cuda.stream(stream):
                 enc = arena.gather(self.index, slots, self.device)
                 done = torch.cuda.Event()
                 done.record(stream)
             return enc, done
 
+        blocks = [pages[a:a + block] for a in range(0, len(pages), block)]
         nxt = issue(blocks[0])
         for i in range(len(blocks)):
             enc, done = nxt
             if i + 1 < len(blocks):
                 nxt = issue(blocks[i + 1])
-            main.wait_event(done)
-            for t in enc.values():
-                if t.is_cuda:
-                    t.record_stream(main)
+            if done is not None:
+                main.wait_event(done)
+                for t in enc.values():
+                    if t.is_cuda:
+                        t.record_stream(main)
             yield self._as_kv(*codecs.decode(enc, self.dtype))
 
     def _pick(self, qg: torch.Tensor, first: int, last: int) -> torch.Tensor | None:
@@ -357,7 +354,7 @@ class TieredLayer(CacheLayerMixin):
             slots = slots if pick is None else slots[pick]
             arena = owner.store.arena
             rows = uva.gather_rows(arena.data[self.index], slots, self.device)
-            owner._count_reads(slots.shape[0])
+            owner.page_reads += slots.shape[0]
             self.last_reach = (pick >= edge).sum() if pick is not None else max(0, last - first - max(0, edge))
             return self._as_kv(*codecs.decode(arena.fields_of(rows), self.dtype))
         chosen = list(range(first, last)) if pick is None else sorted(first + i for i in pick.tolist())
@@ -366,8 +363,8 @@ class TieredLayer(CacheLayerMixin):
         for p in chosen:
             self.heat[p] += 1.0
         self.last_reach = sum(1 for p in chosen if p - first >= edge)
-        owner._count_reads(len(chosen))
-        return self.fetch(chosen, keep_hot=True)
+        owner.page_reads += len(chosen)
+        return self.fetch(chosen)
 
 
 class TieredCache(Cache):
@@ -387,7 +384,6 @@ class TieredCache(Cache):
         self.adapt_pages = max(1, self.config.budget_tokens // p // 4)
         self.model_id = model_id or getattr(text_config, "_name_or_path", "") or text_config.model_type
         self.store = store
-        self._own_store = store is None
         self.namespace = b""
         self.page_keys: list[bytes] = []
         self.token_ids: list[int] = []
@@ -472,9 +468,6 @@ class TieredCache(Cache):
         elif reach < 1 and self.window - self.page_size >= self.config.l1_tokens:
             self.window -= self.page_size
 
-    def _count_reads(self, n: int) -> None:
-        self.page_reads += n
-
     def zero_copy(self, device: torch.device) -> bool:
         """Sparse decoding reads pages on the GPU straight from the pinned L2 arena (``uva.py``): when the config
         allows it, every page is in L2 (L3 pages need the host) and the arena is pinned."""
@@ -511,7 +504,7 @@ class TieredCache(Cache):
         table = self._slot_table
         try:
             slots = [table[p] for p in pages]
-            store.stats.hits["l2"] += len(pages)
+            store.count_hits(len(pages))
             return slots
         except KeyError:
             pass

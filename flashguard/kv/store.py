@@ -272,41 +272,42 @@ class PageStore:
     def get(self, key: bytes, layer: int | None = None) -> dict | None:
         """Encoded tensors of a page (one layer, or all with ``layer=None``); promotes from L3."""
         with self.lock:
-            page = self._touch(key)
-            if page is None:
-                return None
-            page.heat += 1.0
-            if page.l2 is None:
-                try:
-                    self._promote(key, page)
-                except PageCorrupt as exc:
-                    self._drop_corrupt(key, page, exc)
-                    return None
-            else:
-                self.stats.hits["l2"] += 1
+            slot = self._in_l2(key, protect={key})
             # copies: a view would change under the caller when a later call reuses this slot
-            return {n: t.clone() for n, t in self.arena.read(page.l2, layer).items()}
+            return None if slot is None else {n: t.clone() for n, t in self.arena.read(slot, layer).items()}
 
     def slots(self, keys: list[bytes]) -> list[int] | None:
         """L2 slots of ``keys`` (promoting pages from L3, none of these demoted meanwhile); None when one is
         unknown or failed verification. Valid until ``epoch`` changes; read them with ``arena.gather``."""
         with self.lock:
-            out = []
+            out, protect = [], set(keys)
             for key in keys:
-                page = self._touch(key)
-                if page is None:
+                slot = self._in_l2(key, protect)
+                if slot is None:
                     return None
-                page.heat += 1.0
-                if page.l2 is None:
-                    try:
-                        self._promote(key, page, protect=set(keys))
-                    except PageCorrupt as exc:
-                        self._drop_corrupt(key, page, exc)
-                        return None
-                else:
-                    self.stats.hits["l2"] += 1
-                out.append(page.l2)
+                out.append(slot)
             return out
+
+    def count_hits(self, n: int) -> None:
+        """L2 reads a caller served from its own copy of the slot table (``slots`` while ``epoch`` held)."""
+        self.stats.hits["l2"] += n
+
+    def _in_l2(self, key: bytes, protect: set) -> int | None:
+        """The L2 slot of ``key``, read now: touched, warmed, promoted from L3 if needed (``protect`` is not
+        demoted meanwhile); None when unknown or its L3 file failed verification. Call with the lock held."""
+        page = self._touch(key)
+        if page is None:
+            return None
+        page.heat += 1.0
+        if page.l2 is not None:
+            self.stats.hits["l2"] += 1
+            return page.l2
+        try:
+            self._promote(key, page, protect)
+        except PageCorrupt as exc:
+            self._drop_corrupt(key, page, exc)
+            return None
+        return page.l2
 
     def _drop_corrupt(self, key: bytes, page: _Page, exc: Exception) -> None:
         self.stats.corrupt_pages += 1
@@ -316,7 +317,7 @@ class PageStore:
         self.l3_pages -= 1
         del self.pages[key]
 
-    def _promote(self, key: bytes, page: _Page, protect: set | None = None) -> None:
+    def _promote(self, key: bytes, page: _Page, protect: set) -> None:
         t0 = time.perf_counter()
         blob = self.disk.read(key, page.l3)
         self.stats.disk_seconds += time.perf_counter() - t0
@@ -331,7 +332,7 @@ class PageStore:
         enc = codecs.encode(k, v, self.config.l2_codec)
         self.stats.codec_seconds += time.perf_counter() - t0
         page.l2 = self.arena.write(enc)
-        self._enforce_budgets(protect=(protect or set()) | {key})
+        self._enforce_budgets(protect=protect | {key})
 
     # ---- budgets --------------------------------------------------------------------------
     def _enforce_budgets(self, protect: set = frozenset()) -> None:
