@@ -114,7 +114,8 @@ class EngineConfig:
     vram_budget    bytes (or "4GiB") the engine may use on the GPU; None = no cap.
     weights        "float" (as stored) or "int4": a float model is AWQ-quantized once (group size 64) and
                    cached in the user cache folder; an AWQ checkpoint is always loaded in int4.
-    int4_kernel    "auto" (torch's int4 kernel for the device), "cuda", "cpu" or "dequant" (any device).
+    int4_kernel    "auto" (the fastest the device runs), "triton" (flashguard's Triton kernels, CUDA), "cuda"
+                   (torch's tinygemm, compute capability >= 8.0), "cpu" (torch's CPU kernel) or "dequant" (any device).
     cuda_graphs    record one-token decode steps of Llama/Qwen2 models as CUDA graphs (engine/decode_step.py);
                    false runs the same steps eagerly.
     system_prompt  system message used when the conversation has none; None = the template's default.
@@ -144,7 +145,7 @@ class EngineConfig:
         _check_choice(self.dtype, ("auto", "float32", "float16", "bfloat16"), "dtype")
         _check_choice(self.cache, ("dynamic", "tiered"), "cache")
         _check_choice(self.weights, ("float", "int4"), "weights")
-        _check_choice(self.int4_kernel, ("auto", "cuda", "cpu", "dequant"), "int4_kernel")
+        _check_choice(self.int4_kernel, ("auto", "triton", "cuda", "cpu", "dequant"), "int4_kernel")
         if not (self.device in ("auto", "cpu", "cuda") or str(self.device).startswith("cuda:")):
             raise ConfigError(f"must be auto, cpu, cuda or cuda:N, got {self.device!r}", key="device")
         if self.max_tokens <= 0:

@@ -108,3 +108,72 @@ def test_sparse_zero_copy_equals_host_path():
     torch.testing.assert_close(o1.float(), o2.float(), atol=2e-3, rtol=2e-3)
     torch.testing.assert_close(lse1, lse2, atol=2e-3, rtol=2e-3)
     cache.check_integrity()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 7])
+def test_triton_int4_linear_matches_the_reference(dtype, tokens):
+    """Int4Linear's triton backend (auto's pick where the kernels pass their self-check): one token through the
+    matrix-vector kernel, replayed in a CUDA graph too; several through the dequantization + cuBLAS."""
+    from flashguard.quant import awq_format, int4_triton
+    from flashguard.quant.int4_linear import Int4Linear
+
+    assert int4_triton.available(torch.device("cuda")), int4_triton.last_error
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w = torch.randn(8960, 1536, device="cuda", generator=g) * 0.02
+    codes, zeros, scales = awq_format.quantize_rtn(w, 128)
+    bias = torch.randn(8960, device="cuda", generator=g, dtype=dtype)
+    layer = Int4Linear.from_codes(codes, zeros, scales, 128, bias, torch.device("cuda"), "auto")
+    assert layer.backend == "triton"
+    x = torch.randn(1, tokens, 1536, device="cuda", generator=g, dtype=dtype)
+    want = x.float() @ awq_format.dequantize(codes, zeros, scales, 128).t() + bias.float()
+    got = layer(x)
+    assert got.dtype == dtype and got.shape == (1, tokens, 8960)
+    torch.testing.assert_close(got.float(), want, atol=0.02 * want.abs().max().item(), rtol=0.02)
+    if tokens == 1:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            replayed = layer(x)
+        graph.replay()
+        assert torch.equal(replayed, got)
+
+
+def test_prefix_attention_reads_only_the_used_keys():
+    """flash's varlen kernel with a device-side key count (the one-graph step's attention) = exact attention over
+    the used prefix; garbage past it changes nothing."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    k = torch.randn(2, 33000, 128, device="cuda", generator=g, dtype=torch.float16)
+    v = torch.randn(2, 33000, 128, device="cuda", generator=g, dtype=torch.float16)
+    q = torch.randn(12, 128, device="cuda", generator=g, dtype=torch.float16)
+    for used in (1, 700, 32769):
+        n = torch.tensor([used], dtype=torch.int32, device="cuda")
+        got = attention.prefix_attention(q, k, v, n, 128 ** -0.5)
+        want, _ = attention.partial_attention(q.float().view(2, 6, 1, 128), k[:, :used].float(),
+                                              v[:, :used].float(), 128 ** -0.5)
+        torch.testing.assert_close(got.float(), want.reshape(12, 128), atol=3e-3, rtol=3e-3)
+    assert attention._PREFIX_KERNEL[(q.device.index, q.dtype)] == "flash"
+
+
+def test_static_kv_one_graph_step_matches_the_models_forward():
+    from transformers import DynamicCache, Qwen2Config, Qwen2ForCausalLM
+
+    from flashguard.engine.decode_step import DecodeStep, StaticKV
+
+    cfg = Qwen2Config(hidden_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=128,
+                      num_hidden_layers=6, intermediate_size=1024, vocab_size=1000, max_position_embeddings=8192)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = Qwen2ForCausalLM(cfg).to(torch.float16).eval()
+    ids = torch.randint(0, 1000, (1, 1000), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    cache = DynamicCache(config=cfg)
+    with torch.inference_mode():
+        token = int(model(input_ids=ids, past_key_values=cache).logits[0, -1].argmax())
+    kv, step, ours, theirs = StaticKV.from_cache(cache, 1088), DecodeStep(model), [], []
+    for _ in range(24):   # teacher-forced by the model's forward: both see the same tokens
+        ours.append(step.step(token, kv).float())
+        with torch.inference_mode():
+            tok = torch.tensor([[token]], device="cuda")
+            theirs.append(model(input_ids=tok, past_key_values=cache).logits[0, -1].float())
+        token = int(theirs[-1].argmax())
+    assert step.whole is not None and kv.length == 1024
+    torch.testing.assert_close(torch.stack(ours), torch.stack(theirs), atol=2e-2, rtol=2e-2)

@@ -14,6 +14,10 @@ Contract:
 - ``step(token_id, cache) -> logits [vocab]`` appends one token at position ``cache.get_seq_length()``, updating
   ``cache`` exactly as the model's forward would (``cache.update``; a TieredCache then ``attend``s, any other
   Cache gets one fused attention call over what ``update`` returned).
+- With a ``StaticKV`` (a fixed-capacity cache on the device), the *whole* step, attention included, is one CUDA
+  graph: no host work between layers, so the step costs what the GPU needs. Captured again when the StaticKV
+  changes. This is the loop the int4 benchmark compares weights in (bench/int4.py); the engine's caches grow or
+  page, so it keeps the per-segment graphs.
 - Batch size 1. The graphs hold a few MB of activations; they are made at the first step.
 """
 
@@ -28,11 +32,35 @@ from ..kv import attention
 log = logging.getLogger("flashguard")
 
 
+class StaticKV:
+    """Keys and values of every layer in two device tensors ``[layers, kv_heads, capacity, head_dim]``, written at
+    the step's position by a kernel (the position is a device tensor), attended with a mask of the positions
+    written: shapes never change, so a whole decode step can be replayed as one CUDA graph. ``length`` is the
+    number of tokens held (host side)."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, length: int):
+        self.keys, self.values, self.length = keys, values, length
+
+    @classmethod
+    def from_cache(cls, cache, capacity: int) -> "StaticKV":
+        """A copy of a transformers Cache's layers (``layers[i].keys`` ``[1, kvh, T, D]``), room for ``capacity``."""
+        first = cache.layers[0].keys
+        _, kvh, length, d = first.shape
+        if capacity < length:
+            raise ValueError(f"capacity {capacity} < the {length} tokens held")
+        shape = (len(cache.layers), kvh, capacity, d)
+        keys, values = (torch.zeros(shape, dtype=first.dtype, device=first.device) for _ in range(2))
+        for i, layer in enumerate(cache.layers):
+            keys[i, :, :length].copy_(layer.keys[0])
+            values[i, :, :length].copy_(layer.values[0])
+        return cls(keys, values, length)
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+
 class DecodeStep:
     def __init__(self, model, graphs: bool | None = None):
-        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-
-        self.rope = apply_rotary_pos_emb
         inner = model.model
         self.embed, self.layers, self.norm, self.lm_head = inner.embed_tokens, inner.layers, inner.norm, model.lm_head
         self.rotary = inner.rotary_emb
@@ -41,6 +69,8 @@ class DecodeStep:
         weight = self.embed.weight
         self.device, self.dtype = weight.device, weight.dtype
         self.use_graphs = self.device.type == "cuda" if graphs is None else graphs
+        half = self.head_dim // 2   # rotate_half(x) = roll(x, D/2) * sign: the sign goes into sin once a step
+        self.sign = torch.cat([-torch.ones(half), torch.ones(half)]).to(self.device, self.dtype)
         n = len(self.layers)
         hq = model.config.num_attention_heads
         self.token = torch.zeros((1, 1), dtype=torch.long, device=self.device)
@@ -49,6 +79,7 @@ class DecodeStep:
                          for _ in range(n)]
         self.graphs: list | None = None
         self.outputs: list | None = None
+        self.whole: tuple | None = None   # (StaticKV, graph, logits) of the one-graph step
 
     @staticmethod
     def supports(model) -> bool:
@@ -69,19 +100,23 @@ class DecodeStep:
         if i == 0:
             h = self.embed(self.token)
             cos, sin = self.rotary(h, self.position)
+            cos, sin = cos.unsqueeze(1), (sin * self.sign).unsqueeze(1)   # [1, 1, 1, D]
         else:
             h, cos, sin = inputs
             prev = self.layers[i - 1]
             h = h + prev.self_attn.o_proj(self.attn_out[i - 1])
-            h = h + prev.mlp(prev.post_attention_layernorm(h))
+            h = h + prev.mlp(_rms_norm(prev.post_attention_layernorm, h))
         if i == len(self.layers):
-            return (self.lm_head(self.norm(h))[0, -1],)
+            return (self.lm_head(_rms_norm(self.norm, h))[0, -1],)
         attn = self.layers[i].self_attn
-        x = self.layers[i].input_layernorm(h)
+        x = _rms_norm(self.layers[i].input_layernorm, h)
         q = attn.q_proj(x).view(1, 1, -1, self.head_dim).transpose(1, 2)
         k = attn.k_proj(x).view(1, 1, -1, self.head_dim).transpose(1, 2)
         v = attn.v_proj(x).view(1, 1, -1, self.head_dim).transpose(1, 2)
-        q, k = self.rope(q, k, cos, sin)
+        # Rotary embedding of q and k in one pass (4 kernels instead of transformers' 10): x*cos + rotate_half(x)*sin
+        qk = torch.cat([q, k], 1)
+        qk = torch.addcmul(qk * cos, qk.roll(self.head_dim // 2, -1), sin)
+        q, k = qk[:, :q.shape[1]], qk[:, q.shape[1]:]
         return h, cos, sin, q, k, v
 
     def _attend(self, i: int, cache, q, k, v) -> None:
@@ -97,11 +132,47 @@ class DecodeStep:
             out = attention.segment(qg, k_all[0], v_all[0], self.scaling)[0]
         self.attn_out[i].copy_(out.reshape(1, 1, -1))
 
+    def _attend_static(self, i: int, kv: StaticKV, q, k, v) -> None:
+        """Write this token's k, v at ``position``; attend over every position written (``attention.prefix``)."""
+        kv.keys[i].index_copy_(1, self.position[0], k[0])          # [kvh, capacity, D] <- [kvh, 1, D]
+        kv.values[i].index_copy_(1, self.position[0], v[0])
+        if i == 0:
+            self.used = (self.position[0] + 1).to(torch.int32)
+        out = attention.prefix_attention(q[0, :, 0], kv.keys[i], kv.values[i], self.used, self.scaling)
+        self.attn_out[i].copy_(out.reshape(1, 1, -1))
+
+    def _whole(self, kv: StaticKV) -> torch.Tensor:
+        """The layers, attention included, as one sequence of kernels (eager, or recorded into a graph)."""
+        out = self._segment(0, ())
+        for i in range(len(self.layers)):
+            self._attend_static(i, kv, *out[3:])
+            out = self._segment(i + 1, out[:3])
+        return out[0]
+
     # ---- running -------------------------------------------------------------------------
     @torch.inference_mode()
     def step(self, token_id: int, cache) -> torch.Tensor:
         self.token.fill_(int(token_id))
         self.position.fill_(cache.get_seq_length())
+        if isinstance(cache, StaticKV):
+            if cache.length >= cache.keys.shape[2]:
+                raise ValueError(f"the StaticKV is full ({cache.length} tokens)")
+            cache.length += 1
+            if not self.use_graphs:
+                return self._whole(cache)
+            if self.whole is None or self.whole[0] is not cache:
+                self.whole = None  # the old graph's memory goes back before the new one is recorded
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):  # warm up outside capture; it writes what the replay writes again
+                    self._whole(cache)
+                torch.cuda.current_stream().wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    logits = self._whole(cache)
+                self.whole = (cache, graph, logits)
+            self.whole[1].replay()
+            return self.whole[2].clone()
         if self.use_graphs and self.graphs is None:
             self._capture()
         n = len(self.layers)
@@ -143,6 +214,17 @@ class DecodeStep:
             log.warning("flashguard: decode runs without CUDA graphs (%s)", exc)
             self.use_graphs = False
             self.graphs = self.outputs = None
+
+
+_RMS_NORMS = ("LlamaRMSNorm", "Qwen2RMSNorm", "MistralRMSNorm")
+
+
+def _rms_norm(module, x: torch.Tensor) -> torch.Tensor:
+    """``module(x)`` for the RMSNorms of Llama / Qwen2 as one ``F.rms_norm`` call (one fused kernel on a GPU, where
+    transformers' module launches eight); any other norm module runs as it is."""
+    if type(module).__name__ in _RMS_NORMS:
+        return torch.nn.functional.rms_norm(x, module.weight.shape, module.weight, module.variance_epsilon)
+    return module(x)
 
 
 def greedy_step(model, cache, token: torch.Tensor, step: "DecodeStep | None", kwarg: str = "past_key_values"):

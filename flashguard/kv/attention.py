@@ -79,6 +79,41 @@ def segment(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
     return partial_attention(q, k, v, scale, mask)
 
 
+_PREFIX_KERNEL: dict = {}  # (device index, dtype) -> "flash" | "sdpa": what prefix_attention runs there
+_OFFSETS: dict = {}        # (device index, capacity) -> int32 tensors [0, 1], [0, capacity] (flash's varlen form)
+
+
+def prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, used: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """One token's query heads ``q [Hq, D]`` over the first ``used`` positions of ``k``/``v`` ``[kvh, capacity, D]``,
+    ``used`` an int32 device tensor ``[1]``: no host value, so a whole decode step can be a CUDA graph. Returns
+    ``[Hq, D]``. On a GPU, flash's variable-length kernel reads only the used keys (``seqused_k``; it splits long
+    key ranges over the GPU like a decode kernel); elsewhere, or where that kernel is missing, SDPA with a mask
+    over the whole capacity. The first call for a device and capacity must run outside graph capture."""
+    kvh, cap, d = k.shape
+    key = (q.device.index, q.dtype)
+    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and _PREFIX_KERNEL.get(key) != "sdpa":
+        at = (q.device.index, cap)
+        if at not in _OFFSETS:
+            _OFFSETS[at] = tuple(torch.tensor([0, n], dtype=torch.int32, device=q.device) for n in (1, cap))
+        cum_q, cum_k = _OFFSETS[at]
+        try:
+            out = torch.ops.aten._flash_attention_forward(
+                q.unsqueeze(0), k.transpose(0, 1), v.transpose(0, 1), cum_q, cum_k, 1, cap, 0.0, False, False,
+                scale=scale, seqused_k=used)[0]
+            _PREFIX_KERNEL[key] = "flash"
+            return out[0]
+        except torch.cuda.OutOfMemoryError:
+            raise
+        except (RuntimeError, TypeError):
+            _PREFIX_KERNEL[key] = "sdpa"
+    visible = torch.arange(cap, device=q.device) < used
+    qg = q.reshape(kvh, 1, -1, d)                      # a KV head's query heads as its query rows
+    out = torch.nn.functional.scaled_dot_product_attention(qg, k.unsqueeze(1), v.unsqueeze(1),
+                                                           attn_mask=visible.view(1, 1, 1, cap), scale=scale)
+    return out.reshape(-1, d)
+
+
 def _partial(q, k, v, scale, mask):
     # One score matrix in the accumulation dtype, updated in place (scale, mask, shift, exp): the peak is that
     # matrix plus its 16-bit copy for the second einsum, not five fp32 temporaries.

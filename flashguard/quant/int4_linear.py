@@ -2,9 +2,12 @@
 
 Backends, chosen per device when the layer is built (``choose_backend``):
 
+- ``triton``  flashguard's Triton kernels (``int4_triton``): a matrix-vector kernel for one token, a dequantization
+  to the activation dtype + cuBLAS for prompts. CUDA with Triton (PyTorch's Linux wheels ship it; Windows needs
+  ``triton-windows``); fp16 or bf16 activations. ``auto``'s first choice on CUDA (measured, see ``choose_backend``).
 - ``cuda``    ``aten._weight_int4pack_mm`` (tinygemm; NVIDIA compute capability >= 8.0, bf16 activations).
 - ``cpu``     ``aten._weight_int4pack_mm_for_cpu`` (bf16 activations: measured 25-40x faster than its fp32 path).
-- ``dequant`` the fallback everywhere else (pre-Ampere laptop GPUs, other accelerators): the packed codes stay
+- ``dequant`` the fallback everywhere else (other accelerators, GPUs without Triton or tinygemm): the packed codes stay
   in memory and are dequantized to the activation dtype for each call, so memory stays int4 while speed is
   that of a dense matmul plus the unpacking.
 
@@ -20,16 +23,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import awq_format
+from . import awq_format, int4_triton
 
-BACKENDS = ("cuda", "cpu", "dequant")
+BACKENDS = ("triton", "cuda", "cpu", "dequant")
+_NIBBLES = ("triton", "dequant")   # backends that keep the codes as packed bytes [N, K/2] + scales + zeros
 
 
 def choose_backend(device: torch.device, requested: str = "auto") -> str:
-    """``requested`` is ``auto`` or one of BACKENDS; ``auto`` picks the kernel the device supports."""
+    """``requested`` is ``auto`` or one of BACKENDS; ``auto`` picks the fastest kernel the device runs: on CUDA
+    the Triton kernels where they pass their self-check (one token: 2-3x tinygemm inside a CUDA graph on an H200,
+    docs/benchmarks/int4_h200.md), else tinygemm (compute capability >= 8.0), else ``dequant``."""
     if requested != "auto":
         return requested
     if device.type == "cuda":
+        if int4_triton.available(device):
+            return "triton"
         major, _ = torch.cuda.get_device_capability(device)
         return "cuda" if major >= 8 and hasattr(torch.ops.aten, "_weight_int4pack_mm") else "dequant"
     if device.type == "cpu" and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
@@ -56,11 +64,13 @@ class Int4Linear(nn.Module):
                    bias: torch.Tensor | None, device: torch.device, backend: str = "auto") -> "Int4Linear":
         n, k = codes.shape
         backend = choose_backend(device, backend)
-        if backend != "dequant" and (_inner_k_tiles(k) == 0 or group_size not in (32, 64, 128, 256)):
+        if backend in ("cuda", "cpu") and (_inner_k_tiles(k) == 0 or group_size not in (32, 64, 128, 256)):
+            backend = "dequant"
+        if backend == "triton" and (device.type != "cuda" or k % 2 or group_size % 32 or group_size > 256):
             backend = "dequant"
         layer = cls(k, n, group_size, backend)
         codes = codes.to(device)
-        if backend == "dequant":
+        if backend in _NIBBLES:
             layer.register_buffer("packed", (codes[:, ::2] << 4 | codes[:, 1::2]).contiguous())
             layer.register_buffer("scales", scales.to(device, torch.float16).contiguous())
             layer.register_buffer("zeros", zeros.to(device).contiguous())
@@ -84,14 +94,19 @@ class Int4Linear(nn.Module):
         return sum(b.numel() * b.element_size() for b in self.buffers())
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The weight [N, K] this layer computes with (dequant backend only; tests use ``forward``)."""
+        """The weight [N, K] this layer computes with (packed-byte backends only; tests use ``forward``)."""
+        if self.backend == "triton":
+            return int4_triton.dequantize(self.packed, self.scales, self.zeros, self.group_size, dtype)
         codes = torch.stack([self.packed >> 4, self.packed & 0xF], -1).view(self.out_features, self.in_features)
         return awq_format.dequantize(codes, self.zeros, self.scales, self.group_size, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
-        if self.backend == "dequant":
+        if self.backend == "triton" and x2.shape[0] == 1:   # bias inside the kernel
+            return int4_triton.gemv(x2.contiguous(), self.packed, self.scales, self.zeros, self.group_size,
+                                    self.bias).view(*shape[:-1], self.out_features)
+        if self.backend in _NIBBLES:
             out = F.linear(x2, self.dequantized_weight(x.dtype))
         elif self.backend == "cpu":
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.to(torch.bfloat16).contiguous(), self.packed,
