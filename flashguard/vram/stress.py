@@ -30,8 +30,9 @@ def _energy_mj(device_index: int) -> float | None:
         return None
 
 
-def build_model(name: str, weights: str, device: torch.device):
-    """(model, tokenizer-or-None, shape name) for a named random-weight shape, ``embedded`` or a path."""
+def build_model(name: str, weights: str, device: torch.device, int4_kernel: str = "auto"):
+    """(model, tokenizer-or-None, shape name) for a named random-weight shape, ``embedded`` or a path;
+    ``int4_kernel`` is the Int4Linear backend of int4 weights (the YAML key of the same name)."""
     from ..quant.int4_linear import quantize_linears_rtn
 
     if name == "deepseek-r1-distill-qwen-1.5b":
@@ -43,7 +44,7 @@ def build_model(name: str, weights: str, device: torch.device):
         dtype = torch.bfloat16 if (weights == "int4" or device.type == "cpu") else torch.float16
         if weights == "int4":  # build in host RAM, quantize onto the device: the float model never fits 4 GB
             model = Qwen2ForCausalLM(deepseek_1_5b_config()).to(dtype).eval()
-            quantize_linears_rtn(model, 128, device=device)
+            quantize_linears_rtn(model, 128, backend=int4_kernel, device=device)
             model.to(device)
         else:
             with torch.device(device):
@@ -55,7 +56,7 @@ def build_model(name: str, weights: str, device: torch.device):
     from ..engine.engine import Engine
 
     engine = Engine(EngineConfig(model_path=None if name == "embedded" else name, device=str(device),
-                                 weights="int4" if weights == "int4" else "float"))
+                                 weights="int4" if weights == "int4" else "float", int4_kernel=int4_kernel))
     return engine.model
 
 
@@ -77,7 +78,7 @@ def run(args) -> dict:
     if cuda and budget:
         os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # before CUDA starts
     apply_vram_budget(budget, device)
-    model = build_model(args.model, args.weights, device)
+    model = build_model(args.model, args.weights, device, args.int4_kernel)
     model.requires_grad_(False)
     weights = accounting.model_bytes(model)
     kv = CacheConfig(page_size=args.page_size, l1_tokens=args.l1_tokens, l1_max_tokens=max(args.l1_tokens,
@@ -129,6 +130,7 @@ def run(args) -> dict:
             pickle.dump(torch.cuda.memory._snapshot(), fh)
         torch.cuda.memory._record_memory_history(enabled=None)
     result = {"model": args.model, "weights": args.weights, "cache": args.cache, "policy": args.policy,
+              "int4_kernel": next((m.backend for m in model.modules() if hasattr(m, "backend")), None),
               "l2_codec": args.l2_codec, "context": args.context, "steps": args.steps, "device": str(device),
               "prefill_chunk": args.prefill_chunk, "vram_budget": budget, "prefill_s": prefill_s,
               "decode_tok_s": args.steps / decode_s, "p50_ms": 1e3 * statistics.median(lat),
@@ -168,7 +170,9 @@ def run(args) -> dict:
 
 def render(r: dict) -> str:
     g = 2**30
-    rows = [("context", r["context"]), ("weights / cache / policy", f"{r['weights']} / {r['cache']} / {r['policy']}"),
+    kernel = f" ({r['int4_kernel']})" if r.get("int4_kernel") else ""
+    rows = [("context", r["context"]),
+            ("weights / cache / policy", f"{r['weights']}{kernel} / {r['cache']} / {r['policy']}"),
             ("prefill s", f"{r['prefill_s']:.1f}"), ("decode tok/s", f"{r['decode_tok_s']:.1f}"),
             ("decode p50 / p99 ms", f"{r['p50_ms']:.1f} / {r['p99_ms']:.1f}")]
     if "page_faults_per_step" in r:
@@ -194,6 +198,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="deepseek-r1-distill-qwen-1.5b",
                    help="deepseek-r1-distill-qwen-1.5b (random weights), embedded, or a model path")
     p.add_argument("--weights", choices=("int4", "fp16"), default="int4")
+    p.add_argument("--int4-kernel", choices=("auto", "triton", "cuda", "cpu", "dequant"), default="auto")
     p.add_argument("--cache", choices=("tiered", "dynamic"), default="tiered")
     p.add_argument("--context", type=int, default=32768)
     p.add_argument("--steps", type=int, default=256)
