@@ -10,6 +10,17 @@ from flashguard.kv import attention
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
+def small_qwen2(layers: int):
+    """(config, fp16 random-weight model on the GPU) of a small Qwen2 with the 1.5B's head shape."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config(hidden_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=128,
+                      num_hidden_layers=layers, intermediate_size=1024, vocab_size=1000, max_position_embeddings=8192)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        return cfg, Qwen2ForCausalLM(cfg).to(torch.float16).eval()
+
+
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("lq", [1, 300])
 def test_fused_segment_matches_the_einsum_path(causal, lq):
@@ -30,16 +41,12 @@ def test_fused_segment_matches_the_einsum_path(causal, lq):
 
 @pytest.mark.parametrize("policy", ["exact", "sparse"])
 def test_graph_steps_match_eager_steps(policy):
-    from transformers import DynamicCache, Qwen2Config, Qwen2ForCausalLM
+    from transformers import DynamicCache
 
     from flashguard.engine.decode_step import DecodeStep
     from flashguard.kv.cache import TieredCache
 
-    cfg = Qwen2Config(hidden_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=128,
-                      num_hidden_layers=6, intermediate_size=1024, vocab_size=1000, max_position_embeddings=8192)
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = Qwen2ForCausalLM(cfg).to(torch.float16).eval()
+    cfg, model = small_qwen2(6)
     tiers = CacheConfig(page_size=64, l1_tokens=256, sink_tokens=64, l1_max_tokens=512, budget_tokens=256,
                         l3_tokens=0, policy=policy)  # L2 only: the GPU machine lacks cryptography (L3 sealing)
     ids = torch.randint(0, 1000, (1, 3000), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
@@ -70,7 +77,7 @@ def test_graph_steps_match_eager_steps(policy):
 def test_zero_copy_reads_match_host_gathers():
     from flashguard.kv import uva
 
-    assert uva.available(torch.device("cuda")), uva.last_error
+    assert uva.available(torch.device("cuda")), uva.available.last_error
     host = torch.randint(0, 255, (300, 4096), dtype=torch.uint8).pin_memory()
     rows = torch.tensor([7, 299, 0, 7, 150], device="cuda")
     assert torch.equal(uva.gather_rows(host, rows, torch.device("cuda")).cpu(), host[rows.cpu()])
@@ -79,15 +86,9 @@ def test_zero_copy_reads_match_host_gathers():
 def test_sparse_zero_copy_equals_host_path():
     """The same query on the same cache state: the pages read on the GPU straight from pinned RAM and the pages
     brought by the host (hot set + host gather) give the same attention (page order aside: fp16 rounding)."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
     from flashguard.kv.cache import TieredCache
 
-    cfg = Qwen2Config(hidden_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=128,
-                      num_hidden_layers=4, intermediate_size=1024, vocab_size=1000, max_position_embeddings=8192)
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = Qwen2ForCausalLM(cfg).to(torch.float16).eval()
+    cfg, model = small_qwen2(4)
     ids = torch.randint(0, 1000, (1, 4000), device="cuda", generator=torch.Generator("cuda").manual_seed(2))
     cache = TieredCache(cfg, CacheConfig(page_size=64, l1_tokens=256, sink_tokens=64, l1_max_tokens=512,
                                          budget_tokens=256, l3_tokens=0)).attach(model)
@@ -118,7 +119,7 @@ def test_triton_int4_linear_matches_the_reference(dtype, tokens):
     from flashguard.quant import awq_format, int4_triton
     from flashguard.quant.int4_linear import Int4Linear
 
-    assert int4_triton.available(torch.device("cuda")), int4_triton.last_error
+    assert int4_triton.available(torch.device("cuda")), int4_triton.available.last_error
     g = torch.Generator(device="cuda").manual_seed(0)
     w = torch.randn(8960, 1536, device="cuda", generator=g) * 0.02
     codes, zeros, scales = awq_format.quantize_rtn(w, 128)
@@ -155,15 +156,11 @@ def test_prefix_attention_reads_only_the_used_keys():
 
 
 def test_static_kv_one_graph_step_matches_the_models_forward():
-    from transformers import DynamicCache, Qwen2Config, Qwen2ForCausalLM
+    from transformers import DynamicCache
 
     from flashguard.engine.decode_step import DecodeStep, StaticKV
 
-    cfg = Qwen2Config(hidden_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=128,
-                      num_hidden_layers=6, intermediate_size=1024, vocab_size=1000, max_position_embeddings=8192)
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = Qwen2ForCausalLM(cfg).to(torch.float16).eval()
+    cfg, model = small_qwen2(6)
     ids = torch.randint(0, 1000, (1, 1000), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
     cache = DynamicCache(config=cfg)
     with torch.inference_mode():

@@ -219,7 +219,8 @@ def render(result) -> str:
     lines = [f"{result['device']}, torch {result['torch']}; random-weight DeepSeek-R1-Distill-Qwen-{shape}"
              f" shape, {result['steps']} timed steps; int4 kernels vs reference dequantization (max rel. error): "
              f"{errs}", "",
-             f"Decode tok/s, the median of {REPEATS} runs (x = / the first row, same loop): `eager` transformers' forward, `engine` flashguard's "
+             f"Decode tok/s, the median of {REPEATS} runs (x = / the first row, same loop): `eager` transformers' "
+             "forward, `engine` flashguard's "
              "DecodeStep (graphs between attention calls), `graph` the whole step as one CUDA graph.", "",
              "| weights | weight GiB | " + " | ".join(f"{loop} @{c}" for c in contexts for loop in loops) + " |",
              "|---|---|" + "---|" * (len(contexts) * len(loops))]

@@ -34,9 +34,9 @@ log = logging.getLogger("flashguard")
 
 class StaticKV:
     """Keys and values of every layer in two device tensors ``[layers, kv_heads, capacity, head_dim]``, written at
-    the step's position by a kernel (the position is a device tensor), attended with a mask of the positions
-    written: shapes never change, so a whole decode step can be replayed as one CUDA graph. ``length`` is the
-    number of tokens held (host side)."""
+    the step's position by a kernel (the position is a device tensor) and attended up to a device-side count
+    (``attention.prefix_attention``): shapes never change, so a whole decode step can be replayed as one CUDA
+    graph. ``length`` is the number of tokens held (host side)."""
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor, length: int):
         self.keys, self.values, self.length = keys, values, length
@@ -133,7 +133,7 @@ class DecodeStep:
         self.attn_out[i].copy_(out.reshape(1, 1, -1))
 
     def _attend_static(self, i: int, kv: StaticKV, q, k, v) -> None:
-        """Write this token's k, v at ``position``; attend over every position written (``attention.prefix``)."""
+        """Write this token's k, v at ``position``; attend over every position written so far."""
         kv.keys[i].index_copy_(1, self.position[0], k[0])          # [kvh, capacity, D] <- [kvh, 1, D]
         kv.values[i].index_copy_(1, self.position[0], v[0])
         if i == 0:
@@ -157,22 +157,15 @@ class DecodeStep:
         if isinstance(cache, StaticKV):
             if cache.length >= cache.keys.shape[2]:
                 raise ValueError(f"the StaticKV is full ({cache.length} tokens)")
+            if self.use_graphs and (self.whole is None or self.whole[0] is not cache):
+                self._capture_whole(cache)
+            if self.whole is None:
+                logits = self._whole(cache)
+            else:
+                self.whole[1].replay()
+                logits = self.whole[2].clone()  # the graph's own output changes at the next replay
             cache.length += 1
-            if not self.use_graphs:
-                return self._whole(cache)
-            if self.whole is None or self.whole[0] is not cache:
-                self.whole = None  # the old graph's memory goes back before the new one is recorded
-                side = torch.cuda.Stream()
-                side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side):  # warm up outside capture; it writes what the replay writes again
-                    self._whole(cache)
-                torch.cuda.current_stream().wait_stream(side)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    logits = self._whole(cache)
-                self.whole = (cache, graph, logits)
-            self.whole[1].replay()
-            return self.whole[2].clone()
+            return logits
         if self.use_graphs and self.graphs is None:
             self._capture()
         n = len(self.layers)
@@ -187,6 +180,26 @@ class DecodeStep:
             self._attend(i, cache, *self.outputs[i][3:])
         self.graphs[n].replay()
         return self.outputs[n][0].clone()  # the graph's own output changes at the next replay
+
+    def _capture_whole(self, kv: StaticKV) -> None:
+        """Record the whole step over ``kv`` as one graph (after an eager warm-up, which writes what the replay
+        writes again); where capture fails, steps stay eager, as with ``_capture``."""
+        self.whole = None  # the old graph's memory goes back before the new one is recorded
+        try:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                self._whole(kv)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                logits = self._whole(kv)
+            self.whole = (kv, graph, logits)
+        except torch.cuda.OutOfMemoryError:
+            raise
+        except RuntimeError as exc:
+            log.warning("flashguard: decode runs without CUDA graphs (%s)", exc)
+            self.use_graphs = False
 
     def _capture(self) -> None:
         """Record the layers + 1 segments, each reading the previous one's outputs, in one memory pool."""

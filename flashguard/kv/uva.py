@@ -12,15 +12,11 @@ bytes; where it does not (no Triton, no UVA), callers use the host gather (``L2A
 
 from __future__ import annotations
 
-import logging
-
 import torch
 
-log = logging.getLogger("flashguard")
+from ..selfcheck import SelfCheck
 
 _kernel = None
-_checked: dict = {}   # device index -> bool
-last_error = ""       # why zero-copy is unavailable, when it is
 BLOCK = 1024          # 32-bit words per program
 
 
@@ -58,23 +54,11 @@ def gather_rows(host: torch.Tensor, rows: torch.Tensor, device: torch.device) ->
     return out
 
 
-def available(device: torch.device) -> bool:
-    """True when zero-copy reads work on ``device`` (checked once against a host gather)."""
-    if device.type != "cuda":
-        return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _checked:
-        try:
-            host = torch.arange(64 * 256, dtype=torch.int32).view(torch.uint8).view(64, 1024).pin_memory()
-            rows = torch.tensor([5, 63, 0, 5], device=device)
-            with torch.cuda.device(index):
-                got = gather_rows(host, rows, torch.device("cuda", index)).cpu()
-            _checked[index] = bool(torch.equal(got, host[rows.cpu()]))
-            if not _checked[index]:
-                log.warning("flashguard: zero-copy page reads returned wrong bytes; using host gathers")
-        except Exception as exc:  # no Triton, no UVA, an old GPU: the host gather works everywhere
-            global last_error
-            last_error = f"{type(exc).__name__}: {exc}"
-            log.info("flashguard: zero-copy page reads unavailable (%s); using host gathers", last_error)
-            _checked[index] = False
-    return _checked[index]
+def _probe(device: torch.device) -> bool:
+    host = torch.arange(64 * 256, dtype=torch.int32).view(torch.uint8).view(64, 1024).pin_memory()
+    rows = torch.tensor([5, 63, 0, 5], device=device)
+    return torch.equal(gather_rows(host, rows, device).cpu(), host[rows.cpu()])
+
+
+# available(device): True when zero-copy reads work on ``device`` (checked once against a host gather)
+available = SelfCheck("zero-copy page reads", _probe, "using host gathers")

@@ -1,11 +1,11 @@
 """Triton kernels for ``Int4Linear``'s ``triton`` backend: a one-token int4 matrix-vector product and a
 dequantization to the activation dtype (for prompts, where a dense matmul on the dequantized weight wins).
 
-Why not torch's tinygemm here: timed inside a CUDA graph on an H200 (no launch overhead), tinygemm at one token is
-no faster than cuBLAS on fp16 weights for the DeepSeek-R1-Distill-Qwen-1.5B shapes, so int4's 4x smaller reads did
-not show (docs/benchmarks/int4_h200.md); a matrix-vector kernel that streams the packed bytes once does. Its
-layout is the ``dequant`` backend's, so one copy of the weights serves both kernels, and it takes fp16 as well as
-bf16 activations (pre-Ampere GPUs have no bf16).
+Why beside torch's tinygemm: tinygemm is a matrix-vector kernel, 0.39x fp16 on 4,096-token prompt chunks, and it
+needs bf16 (compute capability >= 8.0). These kernels share one layout: one token goes through a matrix-vector
+kernel about as fast as tinygemm with the bias fused in (a 1.5B layer's seven linears: 36.3 vs 34.9 us inside a
+CUDA graph on an H200, docs/benchmarks/int4_h200.md), a prompt through a one-kernel dequantization and cuBLAS
+(fp16 speed; 5.9x tinygemm at 32K), with fp16 as well as bf16 activations (pre-Ampere GPUs have no bf16).
 
 Layout (``Int4Linear``, nn.Linear orientation): ``packed`` uint8 [N, K/2], byte ``j`` of row ``n`` holding code
 ``k = 2j`` in its high nibble and ``k = 2j + 1`` in its low one; ``scales`` fp16 [N, K/G]; ``zeros`` uint8
@@ -19,9 +19,9 @@ with the reference; callers use another backend where they do not.
 
 from __future__ import annotations
 
-import logging
-
 import torch
+
+from ..selfcheck import SelfCheck
 
 try:  # module globals, so that Triton's interpreter can patch ``tl`` inside the kernels (the CPU tests)
     import triton
@@ -34,11 +34,7 @@ if triton is not None:
     def _add(a, b):  # the sum of tl.reduce (a module global: the interpreter runs kernels with the module's names)
         return a + b
 
-log = logging.getLogger("flashguard")
-
 _kernels: dict = {}
-_checked: dict = {}   # device index -> bool
-last_error = ""
 TILE_BYTES = 8192     # packed bytes a program loads per loop iteration (all its rows)
 
 
@@ -145,36 +141,21 @@ def dequantize(packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, 
     return out
 
 
-def available(device: torch.device) -> bool:
-    """True when both kernels run on ``device`` and match the reference dequantization (checked once)."""
-    if device.type != "cuda":
-        return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _checked:
-        global last_error
-        try:
-            from . import awq_format
+def _probe(device: torch.device) -> bool:
+    from . import awq_format
 
-            dev = torch.device("cuda", index)
-            gen = torch.Generator().manual_seed(0)
-            codes = torch.randint(0, 16, (40, 256), generator=gen, dtype=torch.uint8)
-            zeros = torch.randint(0, 16, (40, 4), generator=gen, dtype=torch.uint8)
-            scales = (torch.rand(40, 4, generator=gen) / 8 + 0.01).half()
-            x = torch.randn(1, 256, generator=gen).half()
-            ref = awq_format.dequantize(codes, zeros, scales, 64)
-            packed = (codes[:, ::2] << 4 | codes[:, 1::2]).to(dev)
-            s, z = scales.to(dev), zeros.to(dev)
-            with torch.cuda.device(index):
-                w = dequantize(packed, s, z, 64, torch.float32).cpu()
-                y = gemv(x.to(dev), packed, s, z, 64).float().cpu()
-            want = x.float() @ ref.t()
-            ok = torch.equal(w, ref) and bool(torch.allclose(y, want, rtol=2e-3, atol=2e-2))
-            if not ok:
-                last_error = "wrong results in the self-check"
-                log.warning("flashguard: the Triton int4 kernels returned wrong results; using torch's kernels")
-            _checked[index] = ok
-        except Exception as exc:  # no Triton (Windows without triton-windows), an unsupported GPU
-            last_error = f"{type(exc).__name__}: {exc}"
-            log.info("flashguard: Triton int4 kernels unavailable (%s); using torch's kernels", last_error)
-            _checked[index] = False
-    return _checked[index]
+    gen = torch.Generator().manual_seed(0)
+    codes = torch.randint(0, 16, (40, 256), generator=gen, dtype=torch.uint8)
+    zeros = torch.randint(0, 16, (40, 4), generator=gen, dtype=torch.uint8)
+    scales = (torch.rand(40, 4, generator=gen) / 8 + 0.01).half()
+    x = torch.randn(1, 256, generator=gen).half()
+    ref = awq_format.dequantize(codes, zeros, scales, 64)
+    packed = (codes[:, ::2] << 4 | codes[:, 1::2]).to(device)
+    s, z = scales.to(device), zeros.to(device)
+    w = dequantize(packed, s, z, 64, torch.float32).cpu()
+    y = gemv(x.to(device), packed, s, z, 64).float().cpu()
+    return torch.equal(w, ref) and bool(torch.allclose(y, x.float() @ ref.t(), rtol=2e-3, atol=2e-2))
+
+
+# available(device): True when both kernels run on ``device`` and match the reference dequantization (checked once)
+available = SelfCheck("the Triton int4 kernels", _probe, "using torch's int4 kernels")
