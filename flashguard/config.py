@@ -28,6 +28,7 @@ from typing import Any, Mapping
 from .errors import ConfigError
 
 POLICIES = ("exact", "sparse")
+INT4_KERNELS = ("auto", "triton", "cuda", "cpu", "dequant")   # "auto" + Int4Linear's backends
 L2_CODECS = ("int8", "fp16")
 L3_CODECS = ("int4-zstd", "int8-zstd", "fp16-zstd")
 
@@ -145,7 +146,7 @@ class EngineConfig:
         _check_choice(self.dtype, ("auto", "float32", "float16", "bfloat16"), "dtype")
         _check_choice(self.cache, ("dynamic", "tiered"), "cache")
         _check_choice(self.weights, ("float", "int4"), "weights")
-        _check_choice(self.int4_kernel, ("auto", "triton", "cuda", "cpu", "dequant"), "int4_kernel")
+        _check_choice(self.int4_kernel, INT4_KERNELS, "int4_kernel")
         if not (self.device in ("auto", "cpu", "cuda") or str(self.device).startswith("cuda:")):
             raise ConfigError(f"must be auto, cpu, cuda or cuda:N, got {self.device!r}", key="device")
         if self.max_tokens <= 0:

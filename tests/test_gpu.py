@@ -196,7 +196,7 @@ def test_int4_engine_decodes_what_the_models_forward_predicts(cache, tmp_path):
     with torch.no_grad():
         model.lm_head.weight.mul_(10)   # peaked next-token distributions: greedy choices are not near-ties
     quantize_linears_rtn(model, 128)
-    backends = {m.backend for m in model.modules() if hasattr(m, "backend")}
+    backends = {m.backend for m in model.modules() if hasattr(m, "backend")}   # every layer, not only the first
     assert backends == {"triton"}, int4_triton.available.last_error
     vocab = {f"t{i}": i for i in range(1000)} | {"</s>": 1000}   # an end token the model cannot produce
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t0")),

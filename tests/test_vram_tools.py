@@ -41,7 +41,7 @@ def test_kv_bytes_dynamic_and_tiered_by_hand():
                           kv=kv)
     window = 64 + 4096 + 2048 + 64
     summaries = (131072 // 64) * 28 * 2 * 2 * 128 * 2
-    fetch = 4096 * 2 * 256 * 2 * 2
+    fetch = 32768 * 2 * 256 * 2 * 2   # kv.FETCH_BLOCK_TOKENS of pages, decoded + encoded bytes in flight
     assert tiered.parts["kv cache"] == window * per_token + summaries + fetch
     assert tiered.fits and tiered.peak_reserved < 3 * 2**30
     assert kv.l2_tokens == 65536  # the default: the rest of the 128K goes to L3

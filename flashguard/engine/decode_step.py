@@ -141,11 +141,12 @@ class DecodeStep:
         out = attention.prefix_attention(q[0, :, 0], kv.keys[i], kv.values[i], self.used, self.scaling)
         self.attn_out[i].copy_(out.reshape(1, 1, -1))
 
-    def _whole(self, kv: StaticKV) -> torch.Tensor:
-        """The layers, attention included, as one sequence of kernels (eager, or recorded into a graph)."""
+    def _layers(self, attend, cache) -> torch.Tensor:
+        """Every segment with ``attend(i, cache, q, k, v)`` between them: the eager step, or (with
+        ``_attend_static``) the one-graph step's kernels."""
         out = self._segment(0, ())
         for i in range(len(self.layers)):
-            self._attend_static(i, kv, *out[3:])
+            attend(i, cache, *out[3:])
             out = self._segment(i + 1, out[:3])
         return out[0]
 
@@ -160,7 +161,7 @@ class DecodeStep:
             if self.use_graphs and (self.whole is None or self.whole[0] is not cache):
                 self._capture_whole(cache)
             if self.whole is None:
-                logits = self._whole(cache)
+                logits = self._layers(self._attend_static, cache)
             else:
                 self.whole[1].replay()
                 logits = self.whole[2].clone()  # the graph's own output changes at the next replay
@@ -168,49 +169,51 @@ class DecodeStep:
             return logits
         if self.use_graphs and self.graphs is None:
             self._capture()
-        n = len(self.layers)
         if self.graphs is None:  # eager: the same segments
-            out = self._segment(0, ())
-            for i in range(n):
-                self._attend(i, cache, *out[3:])
-                out = self._segment(i + 1, out[:3])
-            return out[0]
+            return self._layers(self._attend, cache)
+        n = len(self.layers)
         for i in range(n):
             self.graphs[i].replay()
             self._attend(i, cache, *self.outputs[i][3:])
         self.graphs[n].replay()
         return self.outputs[n][0].clone()  # the graph's own output changes at the next replay
 
-    def _capture_whole(self, kv: StaticKV) -> None:
-        """Record the whole step over ``kv`` as one graph (after an eager warm-up, which writes what the replay
-        writes again); where capture fails, steps stay eager, as with ``_capture``."""
-        self.whole = None  # the old graph's memory goes back before the new one is recorded
+    def _record(self, warm_up, record):
+        """``warm_up()`` on a side stream (lazy inits, kernel choices, outside capture), then ``record()`` (which
+        captures graphs and returns what to keep). Where capture fails, None: steps stay eager, said once."""
         try:
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
-                self._whole(kv)
+                warm_up()
             torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                logits = self._whole(kv)
-            self.whole = (kv, graph, logits)
+            return record()
         except torch.cuda.OutOfMemoryError:
             raise
-        except RuntimeError as exc:
+        except RuntimeError as exc:  # a module that cannot be captured
             log.warning("flashguard: decode runs without CUDA graphs (%s)", exc)
             self.use_graphs = False
+            return None
+
+    def _capture_whole(self, kv: StaticKV) -> None:
+        """The whole step over ``kv`` as one graph (its warm-up writes what the replay writes again)."""
+        def record():
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                logits = self._layers(self._attend_static, kv)
+            return kv, graph, logits
+
+        self.whole = None  # the old graph's memory goes back before the new one is recorded
+        self.whole = self._record(lambda: self._layers(self._attend_static, kv), record)
 
     def _capture(self) -> None:
-        """Record the layers + 1 segments, each reading the previous one's outputs, in one memory pool."""
-        try:
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):  # warm up outside capture (lazy inits, kernel choices)
-                out = self._segment(0, ())
-                for i in range(1, len(self.layers) + 1):
-                    out = self._segment(i, out[:3])
-            torch.cuda.current_stream().wait_stream(side)
+        """The layers + 1 segments, each reading the previous one's outputs, as graphs in one memory pool."""
+        def warm_up():
+            out = self._segment(0, ())
+            for i in range(1, len(self.layers) + 1):
+                out = self._segment(i, out[:3])
+
+        def record():
             pool = torch.cuda.graph_pool_handle()
             graphs, outputs, prev = [], [], ()
             for i in range(len(self.layers) + 1):
@@ -220,13 +223,9 @@ class DecodeStep:
                 graphs.append(g)
                 outputs.append(out)
                 prev = out[:3]
-            self.graphs, self.outputs = graphs, outputs
-        except torch.cuda.OutOfMemoryError:
-            raise
-        except RuntimeError as exc:  # a module that cannot be captured: stay eager, say so once
-            log.warning("flashguard: decode runs without CUDA graphs (%s)", exc)
-            self.use_graphs = False
-            self.graphs = self.outputs = None
+            return graphs, outputs
+
+        self.graphs, self.outputs = self._record(warm_up, record) or (None, None)
 
 
 _RMS_NORMS = ("LlamaRMSNorm", "Qwen2RMSNorm", "MistralRMSNorm")

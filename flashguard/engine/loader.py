@@ -213,7 +213,7 @@ def load(source: ModelSource, device: torch.device, dtype: torch.dtype, weights:
     """Load ``(model, tokenizer)``; errors name ``model_path`` and say what to change."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from ..quant import awq_load
+    from ..quant import awq_load, int4_linear
 
     folder = materialize(source)
     try:
@@ -235,8 +235,7 @@ def load(source: ModelSource, device: torch.device, dtype: torch.dtype, weights:
         tokenizer = AutoTokenizer.from_pretrained(folder)
         if awq_load.is_awq(config.to_dict()):
             model = awq_load.load_awq(folder, config, device, dtype, int4_kernel)
-            log.info("flashguard: %s in AWQ int4 (%s kernel)", source.label,
-                     next((m.backend for m in model.modules() if hasattr(m, "backend")), "?"))
+            log.info("flashguard: %s in AWQ int4 (%s kernel)", source.label, int4_linear.backend_of(model))
             return model, tokenizer
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa")
     except (ValueError, OSError, KeyError, RuntimeError) as exc:

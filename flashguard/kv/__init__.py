@@ -1,1 +1,8 @@
 """The tiered, paged KV cache: pages, codecs, tiers, PageStore, TieredCache, attention over tiers."""
+
+# Tokens of off-window pages decoded and attended at once: on a GPU one fused kernel call (no score matrix), on
+# the CPU's einsum path the block's scores are materialised, so they stay small. The memory planner budgets the
+# GPU value (vram/plan.py).
+FETCH_BLOCK_TOKENS = 32768
+FETCH_BLOCK_TOKENS_CPU = 4096
+

@@ -29,11 +29,8 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..config import CacheConfig
-from . import attention, codecs, uva
+from . import FETCH_BLOCK_TOKENS, FETCH_BLOCK_TOKENS_CPU, attention, codecs, uva
 from .store import PageStore, namespace_for, page_key
-
-FETCH_BLOCK_TOKENS = 32768  # tokens of pages decoded and attended at once on a GPU (one fused kernel call)
-FETCH_BLOCK_TOKENS_CPU = 4096  # on the einsum path the scores of a block are materialised: keep them small
 
 
 def _index(values: list[int], device: torch.device) -> torch.Tensor:
@@ -479,8 +476,7 @@ class TieredCache(Cache):
         key = (self.store.epoch, len(self.page_keys))
         if self._dev_slots is None or self._dev_slots_key != key:
             slots = self._l2_slots(list(range(len(self.page_keys))))
-            self._dev_slots = _index(slots, device)
-            self._dev_slots_key = (self.store.epoch, len(self.page_keys))
+            self._dev_slots, self._dev_slots_key = _index(slots, device), key
         return self._dev_slots
 
     def copy_stream(self, device: torch.device):

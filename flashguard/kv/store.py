@@ -75,22 +75,23 @@ class TierStats:
 
 class L2Arena:
     """L2 pages in one host byte tensor ``[layers, slots, bytes]``: a page is a slot, and one layer of a page is
-    one row holding every codec field (``layout``: name, dtype, shape, byte offset).
+    one row holding every codec field (``layout``: name, dtype, shape, byte offset, byte length).
 
     Reading many pages of a layer is one host gather (or, for consecutive slots, a view: a sequence's pages sit
     in consecutive slots as they are written) and one copy to the device, however many codec fields there are;
     the fields are then views of the copied rows. The tensor is pinned when the store serves a GPU, so those
-    copies run asynchronously. Overwriting a slot waits for the device's pending copies first (a freed slot may
-    still be being read).
+    copies run asynchronously. Overwriting a slot freed since the last wait waits for the device's pending work
+    first (the slot may still be being read); a slot never handed out needs no wait.
     """
 
     def __init__(self, pin: bool):
         self.pin = pin
         self.data: torch.Tensor | None = None
-        self.layout: list[tuple[str, torch.dtype, tuple, int]] = []
+        self.layout: list[tuple[str, torch.dtype, tuple, int, int]] = []
         self.row_bytes = 0
         self.bits = None                      # the codec's "bits" marker, shared by every page
         self.free: list[int] = []
+        self.recycled: set[int] = set()       # slots released since the device was last waited for
         self.capacity = 0
         self.pinned = False                   # the GPU may read it directly (uva.py)
 
@@ -100,7 +101,7 @@ class L2Arena:
             if name == "bits":
                 continue
             nbytes = t[0].numel() * t.element_size()
-            self.layout.append((name, t.dtype, tuple(t.shape[1:]), off))
+            self.layout.append((name, t.dtype, tuple(t.shape[1:]), off, nbytes))
             off += -(-nbytes // 16) * 16      # 16-byte aligned fields
         self.row_bytes = off
 
@@ -127,10 +128,12 @@ class L2Arena:
         if "bits" in enc:
             self.bits = enc["bits"].cpu()
         slot = self.free.pop()
-        if self.pin and torch.cuda.is_available() and torch.cuda.is_initialized():
-            torch.cuda.current_stream().synchronize()   # a device copy may still read this freed slot
+        if slot in self.recycled:
+            if self.pin and torch.cuda.is_available() and torch.cuda.is_initialized():
+                torch.cuda.current_stream().synchronize()   # a device copy may still read this freed slot
+            self.recycled.clear()                           # ... and, after the wait, no other freed one
         with torch.inference_mode():
-            for name, dtype, shape, off in self.layout:  # a page promoted from L3 may come back in float32
+            for name, dtype, shape, off, _ in self.layout:  # a page promoted from L3 may come back in float32
                 t = enc[name].reshape(enc[name].shape[0], -1).to(dtype)
                 raw = t.contiguous().view(torch.uint8)
                 self.data[:, slot, off:off + raw.shape[1]].copy_(raw)
@@ -140,12 +143,8 @@ class L2Arena:
         """Views of the codec fields in byte rows ``[..., row_bytes]``."""
         out = {}
         lead = tuple(rows.shape[:-1])
-        for name, dtype, shape, off in self.layout:
-            n = 1
-            for s in shape:
-                n *= s
-            size = torch.empty((), dtype=dtype).element_size()
-            out[name] = rows[..., off:off + n * size].view(dtype).view(lead + shape)
+        for name, dtype, shape, off, nbytes in self.layout:
+            out[name] = rows[..., off:off + nbytes].view(dtype).view(lead + shape)
         if self.bits is not None:
             out["bits"] = self.bits
         return out
@@ -156,6 +155,7 @@ class L2Arena:
 
     def release(self, slot: int) -> None:
         self.free.append(slot)
+        self.recycled.add(slot)
 
     def page_bytes(self) -> int:
         return 0 if self.data is None else self.data.shape[0] * self.row_bytes

@@ -23,9 +23,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..config import INT4_KERNELS
 from . import awq_format, int4_triton
 
-BACKENDS = ("triton", "cuda", "cpu", "dequant")
+BACKENDS = INT4_KERNELS[1:]   # without "auto"
 _NIBBLES = ("triton", "dequant")   # backends that keep the codes as packed bytes [N, K/2] + scales + zeros
 
 
@@ -129,6 +130,11 @@ class Int4Linear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, group_size={self.group_size}, "
                 f"backend={self.backend}, bias={self.bias is not None}")
+
+
+def backend_of(model: nn.Module) -> str | None:
+    """The backend of ``model``'s Int4Linear layers (None when it has none; one model uses one backend)."""
+    return next((m.backend for m in model.modules() if isinstance(m, Int4Linear)), None)
 
 
 def set_module(model: nn.Module, name: str, module: nn.Module) -> None:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-FETCH_BLOCK_TOKENS = 64 * 64
+from ..kv import FETCH_BLOCK_TOKENS
 SLACK = 0.08           # reserved - allocated, measured 5-10% on the H200 runs
 CUDA_CONTEXT = 400 * 2**20
 
@@ -131,12 +131,14 @@ def plan(shape: Shape, *, gpu_mem: int, context: int, weights: str = "int4", cac
         window = min(context, kv.sink_tokens + kv.l1_max_tokens + chunk + kv.page_size)
         prefill_window = min(context, kv.sink_tokens + kv.l1_tokens + chunk)
         summaries = pages * s.layers * s.kv_heads * 2 * s.head_dim * 2
-        fetch = min(FETCH_BLOCK_TOKENS, context) * 2 * kvd * 2 * 2  # the fetched block and its decode buffer
+        # a streamed block of pages: decoded (16-bit) plus its encoded bytes and the next block's in flight
+        fetch = min(FETCH_BLOCK_TOKENS, context) * 2 * kvd * 2 * 2
         parts["kv cache"] = window * per_token_kv + summaries + fetch
-        segment = max(min(FETCH_BLOCK_TOKENS, context), prefill_window)
-        # one query tile against one segment: fp32 scores (scaled, masked, exp'd in place) plus, at either end,
-        # one 16-bit copy (the einsum result being widened, or the probabilities for the second einsum); the
-        # bool mask is per query and key, shared by the heads
+        # On the GPU, blocks of pages and the window are attended by fused kernels that keep no scores; only a
+        # chunk that reaches into the sinks (the first) is attended with a mask over L1: one query tile against
+        # it, fp32 scores (scaled, masked, exp'd in place) plus, at either end, one 16-bit copy (the einsum result
+        # being widened, or the probabilities for the second einsum); the bool mask is shared by the heads
+        segment = prefill_window
         tile = min(chunk, 512)
         attn = s.heads * tile * segment * (4 + 2) + tile * segment
         off = max(0, context - window)

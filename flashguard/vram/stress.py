@@ -19,6 +19,8 @@ import time
 
 import torch
 
+from ..config import INT4_KERNELS
+
 
 def _energy_mj(device_index: int) -> float | None:
     try:
@@ -68,6 +70,7 @@ def run(args) -> dict:
     from ..engine.engine import apply_vram_budget, cache_kwarg
     from ..kv.cache import TieredCache
     from ..kv.store import PageStore
+    from ..quant.int4_linear import backend_of
     from . import accounting
     from .plan import Shape, plan
 
@@ -130,7 +133,7 @@ def run(args) -> dict:
             pickle.dump(torch.cuda.memory._snapshot(), fh)
         torch.cuda.memory._record_memory_history(enabled=None)
     result = {"model": args.model, "weights": args.weights, "cache": args.cache, "policy": args.policy,
-              "int4_kernel": next((m.backend for m in model.modules() if hasattr(m, "backend")), None),
+              "int4_kernel": backend_of(model),
               "l2_codec": args.l2_codec, "context": args.context, "steps": args.steps, "device": str(device),
               "prefill_chunk": args.prefill_chunk, "vram_budget": budget, "prefill_s": prefill_s,
               "decode_tok_s": args.steps / decode_s, "p50_ms": 1e3 * statistics.median(lat),
@@ -198,7 +201,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="deepseek-r1-distill-qwen-1.5b",
                    help="deepseek-r1-distill-qwen-1.5b (random weights), embedded, or a model path")
     p.add_argument("--weights", choices=("int4", "fp16"), default="int4")
-    p.add_argument("--int4-kernel", choices=("auto", "triton", "cuda", "cpu", "dequant"), default="auto")
+    p.add_argument("--int4-kernel", choices=INT4_KERNELS, default="auto")
     p.add_argument("--cache", choices=("tiered", "dynamic"), default="tiered")
     p.add_argument("--context", type=int, default=32768)
     p.add_argument("--steps", type=int, default=256)
