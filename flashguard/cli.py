@@ -103,7 +103,6 @@ def cmd_generate(args) -> int:
 
 
 def cmd_serve(args) -> int:
-    import uvicorn
     from nemoguardrails.server import api
 
     config = os.path.abspath(args.config.rstrip("/\\"))
@@ -112,13 +111,13 @@ def cmd_serve(args) -> int:
     api.app.rails_config_path = config
     api.set_default_config_id(os.path.basename(config))  # requests need no guardrails.config_id
     # Load the weights before the first request, so a bad model_path fails here with its message.
-    load_rails(config)
+    rails = load_rails(config)
     if args.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"flashguard: serving on {args.host}: anyone who can reach this address can use the model; "
               "put an authenticating reverse proxy in front for a LAN", file=sys.stderr)
-    from .guardrails.server import RequestBounds
+    from .guardrails.server import serve
 
-    uvicorn.run(RequestBounds(api.app), host=args.host, port=args.port, log_level="info")
+    serve(rails, api.app, args.host, args.port, verbose=args.verbose)
     return 0
 
 
@@ -226,6 +225,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", default=default_config_dir())
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
+    p.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                   help="log prompts and replies (and NeMo's steps); without it, one line per request")
     p.set_defaults(func=cmd_serve)
     p = sub.add_parser("quantize", help="AWQ int4 (gemm format) checkpoint of a float HF folder or GGUF file")
     p.add_argument("src", help="HF model folder, .gguf file, or 'embedded' for the embedded SmolLM2")

@@ -19,7 +19,8 @@ from typing import Any, AsyncIterator, List, Optional, Union
 
 from ..config import EngineConfig
 from ..engine import Engine, SamplingParams, get_engine
-from ..errors import PromptError
+from ..errors import FlashguardError, PromptError
+from .server import record_call, record_error
 
 log = logging.getLogger("flashguard")
 
@@ -96,9 +97,15 @@ class FlashGuardModel:
 
     async def _deltas(self, prompt, stop, kwargs):
         params = self.sampling(stop, kwargs)
-        ids = await asyncio.to_thread(self.prompt_ids, prompt)
-        async for d in iterate_in_thread(lambda: self.engine.stream(ids, params)):
-            yield d
+        try:
+            ids = await asyncio.to_thread(self.prompt_ids, prompt)
+            async for d in iterate_in_thread(lambda: self.engine.stream(ids, params)):
+                if d.finish_reason:  # the call's last Delta: count it toward the server request, if any
+                    record_call(d.prompt_tokens, d.completion_tokens, d.finish_reason)
+                yield d
+        except FlashguardError as exc:  # NeMo's streaming turns it into a bare error frame: keep it for the server
+            record_error(exc)
+            raise
 
 
 def _as_dict(message: Any) -> dict:

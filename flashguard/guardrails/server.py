@@ -1,15 +1,36 @@
-"""Request bounds in front of NeMo's server app (used by ``flashguard serve``).
+"""``flashguard serve``: an OpenAI-compatible chat server in front of one ``LLMRails``.
 
-NeMo's ``/v1/chat/completions`` answers an empty message list with an empty 200 and accepts any
-body size. This ASGI middleware reads the body (at most ``max_body_bytes``), checks it, and answers
-bad input with a 4xx in NeMo's error envelope before NeMo sees it. Valid requests pass unchanged.
-At most ``max_in_flight`` chat requests are admitted at once (the engine serves one at a time, the
-rest wait on its lock); past that the answer is 429 with Retry-After, so memory stays bounded.
+``build_app(rails, nemo_app)`` answers, itself:
+
+- ``POST /v1/chat/completions`` through the rails (plain and ``stream: true``), as OpenAI does: ``usage`` in
+  every response (and as a last chunk when ``stream_options.include_usage``), ``role`` in the first delta,
+  ``finish_reason`` on the last chunk (``"length"`` when ``max_tokens`` / ``max_completion_tokens`` cut the
+  reply), content as a string or a list of text parts. A reply a rail blocks is the config's refusal
+  (``bot refuse to respond``) with ``finish_reason: "content_filter"`` in both modes.
+- ``GET /v1/models`` (and ``/v1/models/{id}``): the config's main model names. Any name is accepted in a
+  request; it is a label, the weights come from ``model_path``.
+- ``GET /v1/flashguard/memory`` and ``/metrics``.
+
+Everything else (``/v1/rails/configs``, ``/v1/checks``, ...) goes to NeMo's server app.
+
+``RequestBounds`` reads the body of a chat request (at most ``max_body_bytes``), checks it, and answers bad
+input with a 4xx in OpenAI's error envelope (``param`` names the field) before any work: unsupported fields
+(``n > 1``, ``tools``, ``response_format``, ``logprobs``) are refused, not ignored. At most ``max_in_flight``
+chat requests are admitted at once (the engine serves one at a time, the rest wait on its lock); past that
+the answer is 429 with Retry-After, so memory stays bounded.
+
+``RequestLog`` logs one line per request (method, path, status, tokens, seconds) on the ``flashguard.server``
+logger; prompt and reply text only with ``verbose``.
 """
 
 from __future__ import annotations
 
+import contextvars
 import json
+import logging
+import sys
+import time
+import uuid
 from dataclasses import dataclass
 
 
@@ -48,7 +69,7 @@ class RequestBounds:
         raw = b"".join(chunks)
         problem = self.check(raw)
         if problem:
-            return await _reject(send, 400, problem)
+            return await _reject(send, 400, problem[0], param=problem[1])
         if self.in_flight >= self.limits.max_in_flight:
             return await _reject(send, 429, f"{self.in_flight} requests are already waiting for the model; "
                                             "retry in a few seconds", retry_after=5)
@@ -67,38 +88,88 @@ class RequestBounds:
         finally:
             self.in_flight -= 1
 
-    def check(self, raw: bytes) -> str | None:
+    def check(self, raw: bytes) -> tuple[str, str | None] | None:
+        """``(message, param)`` of the first problem of a chat request body, or None when it can be served."""
         try:
             body = json.loads(raw or b"null")
         except (ValueError, UnicodeDecodeError):
-            return "the request body is not valid JSON"
+            return "the request body is not valid JSON", None
         if not isinstance(body, dict):
-            return "the request body must be a JSON object with a 'messages' list"
+            return "the request body must be a JSON object with a 'messages' list", None
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
-            return "messages is empty; send at least one message, e.g. [{\"role\": \"user\", \"content\": \"hi\"}]"
+            return ("messages is empty; send at least one message, e.g. [{\"role\": \"user\", \"content\": \"hi\"}]",
+                    "messages")
         if len(messages) > self.limits.max_messages:
-            return f"{len(messages)} messages is over the limit of {self.limits.max_messages}; send fewer"
+            return f"{len(messages)} messages is over the limit of {self.limits.max_messages}; send fewer", "messages"
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-                return f"messages[{i}] must be an object with a 'role'"
-            if m.get("content") is not None and not isinstance(m["content"], (str, list)):
-                return f"messages[{i}].content must be a string"
-        max_tokens = body.get("max_tokens")
-        if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)
-                                       or not 0 < max_tokens <= self.limits.max_tokens):
-            return f"max_tokens must be an integer between 1 and {self.limits.max_tokens}"
+                return f"messages[{i}] must be an object with a 'role'", f"messages[{i}]"
+            problem = _content_problem(m.get("content"), f"messages[{i}].content")
+            if problem:
+                return problem
+        for key in ("max_tokens", "max_completion_tokens"):
+            value = body.get(key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or not 0 < value <= self.limits.max_tokens):
+                return f"{key} must be an integer between 1 and {self.limits.max_tokens}", key
+        return _unsupported(body)
+
+
+def _content_problem(content, where: str) -> tuple[str, str] | None:
+    if content is None or isinstance(content, str):
         return None
+    if not isinstance(content, list):
+        return f"{where} must be a string or a list of text parts", where
+    for j, part in enumerate(content):
+        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            return (f"{where}[{j}]: only text parts ({{\"type\": \"text\", \"text\": ...}}) are supported, "
+                    f"got {kind!r}", f"{where}[{j}]")
+    return None
 
 
-async def _reject(send, status: int, message: str, retry_after: int | None = None) -> None:
-    kind = "invalid_request_error" if status < 500 else "server_error"
-    payload = json.dumps({"error": {"message": message, "type": kind, "param": None, "code": None}}).encode()
+def _unsupported(body: dict) -> tuple[str, str] | None:
+    """OpenAI fields flashguard cannot honour: a 400 naming the field rather than a silently different answer."""
+    n = body.get("n")
+    if n is not None and n != 1:
+        return f"n={n!r} is not supported: the server returns one choice; send n=1 (or omit n) and repeat the request", "n"
+    for key in ("tools", "functions", "tool_choice", "function_call", "parallel_tool_calls"):
+        if body.get(key) not in (None, [], "none"):
+            return f"{key} is not supported: flashguard serve has no tool calling; remove {key}", key
+    fmt = body.get("response_format")
+    if fmt not in (None, {"type": "text"}):
+        return "response_format is not supported (no JSON mode or schemas); remove it or send {\"type\": \"text\"}", \
+            "response_format"
+    for key in ("logprobs", "top_logprobs"):
+        if body.get(key) not in (None, False):
+            return f"{key} is not supported: the server returns no log-probabilities; remove {key}", key
+    stream = body.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        return "stream must be true or false", "stream"
+    return None
+
+
+def message_text(content) -> str:
+    """A message's text: the string itself, or its text parts joined (checked by ``RequestBounds`` first)."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    return "".join(part["text"] for part in content)
+
+
+async def _reject(send, status: int, message: str, retry_after: int | None = None, param: str | None = None) -> None:
+    payload = error_body(status, message, param)
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
     if retry_after is not None:
         headers.append((b"retry-after", str(retry_after).encode()))
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": payload})
+
+
+def error_body(status: int, message: str, param: str | None = None) -> bytes:
+    """OpenAI's error envelope (the ``openai`` client shows ``message``)."""
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return json.dumps({"error": {"message": message, "type": kind, "param": param, "code": None}}).encode()
 
 
 MEMORY_PATH = "/v1/flashguard/memory"   # JSON: per-engine memory by category and the task counters
@@ -145,3 +216,269 @@ async def _memory(path: str, send) -> None:
     await send({"type": "http.response.start", "status": 200,
                 "headers": [(b"content-type", ctype), (b"content-length", str(len(body)).encode())]})
     await send({"type": "http.response.body", "body": body})
+
+
+# -- the OpenAI-compatible app ----------------------------------------------------------------------------------
+log = logging.getLogger("flashguard.server")
+DEFAULT_REFUSAL = "I'm sorry, I can't respond to that."
+INTERNAL_ERROR = "inform internal error occurred"   # NeMo's decision when a rail's action raised
+
+
+def build_app(rails, nemo_app, limits: RequestLimits = RequestLimits(), verbose: bool = False):
+    """The ASGI app of ``flashguard serve``: chat completions and models on ``rails``, the rest on ``nemo_app``."""
+    from starlette.applications import Starlette
+    from starlette.routing import Mount, Route
+
+    chat = ChatCompletions(rails, verbose)
+    routes = [Route("/v1/chat/completions", chat.complete, methods=["POST"]),
+              Route("/v1/models", chat.models, methods=["GET"]),
+              Route("/v1/models/{model_id:path}", chat.model, methods=["GET"]),
+              Mount("/", app=nemo_app)]
+    return RequestLog(RequestBounds(Starlette(routes=routes), limits))
+
+
+class ChatCompletions:
+    """``POST /v1/chat/completions`` on one LLMRails (the body was checked by ``RequestBounds``)."""
+
+    def __init__(self, rails, verbose: bool = False):
+        self.rails = rails
+        self.verbose = verbose
+        mains = [m.model for m in rails.config.models if m.type == "main" and m.model]
+        self.model_names = mains or ["flashguard"]
+        refusals = (rails.config.bot_messages or {}).get("refuse to respond") or [DEFAULT_REFUSAL]
+        self.refusal = refusals[0]
+
+    async def models(self, request):
+        from starlette.responses import JSONResponse
+
+        return JSONResponse({"object": "list", "data": [_model_card(name) for name in self.model_names]})
+
+    async def model(self, request):
+        from starlette.responses import JSONResponse, Response
+
+        name = request.path_params["model_id"]
+        if name not in self.model_names:
+            return Response(error_body(404, f"model {name!r} is not served here; GET /v1/models lists "
+                                            f"{', '.join(self.model_names)}", "model"),
+                            status_code=404, media_type="application/json")
+        return JSONResponse(_model_card(name))
+
+    async def complete(self, request):
+        from starlette.responses import JSONResponse, Response, StreamingResponse
+
+        body = json.loads(await request.body())
+        messages = [{"role": m["role"], "content": message_text(m.get("content"))} for m in body["messages"]]
+        params = {k: body[k] for k in ("temperature", "top_p", "seed", "stop") if body.get(k) is not None}
+        max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
+        if max_tokens:
+            params["max_tokens"] = max_tokens
+        model = body.get("model") or self.model_names[0]
+        usage = current_usage()
+        if self.verbose:
+            log.info("request messages: %s", json.dumps(messages, ensure_ascii=False))
+        reply = _Reply(model)
+        if body.get("stream"):
+            stream = self.rails.stream_async(messages=messages, options={"llm_params": params})
+            try:  # errors before the first piece (a prompt over the context, ...) are still a plain 4xx
+                first = await anext(stream)
+            except StopAsyncIteration:
+                first = ""
+            except Exception as exc:
+                return Response(*_error_response(exc), media_type="application/json")
+            failed = _stream_error(first)
+            if failed and failed.get("type") != "guardrails_violation":
+                await stream.aclose()
+                return Response(*_error_response(usage.error or RuntimeError(failed.get("message"))),
+                                media_type="application/json")
+            include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+            return StreamingResponse(self._events(reply, first, stream, usage, include_usage),
+                                     media_type="text/event-stream")
+        try:
+            res = await self.rails.generate_async(messages=messages, options={"llm_params": params,
+                                                                              "log": {"activated_rails": True}})
+        except Exception as exc:
+            return Response(*_error_response(exc), media_type="application/json")
+        content = res.response[-1]["content"] if res.response else ""
+        stopped = [r for r in (res.log.activated_rails if res.log else []) if r.stop]
+        if any(INTERNAL_ERROR in r.decisions for r in stopped):  # a rail failed (NeMo says "internal error")
+            failed = next(r.name for r in stopped if INTERNAL_ERROR in r.decisions)
+            return Response(*_error_response(usage.error or RuntimeError(f"the {failed!r} rail failed")),
+                            media_type="application/json")
+        blocked = any(r.type in ("input", "output") for r in stopped)
+        if blocked:
+            content = self.refusal
+        if self.verbose:
+            log.info("reply: %s", content)
+        return JSONResponse(reply.completion(content, "content_filter" if blocked else usage.finish_reason, usage))
+
+    async def _events(self, reply: "_Reply", first, stream, usage: "RequestUsage", include_usage: bool):
+        usage_field = {"usage": None} if include_usage else {}
+        yield reply.event({"role": "assistant", "content": ""}, **usage_field)
+        blocked, parts = False, []
+        try:
+            piece = first
+            while True:
+                failed = _stream_error(piece)
+                if failed:
+                    if failed.get("type") != "guardrails_violation":  # the openai client raises APIError
+                        if usage.error is not None:
+                            failed = {**failed, "message": str(usage.error)}
+                        log.error("chat completion failed mid-stream: %s", failed.get("message"))
+                        yield f"data: {json.dumps({'error': failed})}\n\n"
+                        return
+                    blocked = True
+                    yield reply.event({"content": self.refusal}, **usage_field)
+                    break
+                if isinstance(piece, str) and piece:
+                    parts.append(piece)
+                    yield reply.event({"content": piece}, **usage_field)
+                try:
+                    piece = await anext(stream)
+                except StopAsyncIteration:
+                    break
+        finally:
+            await stream.aclose()
+        if self.verbose:
+            log.info("reply: %s", self.refusal if blocked else "".join(parts))
+        yield reply.event({}, "content_filter" if blocked else usage.finish_reason or "stop", **usage_field)
+        if include_usage:
+            yield reply.event(None, usage=usage.openai())
+        yield "data: [DONE]\n\n"
+
+
+class _Reply:
+    """The id, time and model label shared by a response's chunks."""
+
+    def __init__(self, model: str):
+        self.id = f"chatcmpl-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.model = model
+
+    def completion(self, content: str, finish_reason: str | None, usage: "RequestUsage") -> dict:
+        return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": content},
+                             "finish_reason": finish_reason or "stop", "logprobs": None}],
+                "usage": usage.openai()}
+
+    def event(self, delta: dict | None, finish_reason: str | None = None, **extra) -> str:
+        """One SSE ``chat.completion.chunk``; ``delta=None`` is the usage chunk (no choices)."""
+        choices = [] if delta is None else [{"index": 0, "delta": delta, "logprobs": None,
+                                             "finish_reason": finish_reason}]
+        chunk = {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
+                 "choices": choices, **extra}
+        return f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+
+
+def _model_card(name: str) -> dict:
+    return {"id": name, "object": "model", "created": 0, "owned_by": "flashguard"}
+
+
+def _stream_error(piece) -> dict | None:
+    """The ``error`` object of NeMo's terminal error frame (a JSON string in the stream), else None."""
+    if isinstance(piece, dict):
+        return piece.get("error") if isinstance(piece.get("error"), dict) else None
+    if not isinstance(piece, str) or not piece.startswith('{"error"'):
+        return None
+    try:
+        error = json.loads(piece).get("error")
+    except ValueError:
+        return None
+    return error if isinstance(error, dict) and error.get("type") in (
+        "generation_error", "downstream_error", "guardrails_violation", "internal_error") else None
+
+
+def _error_response(exc: BaseException) -> tuple[bytes, int]:
+    """Body and status for an exception of the rails: a flashguard error's own status and message (found in
+    NeMo's wrapping), else 500."""
+    from ..errors import FlashguardError
+
+    seen, e = set(), exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, FlashguardError):
+            return error_body(e.status_code, str(e)), e.status_code
+        inner = getattr(e, "inner_exception", None)
+        e = inner if isinstance(inner, BaseException) else (e.__cause__ or e.__context__)
+    log.error("chat completion failed: %s: %s", type(exc).__name__, exc)
+    return error_body(500, f"the request failed: {type(exc).__name__}: {exc}"), 500
+
+
+# -- per-request accounting and the request log ----------------------------------------------------------------
+class RequestUsage:
+    """Tokens of the LLM calls one request made (the provider adds each call's last Delta) and the finish
+    reason of its reply."""
+
+    def __init__(self):
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
+        self.finish_reason: str | None = None
+        self.error: BaseException | None = None   # a flashguard error an LLM call raised (its status and message)
+
+    def add(self, prompt_tokens: int, completion_tokens: int, finish_reason: str | None) -> None:
+        self.prompt_tokens += prompt_tokens
+        self.completion_tokens += completion_tokens
+        self.finish_reason = finish_reason
+
+    def openai(self) -> dict:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens}
+
+
+_usage: contextvars.ContextVar[RequestUsage | None] = contextvars.ContextVar("flashguard_request_usage",
+                                                                              default=None)
+
+
+def current_usage() -> RequestUsage:
+    """The running request's ``RequestUsage`` (a fresh one outside a request: adding to it is harmless)."""
+    return _usage.get() or RequestUsage()
+
+
+def record_call(prompt_tokens: int, completion_tokens: int, finish_reason: str | None) -> None:
+    """Called by the provider at the end of each LLM call: counts it toward the running request, if any."""
+    usage = _usage.get()
+    if usage is not None:
+        usage.add(prompt_tokens, completion_tokens, finish_reason)
+
+
+def record_error(exc: BaseException) -> None:
+    """Called by the provider when an LLM call fails: the server answers with this error's status and message."""
+    usage = _usage.get()
+    if usage is not None:
+        usage.error = exc
+
+
+class RequestLog:
+    """One log line per HTTP request: method, path, status, prompt/completion tokens, seconds."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        usage, status, start = RequestUsage(), [500], time.perf_counter()
+        token = _usage.set(usage)
+
+        async def send_status(message):
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            _usage.reset(token)
+            log.info("%s %s %d prompt_tokens=%d completion_tokens=%d %.2fs", scope["method"], scope["path"],
+                     status[0], usage.prompt_tokens, usage.completion_tokens, time.perf_counter() - start)
+
+
+def serve(rails, nemo_app, host: str, port: int, verbose: bool = False) -> None:
+    """Run the app with uvicorn (its own access log off: ``RequestLog`` writes one line per request)."""
+    import uvicorn
+
+    if not verbose:  # NeMo logs whole conversations (prompts, replies) in its warnings; the request log is enough
+        logging.getLogger("nemoguardrails").setLevel(logging.CRITICAL)
+    print(f"flashguard: serving on http://{host}:{port}/v1 (OpenAI-compatible: /v1/chat/completions, /v1/models)",
+          file=sys.stderr, flush=True)
+    uvicorn.run(build_app(rails, nemo_app, verbose=verbose), host=host, port=port,
+                log_level="info" if verbose else "warning", access_log=verbose)
