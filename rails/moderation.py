@@ -2,12 +2,16 @@
 
 The moderation input is the token ids the engine actually ran for the turn (prompt ids + the ids
 it generated, never re-tokenised text) followed by a short suffix: the chat template's end of the
-assistant turn and a user question carrying the policy. Because that input starts with the turn's
-own ids, the engine finds them in its cache and prefills only the suffix.
+assistant turn and a user question. Because that input starts with the turn's own ids, the engine
+finds them in its cache and prefills only the suffix.
 
-The verdict is read from the next-token probabilities of the two allowed answers (by default the
-question is "is your reply safe...?", so "No" = unsafe and "Yes" = safe) in one forward pass; the model never generates free text, so a rambling small model
-cannot block everything.
+The verdict comes from that one forward pass (the model never generates free text):
+
+- ``probe`` (the default where a probe exists for the model): a logistic regression on the hidden state of
+  the suffix's last token (``rails/probe.py``), trained by ``flashguard calibrate`` on a labelled set; the
+  embedded SmolLM2's probes (float and int4) ship in the package.
+- ``question`` (the fallback, or ``probe: off``): the next-token probabilities of the two allowed answers
+  ("Is your last reply safe...?": "No" = unsafe, "Yes" = safe).
 
 If the turn is not found (another process produced the text, or a message the engine did not
 generate), the rail prefills the exchange from text; ``Verdict.path`` says which way it went and
@@ -21,6 +25,8 @@ import math
 import time
 from dataclasses import dataclass
 from typing import Optional
+
+from .probe import answer_log_odds
 
 log = logging.getLogger("flashguard")
 
@@ -41,10 +47,13 @@ class Verdict:
     prefilled_tokens: int
     reused_tokens: int
     seconds: float
+    method: str = "question"  # "probe" (the calibrated probe) or "question" (the Yes/No answer only)
+    threshold: float = DEFAULT_THRESHOLD
+    p_question: float = 0.5  # the question's own P(unsafe answer) from the same pass (what "question" uses)
 
     @property
     def reason(self) -> str:
-        return f"p_unsafe={self.p_unsafe:.3f} via {self.path} path"
+        return f"p_unsafe={self.p_unsafe:.3f} (threshold {self.threshold:.2f}, {self.method}) via {self.path} path"
 
 
 @dataclass(frozen=True)
@@ -55,7 +64,10 @@ class ModerationSettings:
     question       the question asked as the next user turn
     unsafe_answer  the answer word that means "block" ("No" for the default question)
     safe_answer    the answer word that means "allow"
-    threshold      block when P(unsafe_answer) / (P(unsafe) + P(safe)) >= threshold
+    threshold      question verdict: block when P(unsafe_answer) / (P(unsafe) + P(safe)) >= threshold
+                   (a probe carries its own threshold, calibrated with it)
+    probe          "auto": the model's probe (user cache, then shipped) if there is one, else the question
+                   verdict with one warning; "off": the question verdict; or the path of a probe file
     """
 
     policy: str = DEFAULT_POLICY
@@ -63,6 +75,7 @@ class ModerationSettings:
     unsafe_answer: str = "No"
     safe_answer: str = "Yes"
     threshold: float = DEFAULT_THRESHOLD
+    probe: str = "auto"
 
     @property
     def prompt(self) -> str:
@@ -73,7 +86,7 @@ class ModerationSettings:
         from flashguard.errors import ConfigError
 
         data = dict((custom_data or {}).get("flashguard_moderation") or {})
-        known = {"policy", "question", "unsafe_answer", "safe_answer", "threshold"}
+        known = {"policy", "question", "unsafe_answer", "safe_answer", "threshold", "probe"}
         unknown = set(data) - known
         if unknown:
             raise ConfigError(f"unknown key(s) {sorted(unknown)} in custom_data.flashguard_moderation; "
@@ -84,6 +97,9 @@ class ModerationSettings:
                               f"got {settings.threshold!r}")
         if not settings.unsafe_answer.strip() or not settings.safe_answer.strip():
             raise ConfigError("custom_data.flashguard_moderation.unsafe_answer and safe_answer must be words")
+        if not isinstance(settings.probe, str) or not settings.probe.strip():
+            raise ConfigError("custom_data.flashguard_moderation.probe must be auto, off or the path of a probe "
+                              f"file (`flashguard calibrate` writes one), got {settings.probe!r}")
         return settings
 
 
@@ -147,7 +163,7 @@ def moderate(engine, bot_message: str, user_message: Optional[str] = None,
         if use_memo and allow_shared and key in memo:
             v = memo[key]
             log.info("flashguard moderation: %s (p_unsafe=%.3f, threshold=%.2f) remembered from the same turn's "
-                     "earlier check", "allow" if v.allowed else "BLOCK", v.p_unsafe, settings.threshold)
+                     "earlier check", "allow" if v.allowed else "BLOCK", v.p_unsafe, v.threshold)
             return v
         verdict = _moderate(engine, bot_message, user_message, settings, turn, allow_shared)
         if allow_shared:
@@ -157,9 +173,45 @@ def moderate(engine, bot_message: str, user_message: Optional[str] = None,
         return verdict
 
 
+def choose_probe(engine, settings: ModerationSettings):
+    """The probe the verdict uses, or None for the question verdict (``probe: auto`` without a probe warns once
+    per engine and question, naming the file ``flashguard calibrate`` would write)."""
+    from .probe import Probe, ProbeError, find_probe, ModelKey, CALIBRATE_HINT
+
+    mode = settings.probe.strip()
+    if mode == "off":
+        return None
+    if mode == "auto":
+        probe, where = find_probe(engine, settings.prompt)
+        if probe is None:
+            warned = engine.__dict__.setdefault("_moderation_probe_warned", set())
+            if settings.prompt not in warned:
+                warned.add(settings.prompt)
+                log.warning("flashguard moderation: %s; the rail uses the question's Yes/No verdict, which is much "
+                            "less accurate (docs/moderation.md). Run `%s` to train a probe for this model",
+                            where, CALIBRATE_HINT)
+        return probe
+    memo = engine.__dict__.setdefault("_moderation_probe_file", {})
+    if mode not in memo:
+        from pathlib import Path
+
+        path = Path(mode).expanduser()
+        if not path.is_file():
+            raise ProbeError(f"custom_data.flashguard_moderation.probe: no probe file at {path}; run "
+                             f"`{CALIBRATE_HINT} --out {path}` to make it, or set probe: auto")
+        probe = Probe.load(path)
+        if not probe.matches(ModelKey.of(engine)) or probe.question != settings.prompt:
+            raise ProbeError(f"custom_data.flashguard_moderation.probe: {path} was trained for {probe.model_file} "
+                             f"({probe.weights} weights) with the question {probe.question!r}, not for this "
+                             f"model and question; run `{CALIBRATE_HINT} --out {path}` again")
+        memo[mode] = probe
+    return memo[mode]
+
+
 def _moderate(engine, bot_message, user_message, settings, turn, allow_shared) -> Verdict:
     t0 = time.perf_counter()
     question = settings.prompt
+    probe = choose_probe(engine, settings)
     suffix = moderation_suffix(engine, question)
     if turn is not None:
         ids, path = list(turn.prompt_ids) + list(turn.output_ids) + suffix, "shared"
@@ -170,13 +222,52 @@ def _moderate(engine, bot_message, user_message, settings, turn, allow_shared) -
         if allow_shared:
             engine.stats.record("moderation", prompt=0, prefilled=0, reused=0, generated=0, seconds=0.0,
                                 fallback=True)
-    logprobs, reused = engine.next_token_logprobs(ids, task="moderation")
-    p_bad = sum(math.exp(float(logprobs[i])) for i in answer_ids(engine, settings.unsafe_answer))
-    p_good = sum(math.exp(float(logprobs[i])) for i in answer_ids(engine, settings.safe_answer))
-    p_unsafe = p_bad / (p_bad + p_good) if p_bad + p_good > 0 else 0.5
-    v = Verdict(allowed=p_unsafe < settings.threshold, p_unsafe=p_unsafe, path=path, prompt_tokens=len(ids),
-                prefilled_tokens=len(ids) - reused, reused_tokens=reused, seconds=time.perf_counter() - t0)
-    log.info("flashguard moderation: %s (p_unsafe=%.3f, threshold=%.2f) path=%s prefilled=%d reused=%d in %.3fs",
-             "allow" if v.allowed else "BLOCK", p_unsafe, settings.threshold, path, v.prefilled_tokens,
+    if len(ids) >= engine.context_length:
+        return _moderate_windows(engine, bot_message, settings, probe, len(ids), t0)
+    p_unsafe, threshold, method, reused, p_question = _score(engine, ids, settings, probe)
+    v = Verdict(allowed=p_unsafe < threshold, p_unsafe=p_unsafe, path=path, prompt_tokens=len(ids),
+                prefilled_tokens=len(ids) - reused, reused_tokens=reused, seconds=time.perf_counter() - t0,
+                method=method, threshold=threshold, p_question=p_question)
+    log.info("flashguard moderation: %s (p_unsafe=%.3f, threshold=%.2f, %s) path=%s prefilled=%d reused=%d in %.3fs",
+             "allow" if v.allowed else "BLOCK", p_unsafe, threshold, method, path, v.prefilled_tokens,
              reused, v.seconds)
     return v
+
+
+def _score(engine, ids, settings, probe) -> tuple[float, float, str, int, float]:
+    """One forward over ``ids`` (the unseen suffix of them): ``(p_unsafe, threshold, method, reused,
+    p_question)``."""
+    logprobs, hidden, reused = engine.next_token_state(ids, task="moderation", hidden=probe is not None)
+    log_odds = answer_log_odds(logprobs, answer_ids(engine, settings.unsafe_answer),
+                               answer_ids(engine, settings.safe_answer))
+    p_question = 1.0 / (1.0 + math.exp(-log_odds))
+    if probe is not None:
+        return probe.p_unsafe(hidden, log_odds), probe.threshold, "probe", reused, p_question
+    return p_question, settings.threshold, "question", reused, p_question
+
+
+def _moderate_windows(engine, bot_message, settings, probe, total, t0) -> Verdict:
+    """A reply that with the question does not fit the model's context: judge consecutive windows of its
+    tokens (each with the question, prefilled from text) and keep the worst. ``path`` is ``"windows"``."""
+    tok = engine.tokenizer
+    reply = tok(bot_message, add_special_tokens=False)["input_ids"]
+    overhead = len(engine.encode_messages([{"role": "assistant", "content": ""},
+                                           {"role": "user", "content": settings.prompt}]))
+    size = engine.context_length - overhead - 16  # re-tokenising a window's text can merge or split a few ids
+    if size < 16:
+        from flashguard.errors import PromptError
+
+        raise PromptError(f"the model's context ({engine.context_length} tokens) cannot hold the moderation question "
+                          "and a piece of the reply; raise models[main].parameters.max_context")
+    worst, threshold, method, prefilled = 0.0, settings.threshold, "question", 0
+    for a in range(0, len(reply), size):
+        ids = engine.encode_messages([{"role": "assistant", "content": tok.decode(reply[a:a + size])},
+                                      {"role": "user", "content": settings.prompt}])
+        p, threshold, method, reused, _ = _score(engine, ids, settings, probe)
+        worst, prefilled = max(worst, p), prefilled + len(ids) - reused
+    log.warning("flashguard moderation: the reply (%d tokens with the question) is longer than the model's context "
+                "(%d); judged in %d windows, p_unsafe=%.3f", total, engine.context_length,
+                -(-len(reply) // size), worst)
+    return Verdict(allowed=worst < threshold, p_unsafe=worst, path="windows", prompt_tokens=total,
+                   prefilled_tokens=prefilled, reused_tokens=0, seconds=time.perf_counter() - t0, method=method,
+                   threshold=threshold)

@@ -1,0 +1,125 @@
+"""``flashguard calibrate``: train the moderation probe for the model ``model_path`` points at.
+
+    flashguard calibrate [--config DIR] [--weights float|int4] [--out FILE]
+
+Runs every labelled (user, reply) of ``rails/data/moderation_tune.jsonl`` through the model exactly as the
+rail does (the chat template, the reply's tokens, the moderation suffix), keeps the hidden states of the
+suffix's last token, chooses the layer, the L2 strength and whether to add the question's Yes/No log-odds by
+5-fold cross-validation on that set only, fits the chosen probe on all of it and writes it to the user cache
+folder, where the rail finds it for that model (and those weights). The test set (tests/data) is never read.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from .moderation import ModerationSettings, answer_ids, moderation_suffix
+from .probe import ModelKey, Probe, answer_log_odds, cross_validate, design, fit_logistic, user_probe_path
+
+log = logging.getLogger("flashguard")
+
+TUNING_SET = Path(__file__).resolve().parent / "data" / "moderation_tune.jsonl"
+L2_GRID = (1.0, 0.1, 0.01)
+FOLDS = 5
+
+
+def read_rows(path: Path) -> list[dict]:
+    """Labelled rows ``{user, bot, block, category}``; an error names the file and line."""
+    rows = []
+    for n, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            if not (isinstance(row["user"], str) and isinstance(row["bot"], str) and isinstance(row["block"], bool)):
+                raise TypeError("user and bot must be strings, block a boolean")
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise ValueError(f"{path}:{n}: {exc}") from exc
+        rows.append(row)
+    return rows
+
+
+def moderation_ids(engine, user: str, bot: str, question: str) -> list[int]:
+    """The ids the rail runs for a reply the engine generated: the prompt, the reply's tokens, the suffix."""
+    prompt = engine.encode_messages([{"role": "user", "content": user}])
+    reply = engine.tokenizer(bot, add_special_tokens=False)["input_ids"]
+    return list(prompt) + list(reply) + moderation_suffix(engine, question)
+
+
+def collect(engine, rows: Sequence[dict], settings: ModerationSettings = ModerationSettings(),
+            progress: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(hidden[n, layers + 1, hidden_size], log_odds[n])`` of the suffix's last token for every row."""
+    bad, good = answer_ids(engine, settings.unsafe_answer), answer_ids(engine, settings.safe_answer)
+    states, odds = [], []
+    it = rows
+    if progress:
+        from tqdm import tqdm
+
+        it = tqdm(rows, desc="calibrate", unit="reply")
+    for row in it:
+        ids = moderation_ids(engine, row["user"], row["bot"], settings.prompt)
+        logprobs, hidden, _ = engine.next_token_state(ids, task="calibration", hidden=True)
+        states.append(hidden)
+        odds.append(answer_log_odds(logprobs, bad, good))
+    return torch.stack(states), torch.tensor(odds, dtype=torch.float64)
+
+
+def train(engine, rows: Sequence[dict], settings: ModerationSettings = ModerationSettings(), *,
+          progress: bool = False, features=None, key: ModelKey | None = None) -> tuple[Probe, list[dict]]:
+    """Choose (layer, l2, use_answer) by cross-validation on ``rows``, fit on all rows. Returns
+    ``(probe, cv table best first)``. ``features`` (precomputed ``collect`` output) and ``key`` (the model's
+    ModelKey) let a probe be fitted again without the engine (``engine=None``)."""
+    t0 = time.perf_counter()
+    hidden, odds = features if features is not None else collect(engine, rows, settings, progress)
+    labels = [int(r["block"]) for r in rows]
+    table = cross_validate(hidden, odds, labels, layers=range(1, hidden.shape[1]), l2s=L2_GRID, k=FOLDS)
+    best = table[0]
+    x = design(hidden, odds, best["layer"], best["use_answer"])
+    w, b = fit_logistic(x, torch.tensor(labels), best["l2"])
+    answer_weight = float(w[-1]) if best["use_answer"] else 0.0
+    weight = w[:-1] if best["use_answer"] else w
+    train_acc = float((((x @ w + b) >= 0).long() == torch.tensor(labels)).double().mean())
+    key = key or ModelKey.of(engine)
+    question_only = float(((odds > torch.log(torch.tensor(settings.threshold / (1 - settings.threshold)))).long()
+                           == torch.tensor(labels)).double().mean())
+    probe = Probe(layer=best["layer"], weight=tuple(float(v) for v in weight), bias=b, answer_weight=answer_weight,
+                  threshold=0.5, question=settings.prompt, model_file=key.file, model_bytes=key.bytes,
+                  model_identity=key.identity, weights=key.weights,
+                  metrics={"tuning_rows": len(rows), "cv_folds": FOLDS, "cv_accuracy": round(best["cv_accuracy"], 4),
+                           "l2": best["l2"], "train_accuracy": round(train_acc, 4),
+                           "question_only_accuracy": round(question_only, 4),
+                           "seconds": round(time.perf_counter() - t0, 1)})
+    return probe, table
+
+
+def main(args) -> int:
+    """The CLI command (``flashguard calibrate``): build the config's engine, train, write the probe."""
+    from flashguard.config import EngineConfig
+    from flashguard.engine.engine import Engine
+
+    import yaml
+
+    cfg_path = Path(args.config) / "config.yml"
+    data = yaml.safe_load(cfg_path.read_text()) or {}
+    main_model = next((m for m in data.get("models") or [] if m.get("type") == "main"), None) or {}
+    params = dict(main_model.get("parameters") or {})
+    if args.weights:
+        params["weights"] = args.weights
+    config = EngineConfig.from_parameters(params)
+    settings = ModerationSettings.from_custom_data(data.get("custom_data"))
+    engine = Engine(config)
+    rows = read_rows(Path(args.data) if args.data else TUNING_SET)
+    probe, table = train(engine, rows, settings, progress=True)
+    out = Path(args.out) if args.out else user_probe_path(ModelKey.of(engine))
+    probe.save(out)
+    print(f"probe for {probe.model_file} ({probe.weights}): layer {probe.layer}, l2 {probe.metrics['l2']}, "
+          f"Yes/No feature {'on' if probe.answer_weight else 'off'}; {FOLDS}-fold accuracy on {len(rows)} tuning "
+          f"replies {probe.metrics['cv_accuracy']:.1%} (question only {probe.metrics['question_only_accuracy']:.1%})")
+    print(f"written to {out}")
+    return 0

@@ -1,0 +1,257 @@
+"""A linear probe on the moderation suffix's hidden state: the output rail's calibrated verdict.
+
+The rail's forward pass over the turn's own cached tokens plus the moderation suffix ends on the token where
+the model would answer the question. A logistic regression on that token's hidden state after one decoder
+layer (optionally with the question's Yes/No log-odds as one more feature) reads the verdict from what the
+model represents there, instead of from the two answer words a small model ranks badly.
+
+A probe is one small JSON file, trained by ``flashguard calibrate`` (``rails/calibrate.py``) on
+``rails/data/moderation_tune.jsonl``. It is only valid for the model (and float/int4 weights) and the
+question it was trained with; ``find_probe`` looks for it in the user cache folder, then among the probes
+shipped in the package (the embedded SmolLM2's).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+
+from flashguard.errors import FlashguardError
+
+log = logging.getLogger("flashguard")
+
+FORMAT = "flashguard-probe/1"
+SHIPPED_DIR = Path(__file__).resolve().parent / "probes"
+CALIBRATE_HINT = "flashguard calibrate"
+
+
+class ProbeError(FlashguardError):
+    """A probe file exists but cannot be used (unreadable, corrupt, or for another model / question)."""
+
+
+@dataclass(frozen=True)
+class ModelKey:
+    """What a probe is valid for. ``identity`` is the engine's (path, size, mtime: this machine only);
+    ``file`` + ``bytes`` match the same weights file on another machine (how shipped probes are found)."""
+
+    identity: str
+    file: str
+    bytes: int
+    weights: str  # "float" or "int4"
+
+    @classmethod
+    def of(cls, engine) -> "ModelKey":
+        src = engine.source
+        target = os.path.join(src.folder, src.gguf_file) if src.gguf_file else src.folder
+        size = os.path.getsize(target) if os.path.isfile(target) else 0
+        return cls(identity=src.identity, file=os.path.basename(target.rstrip("/\\")), bytes=size,
+                   weights=engine_weights(engine))
+
+    @property
+    def digest(self) -> str:
+        return hashlib.sha256(f"{self.identity}|{self.weights}".encode()).hexdigest()[:16]
+
+
+def engine_weights(engine) -> str:
+    """``int4`` when the model runs Int4Linear layers (``weights: int4`` or an AWQ checkpoint), else ``float``."""
+    from flashguard.quant.int4_linear import Int4Linear
+
+    return "int4" if any(isinstance(m, Int4Linear) for m in engine.model.modules()) else "float"
+
+
+@dataclass(frozen=True)
+class Probe:
+    """``p_unsafe = sigmoid(w . hidden[layer] + answer_weight * question_log_odds + bias)``; block at
+    ``p_unsafe >= threshold``. ``weight`` applies to the raw hidden state (the training standardisation is
+    folded in)."""
+
+    layer: int
+    weight: tuple[float, ...]
+    bias: float
+    answer_weight: float
+    threshold: float
+    question: str
+    model_file: str
+    model_bytes: int
+    model_identity: str
+    weights: str
+    metrics: dict = field(default_factory=dict, compare=False)
+
+    def p_unsafe(self, hidden: torch.Tensor, answer_log_odds: float) -> float:
+        """``hidden``: ``[layers + 1, hidden_size]`` from ``Engine.next_token_state``."""
+        if hidden.shape[0] <= self.layer or hidden.shape[1] != len(self.weight):
+            raise ProbeError(f"the probe expects hidden states of size {len(self.weight)} at layer {self.layer}, "
+                             f"the model gives {tuple(hidden.shape)}; run `{CALIBRATE_HINT}` for this model")
+        z = float(hidden[self.layer].double() @ torch.tensor(self.weight, dtype=torch.float64))
+        z += self.answer_weight * answer_log_odds + self.bias
+        return 1.0 / (1.0 + math.exp(-max(-60.0, min(60.0, z))))
+
+    def matches(self, key: ModelKey) -> bool:
+        """Same weights: this machine's identity, or the same file name and size (a shipped probe)."""
+        if self.weights != key.weights:
+            return False
+        return self.model_identity == key.identity or (self.model_file == key.file and self.model_bytes == key.bytes
+                                                       and self.model_bytes > 0)
+
+    # ---- file ---------------------------------------------------------------------------
+    def to_json(self) -> dict:
+        return {"format": FORMAT, "layer": self.layer, "bias": self.bias, "answer_weight": self.answer_weight,
+                "threshold": self.threshold, "question": self.question,
+                "model": {"file": self.model_file, "bytes": self.model_bytes, "identity": self.model_identity,
+                          "weights": self.weights},
+                "metrics": self.metrics, "weight": [float(f"{w:.6g}") for w in self.weight]}
+
+    def save(self, path: Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.to_json(), indent=1))
+        os.replace(tmp, path)
+        return path
+
+    @classmethod
+    def load(cls, path: Path) -> "Probe":
+        """Read a probe file; a missing key, a wrong type or a non-finite number is a ``ProbeError`` naming
+        the file and the command that makes a new one."""
+        path = Path(path)
+        try:
+            data = json.loads(path.read_text())
+            if data.get("format") != FORMAT:
+                raise ValueError(f"format is {data.get('format')!r}, expected {FORMAT!r}")
+            m = data["model"]
+            probe = cls(layer=int(data["layer"]), weight=tuple(float(w) for w in data["weight"]),
+                        bias=float(data["bias"]), answer_weight=float(data["answer_weight"]),
+                        threshold=float(data["threshold"]), question=str(data["question"]),
+                        model_file=str(m["file"]), model_bytes=int(m["bytes"]), model_identity=str(m["identity"]),
+                        weights=str(m["weights"]), metrics=dict(data.get("metrics") or {}))
+            numbers = probe.weight + (probe.bias, probe.answer_weight, probe.threshold)
+            if not probe.weight or not all(math.isfinite(x) for x in numbers) or not 0 < probe.threshold < 1 \
+                    or probe.layer < 0:
+                raise ValueError("empty weights, a non-finite number, a threshold outside (0, 1) or a negative layer")
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError,
+                AttributeError) as exc:
+            raise ProbeError(f"moderation probe {path} cannot be used ({type(exc).__name__}: {exc}); delete it and "
+                             f"run `{CALIBRATE_HINT}` to train a new one for this model") from exc
+        return probe
+
+
+def user_probe_path(key: ModelKey) -> Path:
+    """Where ``flashguard calibrate`` writes the probe of one model + weights on this machine."""
+    from flashguard.engine.loader import user_cache_dir
+
+    stem = Path(key.file).stem or "model"
+    return user_cache_dir() / "probes" / f"{stem}-{key.weights}-{key.digest}.json"
+
+
+def find_probe(engine, question: str) -> tuple[Optional[Probe], str]:
+    """The probe for ``engine``'s model and ``question``: the user cache's, else a shipped one.
+
+    Returns ``(probe, where)``; ``(None, why)`` when there is none (the caller falls back to the question).
+    A file that exists but is corrupt raises ``ProbeError`` (naming it). Memoised per engine and question.
+    """
+    memo = engine.__dict__.setdefault("_moderation_probe", {})
+    if question in memo:
+        return memo[question]
+    key = ModelKey.of(engine)
+    candidates = [user_probe_path(key)] + (sorted(SHIPPED_DIR.glob("*.json")) if SHIPPED_DIR.is_dir() else [])
+    found: tuple[Optional[Probe], str] = (None, f"no probe for {key.file} ({key.weights} weights) in "
+                                                f"{user_probe_path(key)} or the shipped ones")
+    for path in candidates:
+        if not path.is_file():
+            continue
+        probe = Probe.load(path)
+        if not probe.matches(key):
+            if path == candidates[0]:
+                raise ProbeError(f"moderation probe {path} was trained for another model ({probe.model_file}, "
+                                 f"{probe.weights}); run `{CALIBRATE_HINT}` again")
+            continue
+        if probe.question != question:
+            found = (None, f"probe {path} was trained with the question {probe.question!r}, not {question!r}; "
+                           f"run `{CALIBRATE_HINT}` for this question")
+            continue
+        found = (probe, str(path))
+        break
+    memo[question] = found
+    return found
+
+
+# ---- training -----------------------------------------------------------------------------
+def answer_log_odds(logprobs: torch.Tensor, bad_ids: Sequence[int], good_ids: Sequence[int]) -> float:
+    """``log P(unsafe answer) - log P(safe answer)`` over the answers' spellings, clipped to [-20, 20]."""
+    bad = torch.logsumexp(logprobs[list(bad_ids)].double(), 0).item()
+    good = torch.logsumexp(logprobs[list(good_ids)].double(), 0).item()
+    return max(-20.0, min(20.0, bad - good))
+
+
+def fit_logistic(x: torch.Tensor, y: torch.Tensor, l2: float, iters: int = 200) -> tuple[torch.Tensor, float]:
+    """L2-regularised logistic regression on standardised ``x`` ``[n, d]``, labels ``y`` in {0, 1}.
+
+    Returns ``(weight[d], bias)`` on the *raw* features (standardisation folded in). Deterministic (LBFGS)."""
+    x = x.double()
+    y = y.double()
+    mean, std = x.mean(0), x.std(0).clamp_min(1e-6)
+    z = (x - mean) / std
+    w = torch.zeros(z.shape[1], dtype=torch.float64, requires_grad=True)
+    b = torch.zeros((), dtype=torch.float64, requires_grad=True)
+    opt = torch.optim.LBFGS([w, b], lr=1, max_iter=iters, tolerance_grad=1e-9, tolerance_change=1e-12,
+                            line_search_fn="strong_wolfe")
+
+    def closure():
+        opt.zero_grad()
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(z @ w + b, y) + l2 * (w * w).sum() / 2
+        loss.backward()
+        return loss
+
+    with torch.enable_grad():
+        opt.step(closure)
+    w_raw = (w / std).detach()
+    return w_raw, float(b.detach() - (w_raw * mean).sum())
+
+
+def folds(labels: Sequence[int], k: int, seed: int = 0) -> list[list[int]]:
+    """Stratified ``k`` folds of indices (deterministic)."""
+    g = torch.Generator().manual_seed(seed)
+    out: list[list[int]] = [[] for _ in range(k)]
+    for cls in sorted(set(labels)):
+        idx = [i for i, y in enumerate(labels) if y == cls]
+        for j, p in enumerate(torch.randperm(len(idx), generator=g).tolist()):
+            out[j % k].append(idx[p])
+    return out
+
+
+def design(hidden: torch.Tensor, log_odds: torch.Tensor, layer: int, use_answer: bool) -> torch.Tensor:
+    """Feature matrix ``[n, d (+1)]`` from stacked states ``[n, layers + 1, d]`` and log-odds ``[n]``."""
+    x = hidden[:, layer].double()
+    return torch.cat([x, log_odds.double()[:, None]], 1) if use_answer else x
+
+
+def cross_validate(hidden: torch.Tensor, log_odds: torch.Tensor, labels: Sequence[int], *, layers: Sequence[int],
+                   l2s: Sequence[float], answer_options: Sequence[bool] = (False, True), k: int = 5) -> list[dict]:
+    """Out-of-fold accuracy (threshold 0.5) for every (layer, l2, use_answer). Sorted best first; ties go to
+    the stronger regularisation, then the earlier layer."""
+    y = torch.tensor(labels, dtype=torch.float64)
+    parts = folds(labels, k)
+    rows = []
+    for layer in layers:
+        for use_answer in answer_options:
+            x = design(hidden, log_odds, layer, use_answer)
+            for l2 in l2s:
+                p = torch.empty(len(labels), dtype=torch.float64)
+                for part in parts:
+                    test = torch.tensor(part)
+                    train = torch.tensor(sorted(set(range(len(labels))) - set(part)))
+                    w, b = fit_logistic(x[train], y[train], l2)
+                    p[test] = torch.sigmoid(x[test] @ w + b)
+                acc = float(((p >= 0.5).double() == y).double().mean())
+                rows.append({"layer": layer, "l2": l2, "use_answer": use_answer, "cv_accuracy": acc,
+                             "oof_p": p})
+    rows.sort(key=lambda r: (-r["cv_accuracy"], -r["l2"], r["layer"], r["use_answer"]))
+    return rows
