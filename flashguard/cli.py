@@ -7,6 +7,7 @@
     flashguard plan       --model M --gpu-mem 4GiB --context 131072   will it fit, and what to change
     flashguard smi        [--url URL] [--watch S] [--json]            GPU/host memory by category
     flashguard stress     --context 131072 [--vram-budget 4GiB]       drive the tiered KV cache, measure it
+    flashguard calibrate  [--config DIR] [--weights int4]             train the moderation probe for the model
 """
 
 from __future__ import annotations
@@ -209,6 +210,12 @@ def cmd_stress(args) -> int:
     return 0
 
 
+def cmd_calibrate(args) -> int:
+    from .rails.calibrate import main as calibrate
+
+    return calibrate(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="flashguard", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -260,6 +267,12 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("stress", help="drive the tiered KV cache at a context and measure it")
     add_arguments(p)
     p.set_defaults(func=cmd_stress)
+    p = sub.add_parser("calibrate", help="train the moderation rail's probe for the config's model (once per model)")
+    p.add_argument("--config", default=default_config_dir())
+    p.add_argument("--weights", choices=("float", "int4"), default=None, help="override the config's weights")
+    p.add_argument("--data", default=None, help="labelled JSONL (default: the project's tuning set)")
+    p.add_argument("--out", default=None, help="probe file (default: the user cache folder, where the rail looks)")
+    p.set_defaults(func=cmd_calibrate)
     args = parser.parse_args(argv)
     _setup_logging(args.verbose)
     from .errors import FlashguardError
