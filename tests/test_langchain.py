@@ -44,14 +44,48 @@ def test_in_a_chain(llm):
     assert "Paris" in chain.invoke({"country": "France"})
 
 
-def test_bad_parameter_names_the_key():
+def test_bad_parameter_names_the_keyword_not_a_yaml_path():
     from flashguard.guardrails.langchain_chat import ChatFlashguard
 
-    # pydantic wraps flashguard's ConfigError (a ValueError) in its ValidationError (also a ValueError)
-    with pytest.raises(ValueError, match=r"models\[main\]\.parameters\.kv\.policy: must be one of exact"):
+    with pytest.raises(ValueError, match=r"ChatFlashguard parameter kv\.policy: must be one of exact") as err:
         ChatFlashguard(kv={"policy": "everything"})
-    with pytest.raises(ValueError, match="unknown key 'temprature'"):
+    assert "models[main]" not in str(err.value)
+    with pytest.raises(ValueError, match="unknown key 'temprature'.*LangChain parameters: model, temperature"):
         ChatFlashguard(temprature=0.5)
+
+
+def test_standard_parameters_are_accepted(llm):
+    from flashguard.guardrails.langchain_chat import ChatFlashguard
+
+    model = ChatFlashguard(max_tokens=24, timeout=600, max_retries=2, streaming=True, stop=["\n\n"], temperature=0)
+    assert model.engine is llm.engine  # LangChain fields are not engine parameters
+    reply = model.invoke("What is the capital of France?")  # streaming=True: invoke goes through _stream
+    assert "Paris" in reply.content and reply.response_metadata["model_name"] == "flashguard"
+
+
+def test_streamed_chunks_carry_model_name_and_usage_once(llm):
+    chunks = list(llm.stream("What is the capital of France?"))
+    assert [c.chunk_position for c in chunks][-1] == "last"
+    assert [bool(c.response_metadata.get("model_name")) for c in chunks] == [False] * (len(chunks) - 1) + [True]
+    full = sum(chunks[1:], chunks[0])
+    assert full.response_metadata["model_name"] == "flashguard" and full.usage_metadata["output_tokens"] > 0
+
+
+def test_timeout_stops_the_reply(llm):
+    with pytest.raises(TimeoutError, match="timeout=1e-09"):
+        llm.invoke("Write a long story about a cat.", timeout=1e-9)
+    assert "Paris" in llm.invoke("What is the capital of France?").content  # the engine was released
+
+
+def test_an_async_stream_left_early_releases_the_engine(llm):
+    import asyncio
+
+    async def first_chunk():
+        async for chunk in llm.astream("Write a long story about a cat."):
+            return chunk
+
+    assert asyncio.run(first_chunk()).content
+    assert "Paris" in asyncio.run(llm.ainvoke("What is the capital of France?")).content
 
 
 SCRIPT = r"""

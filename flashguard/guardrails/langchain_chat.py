@@ -4,16 +4,24 @@ For LangChain apps (``ChatFlashguard(max_tokens=64).invoke("Hi")``, ``prompt | l
 NeMo Guardrails' ``langchain`` framework mode (``NEMOGUARDRAILS_LLM_FRAMEWORK=langchain``; ``engine: flashguard``
 is registered as a LangChain chat provider too), or ``LLMRails(config, llm=ChatFlashguard())``.
 
-Any keyword that is not a LangChain field is a flashguard parameter (``model_path``, ``kv``, ``weights``, ...)
-and is validated by ``EngineConfig.from_parameters`` (errors name the key). Models with the same parameters
-share one Engine with the NeMo provider, so the moderation rail finds this model's turns and pages.
+LangChain's standard parameters: ``model`` (a label, reported as ``response_metadata["model_name"]``; the weights
+come from ``model_path``), ``temperature``, ``max_tokens``, ``top_p``, ``seed``, ``stop``, ``streaming`` (``invoke``
+streams through the callbacks), ``timeout`` (seconds a reply may take, checked between tokens: ``TimeoutError``
+past it) and ``max_retries`` (accepted for drop-in use; a local call has nothing transient to retry, so it is not
+retried). No tool calling, structured output or image input (langchain-tests' properties say so).
+
+Any other keyword is a flashguard parameter (``model_path``, ``kv``, ``weights``, ...) and is validated by
+``EngineConfig.from_parameters``; a bad one is a ``ValueError`` naming it. Models with the same parameters share one
+Engine with the NeMo provider, so the moderation rail finds this model's turns and pages.
 """
 
 from __future__ import annotations
 
-from typing import Any, Iterator, List, Optional
+import time
+from contextlib import closing
+from typing import Any, AsyncIterator, Iterator, List, Optional
 
-from langchain_core.callbacks import CallbackManagerForLLMRun
+from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.language_models.chat_models import BaseChatModel
 from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
 from langchain_core.messages.ai import UsageMetadata
@@ -22,6 +30,8 @@ from pydantic import ConfigDict, Field, PrivateAttr, model_validator
 
 from ..config import EngineConfig
 from ..engine import SamplingParams, get_engine
+from ..errors import YAML_PREFIX, ConfigError
+from .provider import iterate_in_thread
 
 _ROLES = {"human": "user", "ai": "assistant", "system": "system", "tool": "tool", "chat": "user"}
 
@@ -33,6 +43,9 @@ class ChatFlashguard(BaseChatModel):
     top_p: Optional[float] = None
     seed: Optional[int] = None
     stop: Optional[List[str]] = None
+    streaming: bool = False
+    timeout: Optional[float] = None
+    max_retries: int = 0
     parameters: dict = Field(default_factory=dict, description="flashguard EngineConfig parameters")
     model_config = ConfigDict(arbitrary_types_allowed=True)
     _engine: Any = PrivateAttr(default=None)
@@ -59,7 +72,14 @@ class ChatFlashguard(BaseChatModel):
         return rest
 
     def model_post_init(self, __context: Any) -> None:
-        self._config = EngineConfig.from_parameters(self.parameters)
+        try:
+            self._config = EngineConfig.from_parameters(self.parameters)
+        except ConfigError as exc:  # say it in LangChain's terms: a keyword argument, not a config.yml path
+            message = str(exc).removeprefix(YAML_PREFIX + ".")
+            if "unknown key" in message:
+                message += ("; LangChain parameters: model, temperature, max_tokens, top_p, seed, stop, streaming, "
+                            "timeout, max_retries")
+            raise ValueError(f"ChatFlashguard parameter {message}") from None
         self._engine = get_engine(self._config)
 
     @property
@@ -75,6 +95,8 @@ class ChatFlashguard(BaseChatModel):
         return {"model": self.model, **self.parameters}
 
     # ---- LangChain hooks ------------------------------------------------------------------
+    # The async hooks run the engine on a worker thread that stops (and releases the engine) as soon as the
+    # consumer stops; LangChain's default async path would leave a half-read generator holding the engine lock.
     def _generate(self, messages: List[BaseMessage], stop: Optional[List[str]] = None,
                   run_manager: Optional[CallbackManagerForLLMRun] = None, **kwargs: Any) -> ChatResult:
         text, last = [], None
@@ -83,31 +105,66 @@ class ChatFlashguard(BaseChatModel):
             if run_manager and delta.text:
                 run_manager.on_llm_new_token(delta.text)
             last = delta
-        message = AIMessage(content="".join(text), usage_metadata=_usage(last),
-                            response_metadata={"finish_reason": last.finish_reason, "model_name": self.model})
-        return ChatResult(generations=[ChatGeneration(message=message,
-                                                      generation_info={"finish_reason": last.finish_reason})])
+        return self._result("".join(text), last)
+
+    async def _agenerate(self, messages: List[BaseMessage], stop: Optional[List[str]] = None,
+                         run_manager: Optional[AsyncCallbackManagerForLLMRun] = None, **kwargs: Any) -> ChatResult:
+        text, last = [], None
+        async for delta in iterate_in_thread(lambda: self._deltas(messages, stop, kwargs)):
+            text.append(delta.text)
+            if run_manager and delta.text:
+                await run_manager.on_llm_new_token(delta.text)
+            last = delta
+        return self._result("".join(text), last)
 
     def _stream(self, messages: List[BaseMessage], stop: Optional[List[str]] = None,
                 run_manager: Optional[CallbackManagerForLLMRun] = None, **kwargs: Any) -> Iterator[ChatGenerationChunk]:
         for delta in self._deltas(messages, stop, kwargs):
-            chunk = AIMessageChunk(content=delta.text,
-                                   usage_metadata=_usage(delta) if delta.finish_reason else None,
-                                   response_metadata={"finish_reason": delta.finish_reason} if delta.finish_reason
-                                   else {})
+            chunk = self._chunk(delta)
             if run_manager and delta.text:
-                run_manager.on_llm_new_token(delta.text, chunk=ChatGenerationChunk(message=chunk))
-            yield ChatGenerationChunk(message=chunk)
+                run_manager.on_llm_new_token(delta.text, chunk=chunk)
+            yield chunk
+
+    async def _astream(self, messages: List[BaseMessage], stop: Optional[List[str]] = None,
+                       run_manager: Optional[AsyncCallbackManagerForLLMRun] = None,
+                       **kwargs: Any) -> AsyncIterator[ChatGenerationChunk]:
+        async for delta in iterate_in_thread(lambda: self._deltas(messages, stop, kwargs)):
+            chunk = self._chunk(delta)
+            if run_manager and delta.text:
+                await run_manager.on_llm_new_token(delta.text, chunk=chunk)
+            yield chunk
 
     # ---- helpers ----------------------------------------------------------------------------
+    def _metadata(self, last) -> dict:
+        return {"finish_reason": last.finish_reason, "model_name": self.model, "model_provider": "flashguard"}
+
+    def _result(self, text: str, last) -> ChatResult:
+        message = AIMessage(content=text, usage_metadata=_usage(last), response_metadata=self._metadata(last))
+        return ChatResult(generations=[ChatGeneration(message=message,
+                                                      generation_info={"finish_reason": last.finish_reason})])
+
+    def _chunk(self, delta) -> ChatGenerationChunk:
+        last = bool(delta.finish_reason)  # usage and metadata once, on the last chunk (chunks are summed)
+        return ChatGenerationChunk(message=AIMessageChunk(
+            content=delta.text, usage_metadata=_usage(delta) if last else None,
+            response_metadata=self._metadata(delta) if last else {}, chunk_position="last" if last else None))
+
     def _deltas(self, messages, stop, kwargs):
+        """The engine's Deltas for ``messages``; raises ``TimeoutError`` once ``timeout`` seconds have passed."""
         params = SamplingParams.from_config(
             self._config, max_tokens=kwargs.get("max_tokens") or self.max_tokens,
             temperature=_first(kwargs.get("temperature"), self.temperature),
             top_p=_first(kwargs.get("top_p"), self.top_p), seed=_first(kwargs.get("seed"), self.seed),
             stop=stop or self.stop)
+        timeout = _first(kwargs.get("timeout"), self.timeout)
+        deadline = time.monotonic() + timeout if timeout is not None else None
         ids = self._engine.encode_messages([_as_dict(m) for m in messages])
-        return self._engine.stream(ids, params)
+        with closing(self._engine.stream(ids, params)) as deltas:
+            for delta in deltas:
+                yield delta
+                if deadline is not None and not delta.finish_reason and time.monotonic() > deadline:
+                    raise TimeoutError(f"ChatFlashguard: no complete reply within timeout={timeout} s; "
+                                       "raise timeout or lower max_tokens")
 
 
 def _first(*values):

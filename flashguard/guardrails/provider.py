@@ -130,12 +130,18 @@ async def iterate_in_thread(make_iter) -> AsyncIterator:
     stop = threading.Event()
     done = object()
 
+    def post(item) -> None:
+        try:
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+        except RuntimeError:  # the consumer's event loop is closed: nobody is listening any more
+            stop.set()
+
     def work():
         try:
             it = make_iter()
             try:
                 for item in it:
-                    loop.call_soon_threadsafe(queue.put_nowait, (item, None))
+                    post((item, None))
                     if stop.is_set():
                         break
             finally:
@@ -143,9 +149,9 @@ async def iterate_in_thread(make_iter) -> AsyncIterator:
                 if close:
                     close()
         except BaseException as exc:  # handed to the consumer, which re-raises it
-            loop.call_soon_threadsafe(queue.put_nowait, (done, exc))
+            post((done, exc))
             return
-        loop.call_soon_threadsafe(queue.put_nowait, (done, None))
+        post((done, None))
 
     thread = threading.Thread(target=work, name="flashguard-decode", daemon=True)
     thread.start()
