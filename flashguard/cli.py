@@ -30,6 +30,16 @@ def default_config_dir() -> str:
     return str(beside)
 
 
+def utf8_output() -> None:
+    """Write UTF-8 to stdout and stderr whatever the console's code page: on Windows, output that is not a console
+    window (PowerShell pipes, redirects, some terminals) is encoded in the ANSI code page (cp1252, cp437, ...), and a
+    reply holding a character outside it would raise UnicodeEncodeError mid-answer."""
+    for stream in (sys.stdout, sys.stderr):
+        encoding = (getattr(stream, "encoding", None) or "").lower().replace("-", "").replace("_", "")
+        if encoding != "utf8" and hasattr(stream, "reconfigure"):
+            stream.reconfigure(encoding="utf-8", errors="replace")
+
+
 def _setup_logging(verbose: bool) -> None:
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("flashguard").setLevel(logging.INFO)
@@ -45,8 +55,32 @@ def load_rails(config_dir: str):
     if not Path(config_dir, "config.yml").is_file():
         raise SystemExit(f"flashguard: no config.yml in {config_dir!r}; pass --config DIR")
     with console.status(f"Loading the model of {config_dir} ..."):
-        rails = LLMRails(RailsConfig.from_path(config_dir))
+        rails = LLMRails(_rails_config(config_dir))
     return rails
+
+
+def _rails_config(config_dir: str):
+    """NeMo's ``RailsConfig`` of ``config_dir``; bad YAML or a bad field is a ConfigError of one line naming it."""
+    import pydantic
+    import yaml
+    from nemoguardrails import RailsConfig
+
+    from .errors import ConfigError
+
+    try:
+        return RailsConfig.from_path(config_dir)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ConfigError(f"{config_dir}: a config file is not valid YAML{where}: "
+                          f"{getattr(exc, 'problem', None) or exc}") from None
+    except pydantic.ValidationError as exc:
+        first = exc.errors()[0]
+        key = ".".join(str(part) for part in first["loc"])
+        raise ConfigError(f"{config_dir}: config.yml: {key}: {first['msg']}") from None
+    except (TypeError, KeyError, AttributeError) as exc:  # NeMo's loader trips over a value of the wrong shape
+        raise ConfigError(f"{config_dir}: NeMo Guardrails cannot read this config ({type(exc).__name__}: {exc}); "
+                          "compare config.yml's structure with configs/flash/config.yml") from None
 
 
 async def _stream_reply(rails, messages: list[dict]) -> str:
@@ -104,6 +138,8 @@ def cmd_generate(args) -> int:
 
 
 def cmd_serve(args) -> int:
+    if not args.verbose:  # NeMo's server module warns about its chat UI at import; flashguard serve has none
+        logging.getLogger("nemoguardrails").setLevel(logging.ERROR)
     from nemoguardrails.server import api
 
     config = os.path.abspath(args.config.rstrip("/\\"))
@@ -273,6 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data", default=None, help="labelled JSONL (default: the project's tuning set)")
     p.add_argument("--out", default=None, help="probe file (default: the user cache folder, where the rail looks)")
     p.set_defaults(func=cmd_calibrate)
+    utf8_output()
     args = parser.parse_args(argv)
     _setup_logging(args.verbose)
     from .errors import FlashguardError

@@ -3,7 +3,8 @@
 Contract:
 - ``L3Folder(path=None, encrypt=True)``: ``path=None`` makes a private folder in the user's temp folder
   (``mkdtemp``: mode 0700 on POSIX; on Windows the per-user temp folder is already private). A given path is
-  created 0700. Folders flashguard made for processes that are no longer alive are removed at start (crash
+  created 0700 on POSIX; on Windows (where a mode means nothing) ``make_private`` gives it an ACL that lets only
+  the current user in (``icacls``), or logs a warning where that cannot be done. Folders flashguard made for processes that are no longer alive are removed at start (crash
   leftovers), and the folder is removed on normal exit (``close``, ``atexit``).
 - ``write(key, payload)`` seals the payload: AES-256-GCM under a key that exists only in this process's memory
   (``cryptography``), with the page key as associated data, so a file cannot be swapped for another page's file;
@@ -17,9 +18,13 @@ from __future__ import annotations
 
 import atexit
 import hashlib
+import logging
 import os
 import shutil
+import subprocess
 import tempfile
+
+log = logging.getLogger("flashguard")
 
 PREFIX = "flashguard-l3-"
 _MAGIC_AEAD, _MAGIC_SUM = b"FGL3", b"FGL3C"
@@ -43,6 +48,8 @@ class L3Folder:
             path = tempfile.mkdtemp(prefix=PREFIX)
         else:
             os.makedirs(path, mode=0o700, exist_ok=True)
+            if os.name == "nt":
+                make_private_on_windows(path)
         self.path = path
         with open(os.path.join(path, "owner.pid"), "w") as fh:
             fh.write(str(os.getpid()))
@@ -129,3 +136,30 @@ def remove_stale_folders() -> int:
             shutil.rmtree(folder, ignore_errors=True)
             removed += 1
     return removed
+
+
+def make_private_on_windows(path: str) -> bool:
+    """Let only the current user (by SID) into ``path`` and everything made in it: ``icacls`` drops the inherited
+    and explicit entries and grants the user full control, inherited by files and subfolders. Returns whether it
+    worked; where it cannot be done (no icacls, a FAT drive, a share), logs one warning saying what to do."""
+    try:
+        sid = _current_user_sid()
+        for args in (["/reset"], ["/inheritance:r", "/grant:r", f"*{sid}:(OI)(CI)F"]):
+            subprocess.run(["icacls", path, *args], check=True, capture_output=True, text=True, timeout=60)
+        return True
+    except (OSError, ValueError, subprocess.SubprocessError) as exc:
+        detail = getattr(exc, "stderr", None) or exc
+        log.warning("flashguard: could not make the L3 folder %s private to this user (%s); other users of this "
+                    "machine may read its sealed KV pages: use a folder inside your user profile for kv.l3_dir, "
+                    "or leave kv.l3_dir unset", path, str(detail).strip())
+        return False
+
+
+def _current_user_sid() -> str:
+    """The current Windows user's SID (``whoami /user``), e.g. ``S-1-5-21-...``."""
+    out = subprocess.run(["whoami", "/user", "/fo", "csv", "/nh"], check=True, capture_output=True, text=True,
+                         timeout=60).stdout
+    sid = out.strip().rsplit(",", 1)[-1].strip().strip('"')
+    if not sid.startswith("S-"):
+        raise ValueError(f"whoami did not give a SID: {out.strip()!r}")
+    return sid

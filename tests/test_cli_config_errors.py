@@ -1,0 +1,32 @@
+"""A broken config under ``flashguard serve``, ``chat`` and ``generate``: one line on stderr naming what to fix,
+exit status 2, no traceback (no model is loaded: each fails before the weights)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT, make_config
+
+MAIN = "models:\n  - type: main\n    engine: flashguard\n    model: x\n"
+CASES = {
+    "unknown parameter": (MAIN + "    parameters:\n      temperatur: 0.5\npassthrough: true\n",
+                          "models[main].parameters.temperatur: unknown key 'temperatur'"),
+    "bad YAML": (MAIN + "   parameters: [oops\n", "not valid YAML at line 5"),
+    "wrong shape": ("models: 5\n", "NeMo Guardrails cannot read this config"),
+}
+COMMANDS = {"serve": ["serve", "--port", "1"], "generate": ["generate", "hi"], "chat": ["chat"]}
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+@pytest.mark.parametrize("case", CASES)
+def test_config_error_is_one_line_naming_it(tmp_path, command, case):
+    yaml_text, needle = CASES[case]
+    cfg = make_config(tmp_path, yaml_text)
+    p = subprocess.run([sys.executable, "-m", "flashguard.cli", *COMMANDS[command], "--config", str(cfg)],
+                       capture_output=True, text=True, cwd=ROOT, timeout=300, stdin=subprocess.DEVNULL)
+    lines = [line for line in p.stderr.splitlines() if line.strip()]
+    assert p.returncode == 2, p.stderr
+    assert len(lines) == 1 and lines[0].startswith("flashguard: ") and needle in lines[0], p.stderr
