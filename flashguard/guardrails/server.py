@@ -287,7 +287,7 @@ class ChatCompletions:
                 return Response(*_error_response(exc), media_type="application/json")
             failed = _stream_error(first)
             if failed and failed.get("type") != "guardrails_violation":
-                await stream.aclose()
+                await _close(stream)
                 return Response(*_error_response(usage.error or RuntimeError(failed.get("message"))),
                                 media_type="application/json")
             include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
@@ -337,7 +337,7 @@ class ChatCompletions:
                 except StopAsyncIteration:
                     break
         finally:
-            await stream.aclose()
+            await _close(stream)
         if self.verbose:
             log.info("reply: %s", self.refusal if blocked else "".join(parts))
         yield reply.event({}, "content_filter" if blocked else usage.finish_reason or "stop", **usage_field)
@@ -367,6 +367,13 @@ class _Reply:
         chunk = {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
                  "choices": choices, **extra}
         return f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+
+
+async def _close(stream) -> None:
+    """Stop NeMo's stream (and with it the generation task) when the client is answered or gone."""
+    close = getattr(stream, "aclose", None)
+    if close is not None:
+        await close()
 
 
 def _model_card(name: str) -> dict:
