@@ -4,6 +4,7 @@ Public names:
     EngineConfig, CacheConfig   frozen configuration (built from config.yml ``parameters:``)
     get_engine(config)          the process-wide Engine for a model
     engine_stats()              cumulative counters by task for every loaded engine
+    engine_info()               per loaded engine: model, device, weights, cache kind, budget, tier sizes
     TieredCache                 the tiered, paged KV cache (a transformers Cache)
     register()                  register the ``flashguard`` engine with NeMo Guardrails
 """
@@ -27,6 +28,14 @@ def engine_stats() -> dict:
     return {e.source.label: e.stats.as_dict() for e in all_engines()}
 
 
+def engine_info() -> list[dict]:
+    """Per loaded engine: model label, device, weights and kernel, cache kind, VRAM budget, and the pool / L1 /
+    L2 / L3 sizes in tokens and bytes."""
+    from .engine.registry import engine_info as _info
+
+    return _info()
+
+
 def register() -> None:
     from .guardrails.provider import register as _register
 
@@ -42,4 +51,4 @@ def __getattr__(name):
 
 
 __all__ = ["CacheConfig", "EngineConfig", "ConfigError", "FlashguardError", "ModelLoadError", "PromptError",
-           "get_engine", "engine_stats", "register", "TieredCache"]
+           "get_engine", "engine_stats", "engine_info", "register", "TieredCache"]

@@ -182,18 +182,24 @@ def cmd_plan(args) -> int:
     from .vram import plan as planner
 
     shape = planner.resolve_shape(args.model)
-    kv = CacheConfig(l1_tokens=min(2048, args.l1_max_tokens), l1_max_tokens=args.l1_max_tokens)
+    kv = CacheConfig(l1_tokens=args.l1_tokens)   # auto (None): the largest pool that fits, as the engine sizes it
     gpu = parse_bytes(args.gpu_mem, key="--gpu-mem")
-    p = planner.plan(shape, gpu_mem=gpu, context=args.context, weights=args.weights, cache=args.cache,
+    p = planner.plan(shape, gpu_mem=gpu, context=args.context, weights=args.weights, cache=args.kv_cache,
                      prefill_chunk=args.prefill_chunk, kv=kv)
+    if args.kv_cache == "tiered" and not args.json:
+        sized = planner.sized_kv(shape, budget=gpu, context=args.context, weights=args.weights,
+                                 prefill_chunk=args.prefill_chunk, kv=kv)
+        where = "every token resident" if sized.l1_tokens >= args.context else \
+            f"{args.context - sized.l1_tokens} tokens off the pool, in L2 (host RAM) / L3 (disk)"
+        print(f"kv.l1_tokens (the pool on the GPU): {sized.l1_tokens} tokens, {where}\n")
     if args.json:
         print(json.dumps({"fits": p.fits, "gpu": p.parts, "host": p.host, "peak_reserved": p.peak_reserved,
                           "total": p.total}, indent=1))
         return 0 if p.fits else 1
     print(p.table())
     if not p.fits:
-        changes = planner.suggest(shape, gpu_mem=gpu, context=args.context, weights=args.weights, cache=args.cache,
-                                  prefill_chunk=args.prefill_chunk, kv=kv)
+        changes = planner.suggest(shape, gpu_mem=gpu, context=args.context, weights=args.weights,
+                                  cache=args.kv_cache, prefill_chunk=args.prefill_chunk, kv=kv)
         if "error" in changes:
             print(changes["error"])
         else:
@@ -288,9 +294,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gpu-mem", default="4GiB")
     p.add_argument("--context", type=int, default=131072)
     p.add_argument("--weights", choices=("int4", "fp16"), default="int4")
-    p.add_argument("--cache", choices=("tiered", "dynamic"), default="tiered")
-    p.add_argument("--prefill-chunk", type=int, default=4096)
-    p.add_argument("--l1-max-tokens", type=int, default=4096)
+    p.add_argument("--kv-cache", choices=("tiered", "dynamic"), default="tiered", help="the kv_cache key")
+    p.add_argument("--prefill-chunk", type=int, default=512)
+    p.add_argument("--l1-tokens", type=int, default=None, help="kv.l1_tokens (default auto: the largest pool)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_plan)
     p = sub.add_parser("smi", help="GPU and host memory by category (of a running flashguard server if any)")

@@ -28,6 +28,8 @@ from typing import Any, Mapping
 from .errors import ConfigError
 
 POLICIES = ("exact", "sparse")
+KV_CACHES = ("tiered", "dynamic")
+_AUTO_SIZES = ("l1_tokens", "l2_tokens", "l1_max_tokens")   # kv keys that take ``auto``
 INT4_KERNELS = ("auto", "triton", "cuda", "cpu", "dequant")   # "auto" + Int4Linear's backends
 L2_CODECS = ("int8", "fp16")
 L3_CODECS = ("int4-zstd", "int8-zstd", "fp16-zstd")
@@ -38,16 +40,20 @@ class CacheConfig:
     """The tiered, paged KV cache (YAML: ``parameters.kv``).
 
     page_size      tokens per page; the unit of GPU residency, hashing, transfer and compression.
-    l1_tokens      recent-token window kept on the compute device in fp16/bf16 (the L1 tier).
+    l1_tokens      the pool: tokens kept on the compute device in fp16/bf16 (the L1 tier: the attention sinks and
+                   the recent window). None (YAML ``auto``, the default) sizes it at start: the whole context when
+                   it fits the VRAM budget (then every page stays resident and attention is one fused kernel
+                   call, as fast as a plain resident cache), else what the budget leaves after the weights.
     sink_tokens    first tokens always kept in L1 (attention sinks).
-    l2_tokens      tokens kept in host RAM (int8 by default) before pages spill to disk.
+    l2_tokens      tokens kept in host RAM (int8 by default) before pages spill to disk. None (YAML ``auto``, the
+                   default): the whole context, or what half of the host RAM available at start holds if less.
     l3_tokens      tokens kept on disk (int4 + zstd); 0 disables L3.
     l3_dir         folder for L3 pages; None means a private folder in the user's temp dir.
     policy         "exact": attend to every page; "sparse": Quest-style top pages within budget_tokens.
     budget_tokens  sparse policy: tokens of off-window pages each KV head picks per query (Quest); a query attends
                    their union topped up to kv_heads x budget_tokens (a fixed count).
     adaptive_l1    grow/shrink the L1 window with how far back recent queries reached.
-    l1_max_tokens  upper bound of the adaptive L1 window.
+    l1_max_tokens  upper bound of the adaptive L1 window; None (``auto``): l1_tokens plus the sparse hot set.
     l2_codec       "int8" (per-channel keys, per-token values, as KIVI) or "fp16" (lossless).
     l3_codec       "int4-zstd", "int8-zstd" or "fp16-zstd" (lossless).
     isolation_salt mixed into every page key; pages never cross salts (tenants, configs).
@@ -57,15 +63,15 @@ class CacheConfig:
     """
 
     page_size: int = 64
-    l1_tokens: int = 2048
+    l1_tokens: int | None = None
     sink_tokens: int = 64
-    l2_tokens: int = 65536
+    l2_tokens: int | None = None
     l3_tokens: int = 1 << 20
     l3_dir: str | None = None
     policy: str = "sparse"
     budget_tokens: int = 2048
     adaptive_l1: bool = True
-    l1_max_tokens: int = 8192
+    l1_max_tokens: int | None = None
     l2_codec: str = "int8"
     l3_codec: str = "int4-zstd"
     isolation_salt: str = ""
@@ -77,23 +83,29 @@ class CacheConfig:
         _check_choice(self.l2_codec, L2_CODECS, "kv.l2_codec")
         _check_choice(self.l3_codec, L3_CODECS, "kv.l3_codec")
         for name in ("page_size", "l1_tokens", "budget_tokens", "l1_max_tokens"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"must be a positive integer, got {getattr(self, name)!r}", key=f"kv.{name}")
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ConfigError(f"must be a positive integer, got {value!r}", key=f"kv.{name}")
         for name in ("sink_tokens", "l2_tokens", "l3_tokens"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"must be >= 0, got {getattr(self, name)!r}", key=f"kv.{name}")
-        if self.l1_tokens < self.page_size:
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ConfigError(f"must be >= 0, got {value!r}", key=f"kv.{name}")
+        if self.l1_tokens is not None and self.l1_tokens < self.page_size:
             raise ConfigError(
                 f"must be at least kv.page_size ({self.page_size}), got {self.l1_tokens}", key="kv.l1_tokens"
             )
-        if self.l1_max_tokens < self.l1_tokens:
+        if self.l1_max_tokens is not None and self.l1_max_tokens < (self.l1_tokens or 0):
             raise ConfigError(
                 f"must be >= kv.l1_tokens ({self.l1_tokens}), got {self.l1_max_tokens}", key="kv.l1_max_tokens"
             )
 
     @property
-    def l2_lossless(self) -> bool:
-        return self.l2_codec == "fp16"
+    def sized(self) -> bool:
+        """True when no size is left to ``auto`` (``kv.policy.size_tiers`` fills them in at engine start)."""
+        return None not in (self.l1_tokens, self.l2_tokens, self.l1_max_tokens)
+
+    def replace(self, **changes: Any) -> "CacheConfig":
+        return dataclasses.replace(self, **changes)
 
 
 @dataclass(frozen=True)
@@ -110,9 +122,13 @@ class EngineConfig:
     seed           sampling seed for reproducible sampled output; None = random.
     prefill_chunk  tokens per prefill forward pass (bounds activation memory).
     max_context    cap on prompt + generation tokens; None = the model's own context length.
-    cache          "dynamic" (transformers DynamicCache) or "tiered" (flashguard.TieredCache).
+    kv_cache       "tiered" (default: flashguard's memory-aware TieredCache, resident on the device while the
+                   context fits the budget, paged to host RAM and disk past it) or "dynamic" (transformers'
+                   DynamicCache, every token on the device). Not ``cache``: NeMo Guardrails 0.24 rejects a model
+                   parameter of that name.
     kv             CacheConfig for the tiered cache.
-    vram_budget    bytes (or "4GiB") the engine may use on the GPU; None = no cap.
+    vram_budget    bytes (or "4GiB") the engine may use on the GPU; "auto" (default) = the GPU's free memory at
+                   start minus ``VRAM_MARGIN``; None = no cap. Ignored on the CPU.
     weights        "float" (as stored) or "int4": a float model is AWQ-quantized once (group size 64) and
                    cached in the user cache folder; an AWQ checkpoint is always loaded in int4.
     int4_kernel    "auto" (the fastest the device runs), "triton" (flashguard's Triton kernels, CUDA), "cuda"
@@ -132,9 +148,9 @@ class EngineConfig:
     seed: int | None = None
     prefill_chunk: int = 512
     max_context: int | None = None
-    cache: str = "dynamic"
+    kv_cache: str = "tiered"
     kv: CacheConfig = field(default_factory=CacheConfig)
-    vram_budget: int | None = None
+    vram_budget: int | str | None = "auto"
     weights: str = "float"
     int4_kernel: str = "auto"
     cuda_graphs: bool = True
@@ -144,7 +160,9 @@ class EngineConfig:
         if self.model_path is not None:
             object.__setattr__(self, "model_path", os.path.expanduser(str(self.model_path)))
         _check_choice(self.dtype, ("auto", "float32", "float16", "bfloat16"), "dtype")
-        _check_choice(self.cache, ("dynamic", "tiered"), "cache")
+        _check_choice(self.kv_cache, KV_CACHES, "kv_cache")
+        if isinstance(self.vram_budget, str) and self.vram_budget != "auto":
+            object.__setattr__(self, "vram_budget", parse_bytes(self.vram_budget, key="vram_budget"))
         _check_choice(self.weights, ("float", "int4"), "weights")
         _check_choice(self.int4_kernel, INT4_KERNELS, "int4_kernel")
         if not (self.device in ("auto", "cpu", "cuda") or str(self.device).startswith("cuda:")):
@@ -167,13 +185,17 @@ class EngineConfig:
     def from_parameters(cls, params: Mapping[str, Any] | None) -> "EngineConfig":
         """Build from a ``parameters:`` mapping; unknown keys and wrong types are ConfigErrors."""
         params = {k: v for k, v in dict(params or {}).items() if k not in cls._NEMO_KEYS}
+        if "cache" in params:
+            raise ConfigError("renamed to kv_cache (NeMo Guardrails rejects a model parameter named cache)",
+                              key="cache")
         kv = params.pop("kv", None)
-        if "vram_budget" in params and params["vram_budget"] is not None:
+        if params.get("vram_budget") not in (None, "auto"):
             params["vram_budget"] = parse_bytes(params["vram_budget"], key="vram_budget")
         values = _typed_values(cls, params, prefix="", skip={"kv"})
         if kv is not None:
             if not isinstance(kv, Mapping):
                 raise ConfigError(f"must be a mapping, got {type(kv).__name__}", key="kv")
+            kv = {k: (None if v == "auto" and k in _AUTO_SIZES else v) for k, v in kv.items()}
             values["kv"] = CacheConfig(**_typed_values(CacheConfig, kv, prefix="kv."))
         return cls(**values)
 
@@ -200,6 +222,8 @@ def _typed_values(cls: type, params: Mapping[str, Any], *, prefix: str, skip: fr
 def _coerce(value: Any, f: dataclasses.Field, key: str) -> Any:
     default = f.default if f.default is not dataclasses.MISSING else None
     kind = type(default) if default is not None else None
+    if f.name == "vram_budget" and (value is None or value == "auto"):
+        return value   # None: no cap; "auto": sized from the GPU's free memory at start
     if value is None:
         if default is None:
             return None
@@ -216,7 +240,7 @@ def _coerce(value: Any, f: dataclasses.Field, key: str) -> Any:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"must be a number, got {value!r}", key=key)
         return float(value)
-    if f.name in ("seed", "max_context", "vram_budget"):
+    if f.name in ("seed", "max_context", "vram_budget", *_AUTO_SIZES):
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigError(f"must be an integer, got {value!r}", key=key)
         return value

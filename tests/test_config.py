@@ -6,7 +6,21 @@ from flashguard.config import parse_bytes
 
 def test_defaults_are_the_embedded_model_and_greedy():
     c = EngineConfig.from_parameters({})
-    assert c.model_path is None and c.temperature == 0.0 and c.cache == "dynamic"
+    assert c.model_path is None and c.temperature == 0.0
+    assert c.kv_cache == "tiered" and c.vram_budget == "auto" and not c.kv.sized   # sized at engine start
+
+
+def test_the_old_cache_key_says_its_new_name():
+    with pytest.raises(ConfigError, match=r"parameters\.cache: renamed to kv_cache"):
+        EngineConfig.from_parameters({"cache": "tiered"})
+
+
+def test_auto_sizes_and_budget():
+    c = EngineConfig.from_parameters({"kv": {"l1_tokens": "auto", "l2_tokens": 4096}, "vram_budget": "auto"})
+    assert c.kv.l1_tokens is None and c.kv.l2_tokens == 4096 and c.vram_budget == "auto"
+    assert EngineConfig.from_parameters({"vram_budget": None}).vram_budget is None
+    with pytest.raises(ConfigError, match=r"parameters\.kv\.l2_tokens"):
+        EngineConfig.from_parameters({"kv": {"l2_tokens": "many"}})
 
 
 def test_nemo_kwargs_are_accepted():
@@ -34,6 +48,7 @@ def test_unknown_kv_key_names_the_nested_key():
     ({"kv": {"page_size": 64, "l1_tokens": 32}}, "kv.l1_tokens"),
     ({"kv": "big"}, "kv"),
     ({"vram_budget": "lots"}, "vram_budget"),
+    ({"kv_cache": "static"}, "kv_cache"),
 ])
 def test_bad_values_name_their_key(params, key):
     with pytest.raises(ConfigError) as err:

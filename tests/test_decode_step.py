@@ -117,3 +117,34 @@ def test_static_kv_whole_step_matches_the_models_forward():
     torch.testing.assert_close(ours.keys[2, :, :320], theirs.layers[2].keys[0], atol=1e-6, rtol=1e-5)
     with pytest.raises(ValueError, match="capacity"):
         StaticKV.from_cache(theirs, capacity=100)
+
+
+def test_resident_tiered_cache_runs_the_whole_step_path():
+    """A TieredCache whose every token is resident offers its L1 buffers as a StaticKV (what the one-graph step
+    replays on a GPU); the same kernels run eagerly here: the same logits as the model's forward, the cache's
+    pages completed by ``advance``, and the step leaves the static path once pages leave the window."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                      num_hidden_layers=3, intermediate_size=512, vocab_size=300, max_position_embeddings=4096)
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(cfg).double().eval()
+    ids = torch.randint(0, 300, (250,), generator=torch.Generator().manual_seed(1)).tolist()
+    ours = TieredCache(cfg, CacheConfig(page_size=32, sink_tokens=32, l1_tokens=224, l1_max_tokens=224,
+                                        l2_tokens=1024, policy="exact", l2_codec="fp16")).attach(model)
+    theirs = DynamicCache(config=cfg)
+    token = int(prefill(model, ours, ids).argmax())
+    assert token == int(prefill(model, theirs, ids).argmax())
+    step = DecodeStep(model, graphs=False, whole_step=True)   # the whole-step graph's kernels, eagerly
+    statics = 0
+    for _ in range(80):
+        ours.feed([token])
+        statics += ours.static_view() is not None
+        got = step.step(token, ours)
+        with torch.inference_mode():
+            want = model(input_ids=torch.tensor([[token]]), past_key_values=theirs).logits[0, -1]
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+        token = int(want.argmax())
+    assert 0 < statics < 80                          # resident first, then paged once past the 224-token window
+    assert ours.length == 330 and ours.layers[0].win_start > 32
+    ours.check_integrity()

@@ -172,11 +172,11 @@ def test_static_kv_one_graph_step_matches_the_models_forward():
             tok = torch.tensor([[token]], device="cuda")
             theirs.append(model(input_ids=tok, past_key_values=cache).logits[0, -1].float())
         token = int(theirs[-1].argmax())
-    assert step.whole is not None and kv.length == 1024
+    assert step.wholes and kv.length == 1024
     torch.testing.assert_close(torch.stack(ours), torch.stack(theirs), atol=2e-2, rtol=2e-2)
 
 
-@pytest.mark.parametrize("cache", ["dynamic", "tiered"])
+@pytest.mark.parametrize("cache", ["dynamic", "tiered", "default"])
 def test_int4_engine_decodes_what_the_models_forward_predicts(cache, tmp_path):
     """The product's int4 path end to end on the GPU: `auto` int4 (Triton where it passes its self-check) in the
     Engine, prompt by dequantize + cuBLAS, steps by the matrix-vector kernel inside DecodeStep's graphs, over a
@@ -203,7 +203,9 @@ def test_int4_engine_decodes_what_the_models_forward_predicts(cache, tmp_path):
                                         eos_token="</s>", unk_token="t0")
     tiers = CacheConfig(page_size=64, l1_tokens=256, sink_tokens=64, l1_max_tokens=512, l3_tokens=0,
                         policy="exact")
-    engine = Engine(EngineConfig(device="cuda", cache=cache, kv=tiers, prefill_chunk=256),
+    config = EngineConfig(device="cuda", prefill_chunk=256) if cache == "default" else \
+        EngineConfig(device="cuda", kv_cache=cache, kv=tiers, prefill_chunk=256)
+    engine = Engine(config,
                     ModelSource(str(tmp_path), None, "random-qwen2-int4"), model=model, tokenizer=tokenizer)
     prompt = torch.randint(0, 1000, (1500,), generator=torch.Generator().manual_seed(3)).tolist()
     engine.generate(prompt, SamplingParams(max_tokens=40))
@@ -215,4 +217,6 @@ def test_int4_engine_decodes_what_the_models_forward_predicts(cache, tmp_path):
     gap = logits.max(1).values - chosen            # 0 where the engine took the forward's top token
     assert (gap <= 0.05 * logits.std(1)).all(), gap
     if cache == "tiered":
-        assert engine._cache.layers[0].win_start > 64   # pages had left the window
+        assert engine.session.cache.layers[0].win_start > 64   # pages had left the window
+    if cache == "default":   # the memory-aware default: every token resident, the whole step one CUDA graph
+        assert engine.session.cache.layers[0].resident and engine._step.wholes

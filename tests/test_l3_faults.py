@@ -35,7 +35,7 @@ def two_turns(engine, between=None):
 
 @pytest.fixture(scope="module")
 def clean(engine, tmp_path_factory):
-    e = Engine(EngineConfig(cache="tiered", kv=kv_config(tmp_path_factory.mktemp("clean"))), source=engine.source)
+    e = Engine(EngineConfig(kv_cache="tiered", kv=kv_config(tmp_path_factory.mktemp("clean"))), source=engine.source)
     out = two_turns(e)
     assert e.store.tier_counts()["l3_pages"] > 0
     return out
@@ -55,13 +55,13 @@ def test_bit_flips_truncation_and_deletion_are_caught_and_recomputed(engine, cle
         open(files[1], "r+b").truncate(os.path.getsize(files[1]) // 2)     # truncation
         os.remove(files[2])                                                # deletion
 
-    e = Engine(EngineConfig(cache="tiered", kv=kv_config(tmp_path)), source=engine.source)
+    e = Engine(EngineConfig(kv_cache="tiered", kv=kv_config(tmp_path)), source=engine.source)
     with caplog.at_level("WARNING", logger="flashguard"):
         assert two_turns(e, damage) == clean
     assert e.store.stats.corrupt_pages >= 1
     assert any("failed verification" in r.getMessage() for r in caplog.records)
     assert any("recomputing" in r.getMessage() for r in caplog.records)
-    e._cache.check_integrity()
+    e.session.cache.check_integrity()
 
 
 @pytest.mark.parametrize("code,text", [(errno.ENOSPC, "No space left on device"),
@@ -71,7 +71,7 @@ def test_a_full_or_read_only_disk_falls_back_to_host_ram(engine, clean, tmp_path
         raise OSError(code, text)
 
     monkeypatch.setattr(L3Folder, "write", failing)
-    e = Engine(EngineConfig(cache="tiered", kv=kv_config(tmp_path)), source=engine.source)
+    e = Engine(EngineConfig(kv_cache="tiered", kv=kv_config(tmp_path)), source=engine.source)
     with caplog.at_level("WARNING", logger="flashguard"):
         assert two_turns(e) == clean
     assert e.store.stats.disk_errors > 0 and e.store.tier_counts()["l3_pages"] == 0
@@ -81,14 +81,14 @@ def test_a_full_or_read_only_disk_falls_back_to_host_ram(engine, clean, tmp_path
 def test_an_unusable_folder_falls_back_to_host_ram(engine, clean, tmp_path, caplog):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")
-    e = Engine(EngineConfig(cache="tiered", kv=kv_config(tmp_path, l3_dir=str(blocker / "l3"))), source=engine.source)
+    e = Engine(EngineConfig(kv_cache="tiered", kv=kv_config(tmp_path, l3_dir=str(blocker / "l3"))), source=engine.source)
     with caplog.at_level("WARNING", logger="flashguard"):
         assert two_turns(e) == clean
     assert e.store.disk is None and any("cannot create the L3 folder" in r.getMessage() for r in caplog.records)
 
 
 def test_files_are_sealed_private_and_removed_on_close(engine, tmp_path):
-    e = Engine(EngineConfig(cache="tiered", kv=kv_config(tmp_path, l2_codec="int8", l3_codec="int4-zstd")),
+    e = Engine(EngineConfig(kv_cache="tiered", kv=kv_config(tmp_path, l2_codec="int8", l3_codec="int4-zstd")),
                source=engine.source)
     e.generate(e.encode_messages(TURN1), PARAMS)
     folder = e.store.l3_dir

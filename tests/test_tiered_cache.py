@@ -95,7 +95,7 @@ def test_sparse_default_codecs_kl_and_top1(engine, text_ids, capsys):
 def test_exact_default_codecs_greedy_256_tokens_equal_dynamic(engine, text_ids):
     from flashguard.engine.engine import Engine
 
-    tiered = Engine(EngineConfig(cache="tiered", kv=EXACT), source=engine.source)
+    tiered = Engine(EngineConfig(kv_cache="tiered", kv=EXACT), source=engine.source)
     prompt = tiered.encode_messages([{"role": "user", "content": "Summarise this text.\n" +
                                       engine.tokenizer.decode(text_ids[:900])}])
     params = SamplingParams(max_tokens=256)
@@ -105,13 +105,13 @@ def test_exact_default_codecs_greedy_256_tokens_equal_dynamic(engine, text_ids):
     tiered.generate(prompt, params)
     assert tiered.turns[-1].output_ids == ref
     assert tiered.store.tier_counts()["l3_pages"] > 0 or tiered.store.tier_counts()["l2_pages"] > 0
-    tiered._cache.check_integrity()
+    tiered.session.cache.check_integrity()
 
 
 def test_common_prefix_shares_pages_and_output(engine, text_ids):
     from flashguard.engine.engine import Engine
 
-    tiered = Engine(EngineConfig(cache="tiered", kv=LOSSLESS), source=engine.source)
+    tiered = Engine(EngineConfig(kv_cache="tiered", kv=LOSSLESS), source=engine.source)
     doc = engine.tokenizer.decode(text_ids[:600])
     a = tiered.encode_messages([{"role": "user", "content": doc + "\nWhat is this about?"}])
     b = tiered.encode_messages([{"role": "user", "content": doc + "\nList three keywords."}])
@@ -122,9 +122,9 @@ def test_common_prefix_shares_pages_and_output(engine, text_ids):
     shared = tiered.generate(b, params).text
     reused = tiered.stats.as_dict()["generation"]["reused_tokens"] - before
     assert reused >= 512 and tiered.store.stats.misses >= 1
-    fresh_engine = Engine(EngineConfig(cache="tiered", kv=LOSSLESS), source=engine.source)
+    fresh_engine = Engine(EngineConfig(kv_cache="tiered", kv=LOSSLESS), source=engine.source)
     assert fresh_engine.generate(b, params).text == shared
-    tiered._cache.check_integrity()
+    tiered.session.cache.check_integrity()
 
 
 def test_deepseek_shape_random_weights(text_ids):
@@ -149,7 +149,7 @@ def test_passkey_grid_matches_dynamic_cache(engine, filler_sentences, capsys):
     """Needle retrieval at three depths: wherever DynamicCache finds the key, the sparse tiered cache does too."""
     from flashguard.engine.engine import Engine
 
-    tiered = Engine(EngineConfig(cache="tiered", kv=SPARSE), source=engine.source)
+    tiered = Engine(EngineConfig(kv_cache="tiered", kv=SPARSE), source=engine.source)
     filler = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
     for depth in (0.1, 0.5, 0.9):
         before = int(filler_sentences * depth)
@@ -166,7 +166,7 @@ def test_passkey_grid_matches_dynamic_cache(engine, filler_sentences, capsys):
         assert ("68213" in got) >= ("68213" in want), (depth, len(ids), want, got)
         if "68213" in want:
             assert got == want
-    assert len(tiered.store.pages) > 0 and tiered._cache.layers[0].win_start > SPARSE.sink_tokens
+    assert len(tiered.store.pages) > 0 and tiered.session.cache.layers[0].win_start > SPARSE.sink_tokens
 
 
 def test_two_caches_take_turns_on_one_model(engine, text_ids):

@@ -32,7 +32,7 @@ def _oom_above(engine, limit: int, layer: int = 10):
 @pytest.mark.parametrize("cache", ["dynamic", "tiered"])
 def test_oom_in_prefill_is_recovered_with_the_same_output(cache):
     kv = {"page_size": 16, "l1_tokens": 32, "sink_tokens": 16, "l1_max_tokens": 64, "l3_tokens": 0}
-    config = EngineConfig.from_parameters({"prefill_chunk": 256, "cache": cache, "kv": kv, "max_tokens": 24})
+    config = EngineConfig.from_parameters({"prefill_chunk": 256, "kv_cache": cache, "kv": kv, "max_tokens": 24})
     engine = Engine(config)
     long_q = [{"role": "user", "content": "Here is some context: " + "the tide rolls in and out. " * 30
                + "Now write one sentence about the sea."}]

@@ -36,7 +36,7 @@ def test_kv_bytes_dynamic_and_tiered_by_hand():
     dyn = planner.plan(s, gpu_mem=4 << 30, context=131072, weights="fp16", cache="dynamic", prefill_chunk=4096)
     assert dyn.parts["kv cache"] == 131072 * per_token == 3_758_096_384
     assert not dyn.fits
-    kv = CacheConfig(page_size=64, l1_tokens=2048, l1_max_tokens=4096, sink_tokens=64)
+    kv = CacheConfig(page_size=64, l1_tokens=2048, l1_max_tokens=4096, sink_tokens=64, l2_tokens=65536)
     tiered = planner.plan(s, gpu_mem=4 << 30, context=131072, weights="int4", cache="tiered", prefill_chunk=2048,
                           kv=kv)
     window = 64 + 4096 + 2048 + 64
@@ -44,7 +44,6 @@ def test_kv_bytes_dynamic_and_tiered_by_hand():
     fetch = 32768 * 2 * 256 * 2 * 2   # kv.FETCH_BLOCK_TOKENS of pages, decoded + encoded bytes in flight
     assert tiered.parts["kv cache"] == window * per_token + summaries + fetch
     assert tiered.fits and tiered.peak_reserved < 3 * 2**30
-    assert kv.l2_tokens == 65536  # the default: the rest of the 128K goes to L3
     assert tiered.host["L2 (host RAM)"] == 65536 * 28 * 2 * 256 * 1          # int8
     assert tiered.host["L3 (disk, before zstd)"] == (131072 - window - 65536) * 28 * 2 * 256 // 2   # int4
 
@@ -52,7 +51,7 @@ def test_kv_bytes_dynamic_and_tiered_by_hand():
 def test_suggest_names_the_keys_that_make_it_fit():
     s = deepseek()
     changes = planner.suggest(s, gpu_mem=4 << 30, context=131072, weights="fp16", cache="dynamic", prefill_chunk=4096)
-    assert changes == {"weights": "int4", "cache": "tiered"}
+    assert changes == {"weights": "int4", "kv_cache": "tiered"}
     assert "error" in planner.suggest(s, gpu_mem=1 << 30, context=131072, weights="fp16", cache="dynamic",
                                       prefill_chunk=4096)
 
@@ -63,9 +62,11 @@ def _cli(*args):
 
 
 def test_plan_cli_says_what_to_set():
-    out = _cli("plan", "--weights", "fp16", "--cache", "dynamic", "--gpu-mem", "4GiB", "--context", "131072")
+    out = _cli("plan", "--weights", "fp16", "--kv-cache", "dynamic", "--gpu-mem", "4GiB", "--context", "131072")
     assert out.returncode == 1
-    assert "does NOT fit" in out.stdout and "weights: int4, cache: tiered, vram_budget: 4GiB" in out.stdout
+    assert "does NOT fit" in out.stdout and "weights: int4, kv_cache: tiered, vram_budget: 4GiB" in out.stdout
+    out = _cli("plan", "--gpu-mem", "4GiB", "--context", "131072")   # the defaults: int4, the tiered cache, auto
+    assert out.returncode == 0 and "kv.l1_tokens (the pool on the GPU)" in out.stdout and "off the pool" in out.stdout
 
 
 def test_smi_without_a_gpu_or_server():
@@ -79,16 +80,35 @@ def test_smi_without_a_gpu_or_server():
 
 def test_fit_to_budget_shrinks_chunk_and_window_then_names_keys():
     s = deepseek()
-    kv = CacheConfig(page_size=64, l1_tokens=4096, l1_max_tokens=8192, sink_tokens=64)
-    budget = int(1.9 * 2**30)
-    assert not planner.plan(s, gpu_mem=budget + planner.CUDA_CONTEXT, context=131072, weights="int4",
-                            cache="tiered", prefill_chunk=4096, kv=kv).fits
-    new_kv, chunk, notes = planner.fit_to_budget(s, budget=budget, context=131072, weights="int4", cache="tiered",
-                                                 prefill_chunk=4096, kv=kv)
+    kv = CacheConfig(page_size=64, l1_tokens=4096, l1_max_tokens=8192, sink_tokens=64, l2_tokens=65536)
+    budget = 3 << 30    # the process's whole GPU memory
+    assert not planner.plan(s, gpu_mem=planner.planned(budget), context=131072, weights="int4", cache="tiered",
+                            prefill_chunk=4096, kv=kv).fits
+    new_kv, chunk, final, notes = planner.fit_to_budget(s, budget=budget, context=131072, weights="int4",
+                                                        cache="tiered", prefill_chunk=4096, kv=kv)
     assert chunk < 4096 or new_kv.l1_max_tokens < 8192
-    assert planner.plan(s, gpu_mem=budget + planner.CUDA_CONTEXT, context=131072, weights="int4", cache="tiered",
-                        prefill_chunk=chunk, kv=new_kv).fits
+    assert final.fits and planner.plan(s, gpu_mem=planner.planned(budget), context=131072, weights="int4",
+                                       cache="tiered", prefill_chunk=chunk, kv=new_kv).fits
     assert notes and not any("still exceeds" in n for n in notes)
-    _, _, notes = planner.fit_to_budget(s, budget=4 << 30, context=131072, weights="fp16", cache="dynamic",
-                                        prefill_chunk=4096, kv=kv)
-    assert "set weights: int4, cache: tiered" in notes[-1]
+    _, _, final, notes = planner.fit_to_budget(s, budget=4 << 30, context=131072, weights="fp16", cache="dynamic",
+                                               prefill_chunk=4096, kv=kv)
+    assert not final.fits and "set weights: int4, kv_cache: tiered" in notes[-1]
+
+
+def test_the_pool_is_the_whole_context_when_it_fits_and_the_budget_otherwise():
+    s = deepseek()
+    auto = CacheConfig()
+    for context in (8192, 32768):
+        kv, _, final, _ = planner.fit_to_budget(s, budget=4 << 30, context=context, weights="int4", cache="tiered",
+                                                prefill_chunk=512, kv=auto)
+        assert kv.l1_tokens >= context and final.fits          # every token resident
+    kv, _, final, _ = planner.fit_to_budget(s, budget=4 << 30, context=131072, weights="int4", cache="tiered",
+                                            prefill_chunk=512, kv=auto)
+    assert 8192 < kv.l1_tokens <= kv.l1_max_tokens < 131072 and final.fits
+    assert final.total <= planner.planned(4 << 30)              # NVML figure: weights, pool, context, slack
+    bigger, _, _, _ = planner.fit_to_budget(s, budget=6 << 30, context=131072, weights="int4", cache="tiered",
+                                            prefill_chunk=512, kv=auto)
+    assert bigger.l1_max_tokens > kv.l1_max_tokens              # more memory, a larger pool
+    _, _, final, notes = planner.fit_to_budget(s, budget=1 << 30, context=131072, weights="int4", cache="tiered",
+                                               prefill_chunk=512, kv=auto)
+    assert not final.fits and "still exceeds" in notes[-1]     # the engine turns this into an error naming the key

@@ -67,7 +67,9 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", nargs="+", default=["dynamic", "offloaded", "exact", "sparse"],
                     help="dynamic, offloaded, quantized (transformers' forward; quantized needs optimum-quanto), exact, sparse (flashguard's decode step, CUDA "
                          "graphs), sparse-eager (TieredCache under transformers' forward), dynamic-step "
-                         "(DynamicCache under flashguard's decode step: what the graphs alone give)")
+                         "(DynamicCache under flashguard's decode step: what the graphs alone give), default (the "
+                         "engine's default cache uncapped: every token resident, one-graph steps), default-4gib (its "
+                         "sizes under vram_budget 4GiB for an int4 model: the pool, the rest in L2)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--json", default=None)
     ap.add_argument("--profile", default=None, help="write torch.profiler tables of 4 sparse and 4 exact decode "
@@ -105,12 +107,20 @@ def main(argv=None) -> int:
                 if name == "quantized":  # transformers' QuantizedCache, int4 through optimum-quanto (carried there)
                     model.set_attn_implementation("sdpa")
                     return QuantizedCache(backend="quanto", config=cfg, nbits=4)
+                if name == "default":        # the engine's default without a budget: the pool holds the context
+                    return TieredCache(cfg, CacheConfig(l3_tokens=0), preallocate=True).attach(model)
+                if name == "default-4gib":   # the engine's default sizes under vram_budget: 4GiB (fp16 weights)
+                    from ..vram import plan as planner
+
+                    sized = planner.sized_kv(planner.Shape.from_config(cfg), budget=4 << 30, context=ctx,
+                                             weights="int4", prefill_chunk=args.chunk, kv=CacheConfig(l3_tokens=0))
+                    return TieredCache(cfg, sized, preallocate=True).attach(model)
                 policy = "exact" if name == "exact" else "sparse"   # sparse, sparse-eager
                 return TieredCache(cfg, CacheConfig(**{**kv.__dict__, "policy": policy})).attach(model)
 
             steps = args.exact_steps if name == "exact" else args.steps
             try:
-                uses_step = name in ("exact", "sparse", "dynamic-step")
+                uses_step = name in ("exact", "sparse", "dynamic-step", "default", "default-4gib")
                 row = run_row(model, make, ids, args.chunk, steps, kwarg, step if uses_step else None)
             except torch.cuda.OutOfMemoryError as exc:
                 row = {"error": f"OOM: {str(exc)[:80]}"}

@@ -33,13 +33,25 @@ log = logging.getLogger("flashguard")
 
 
 class StaticKV:
-    """Keys and values of every layer in two device tensors ``[layers, kv_heads, capacity, head_dim]``, written at
-    the step's position by a kernel (the position is a device tensor) and attended up to a device-side count
+    """Keys and values of every layer, ``keys[i]`` / ``values[i]`` ``[kv_heads, capacity, head_dim]`` (two device
+    tensors ``[layers, ...]``, or per-layer lists: a resident TieredCache's L1 buffers), written at the step's
+    position by a kernel (the position is a device tensor) and attended up to a device-side count
     (``attention.prefix_attention``): shapes never change, so a whole decode step can be replayed as one CUDA
-    graph. ``length`` is the number of tokens held (host side)."""
+    graph. ``length`` is the number of tokens held (host side); ``owner`` (a TieredCache) is told of each step."""
 
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, length: int):
-        self.keys, self.values, self.length = keys, values, length
+    def __init__(self, keys, values, length: int, owner=None):
+        self.keys, self.values, self.length, self.owner = keys, values, length, owner
+
+    @property
+    def capacity(self) -> int:
+        return self.keys[0].shape[1]
+
+    @property
+    def key(self) -> tuple:
+        """Where the buffers are: a graph recorded over them stays valid while this is unchanged."""
+        if isinstance(self.keys, torch.Tensor):
+            return (self.keys.data_ptr(), self.values.data_ptr(), self.capacity)
+        return (tuple(t.data_ptr() for t in self.keys), tuple(t.data_ptr() for t in self.values), self.capacity)
 
     @classmethod
     def from_cache(cls, cache, capacity: int) -> "StaticKV":
@@ -60,7 +72,10 @@ class StaticKV:
 
 
 class DecodeStep:
-    def __init__(self, model, graphs: bool | None = None):
+    def __init__(self, model, graphs: bool | None = None, whole_step: bool | None = None):
+        """``graphs``: record CUDA graphs (default: on CUDA). ``whole_step``: run a resident TieredCache's step as
+        the one-graph step's kernels (default: with graphs; eagerly it only serves tests, since on a CPU the
+        masked full-capacity attention costs more than attending the used keys)."""
         inner = model.model
         self.embed, self.layers, self.norm, self.lm_head = inner.embed_tokens, inner.layers, inner.norm, model.lm_head
         self.rotary = inner.rotary_emb
@@ -69,6 +84,7 @@ class DecodeStep:
         weight = self.embed.weight
         self.device, self.dtype = weight.device, weight.dtype
         self.use_graphs = self.device.type == "cuda" if graphs is None else graphs
+        self.whole_step = self.use_graphs if whole_step is None else whole_step
         half = self.head_dim // 2   # rotate_half(x) = roll(x, D/2) * sign: the sign goes into sin once a step
         self.sign = torch.cat([-torch.ones(half), torch.ones(half)]).to(self.device, self.dtype)
         n = len(self.layers)
@@ -79,7 +95,7 @@ class DecodeStep:
                          for _ in range(n)]
         self.graphs: list | None = None
         self.outputs: list | None = None
-        self.whole: tuple | None = None   # (StaticKV, graph, logits) of the one-graph step
+        self.wholes: dict = {}   # StaticKV.key -> (graph, logits): the one-graph steps recorded
 
     @staticmethod
     def supports(model) -> bool:
@@ -156,16 +172,13 @@ class DecodeStep:
         self.token.fill_(int(token_id))
         self.position.fill_(cache.get_seq_length())
         if isinstance(cache, StaticKV):
-            if cache.length >= cache.keys.shape[2]:
+            if cache.length >= cache.capacity:
                 raise ValueError(f"the StaticKV is full ({cache.length} tokens)")
-            if self.use_graphs and (self.whole is None or self.whole[0] is not cache):
-                self._capture_whole(cache)
-            if self.whole is None:
-                logits = self._layers(self._attend_static, cache)
-            else:
-                self.whole[1].replay()
-                logits = self.whole[2].clone()  # the graph's own output changes at the next replay
-            cache.length += 1
+            return self._whole_step(cache)
+        view = cache.static_view() if self.whole_step and hasattr(cache, "static_view") else None
+        if view is not None:   # a TieredCache whose every token is resident: the whole step is one graph
+            logits = self._whole_step(view)
+            cache.advance(1)
             return logits
         if self.use_graphs and self.graphs is None:
             self._capture()
@@ -177,6 +190,21 @@ class DecodeStep:
             self._attend(i, cache, *self.outputs[i][3:])
         self.graphs[n].replay()
         return self.outputs[n][0].clone()  # the graph's own output changes at the next replay
+
+    MAX_WHOLE_GRAPHS = 8   # one per StaticKV key (buffers and visible capacity) in use; the oldest goes first
+
+    def _whole_step(self, kv: StaticKV) -> torch.Tensor:
+        """One step over ``kv`` as one graph (recorded once per ``kv.key``), or eagerly without graphs."""
+        entry = self.wholes.get(kv.key)
+        if self.use_graphs and entry is None:
+            entry = self._capture_whole(kv)
+        if entry is None:
+            logits = self._layers(self._attend_static, kv)
+        else:
+            entry[0].replay()
+            logits = entry[1].clone()  # the graph's own output changes at the next replay
+        kv.length += 1
+        return logits
 
     def _record(self, warm_up, record):
         """``warm_up()`` on a side stream (lazy inits, kernel choices, outside capture), then ``record()`` (which
@@ -195,16 +223,21 @@ class DecodeStep:
             self.use_graphs = False
             return None
 
-    def _capture_whole(self, kv: StaticKV) -> None:
-        """The whole step over ``kv`` as one graph (its warm-up writes what the replay writes again)."""
+    def _capture_whole(self, kv: StaticKV):
+        """The whole step over ``kv`` as one graph (its warm-up writes what the replay writes again); returns
+        ``(graph, logits)``, kept under ``kv.key``, or None where capture failed."""
         def record():
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 logits = self._layers(self._attend_static, kv)
-            return kv, graph, logits
+            return graph, logits
 
-        self.whole = None  # the old graph's memory goes back before the new one is recorded
-        self.whole = self._record(lambda: self._layers(self._attend_static, kv), record)
+        while len(self.wholes) >= self.MAX_WHOLE_GRAPHS:
+            self.wholes.pop(next(iter(self.wholes)))
+        entry = self._record(lambda: self._layers(self._attend_static, kv), record)
+        if entry is not None:
+            self.wholes[kv.key] = entry
+        return entry
 
     def _capture(self) -> None:
         """The layers + 1 segments, each reading the previous one's outputs, as graphs in one memory pool."""

@@ -62,8 +62,27 @@ def cache_kwarg(model) -> str:
 OUT_OF_MEMORY = getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError  # torch < 2.5: cuda's
 
 
+VRAM_MARGIN = 512 * 2**20   # vram_budget auto: the GPU's free memory at start less this (other programs, the desktop)
+
+
+def resolve_vram_budget(budget: int | str | None, device: torch.device) -> int | None:
+    """``vram_budget`` in bytes: the process's whole GPU memory, CUDA context included (what NVML and the task
+    manager show). ``auto`` = the GPU's free memory at start (with this process's CUDA context counted back in)
+    less ``VRAM_MARGIN``; None off CUDA or uncapped."""
+    from ..vram.plan import CUDA_CONTEXT
+
+    if budget is None or device.type != "cuda":
+        return None
+    if budget == "auto":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        free, _ = torch.cuda.mem_get_info(index)   # creates the context: it is no longer free
+        return max(0, free + CUDA_CONTEXT - VRAM_MARGIN)
+    return int(budget)
+
+
 def apply_vram_budget(budget: int | None, device: torch.device) -> float | None:
-    """Cap this process's CUDA allocator at ``budget`` bytes (``vram_budget``); returns the fraction set."""
+    """Cap this process's CUDA allocator at ``budget`` bytes (``vram_budget`` less the CUDA context, which the
+    allocator does not hold); returns the fraction set."""
     if budget is None or device.type != "cuda":
         return None
     import warnings
@@ -90,7 +109,11 @@ class Engine:
         self.source = source or loader.resolve_model(config.model_path, config.gguf_file)
         self.device = loader.resolve_device(config.device)
         self.dtype = loader.resolve_dtype(config.dtype, self.device)
-        self.budget_fraction = apply_vram_budget(config.vram_budget, self.device)
+        self.vram_budget = resolve_vram_budget(config.vram_budget, self.device)   # bytes, or None
+        from ..vram.plan import CUDA_CONTEXT
+
+        self.budget_fraction = apply_vram_budget(
+            None if self.vram_budget is None else max(0, self.vram_budget - CUDA_CONTEXT), self.device)
         t0 = time.perf_counter()
         if model is not None:
             self.model, self.tokenizer = model, tokenizer
@@ -108,15 +131,15 @@ class Engine:
         self._use_causal_sdpa()
         self._step = DecodeStep(self.model, graphs=config.cuda_graphs and self.device.type == "cuda") \
             if DecodeStep.supports(self.model) else None
-        self.session_ids: list[int] = []
-        self._cache = None
-        self.store = None  # the tiered cache's PageStore (cache: tiered)
+        self.session = None   # the KVSession of the last sequence run (kv/session.py)
+        self._hidden: list | None = None  # next_token_state(hidden=True) collects the last forward's states here
+        self.store = None  # the tiered cache's PageStore (kv_cache: tiered)
         self.turns: list[Turn] = []  # recent generations, newest last (bounded)
         self.prefill_chunk = config.prefill_chunk  # halves (for good) when a chunk does not fit the GPU budget
-        self.kv = config.kv                        # the tiered cache's settings, fitted to vram_budget below
+        self.kv = config.kv                        # the tiered cache's settings, sized below
         self.oom_retries = 0
-        if self.budget_fraction is not None:
-            self._fit_to_budget()
+        self.plan = None
+        self._fit_to_budget()
 
     # ---- prompts -------------------------------------------------------------------------
     def encode_messages(self, messages: Sequence[dict]) -> list[int]:
@@ -161,7 +184,9 @@ class Engine:
         stopper = StopMatcher(params.stop)
         with self.lock:
             t0 = time.perf_counter()
+            faults0 = self._l3_reads()
             logits, reused = self._prefill(ids)
+            first_token_s = time.perf_counter() - t0
             out: list[int] = []
             emitted, finish = 0, "length"
             try:
@@ -192,20 +217,39 @@ class Engine:
                 self._remember(Turn(tuple(ids), tuple(out), final))
             finally:
                 self.stats.record(task, prompt=len(ids), prefilled=len(ids) - reused, reused=reused,
-                                  generated=len(out), seconds=time.perf_counter() - t0)
+                                  generated=len(out), seconds=time.perf_counter() - t0, first_token_s=first_token_s,
+                                  l3_reads=self._l3_reads() - faults0)
 
     def next_token_logprobs(self, ids: Sequence[int], task: str = "moderation") -> tuple[torch.Tensor, int]:
         """Log-probabilities of the token after ``ids`` (one forward over the unseen suffix).
 
         Returns ``(logprobs[vocab], reused_tokens)``.
         """
+        logprobs, _, reused = self.next_token_state(ids, task=task)
+        return logprobs, reused
+
+    def next_token_state(self, ids: Sequence[int], task: str = "moderation", *,
+                         hidden: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+        """Like ``next_token_logprobs``, and with ``hidden`` also the hidden states of the last token of ``ids``
+        after the embedding and after every decoder layer (``[layers + 1, hidden_size]``, float32, CPU): what a
+        linear probe reads. The last token always runs through the model's forward (never a cached logit), so
+        the states are those of this call. Returns ``(logprobs[vocab], hidden or None, reused_tokens)``."""
         ids = self._check_prompt(ids)
         with self.lock:
             t0 = time.perf_counter()
-            logits, reused = self._prefill(ids)
+            faults0 = self._l3_reads()
+            self._hidden = [] if hidden else None
+            try:
+                logits, reused = self._prefill(ids)
+                states = self._hidden
+            finally:
+                self._hidden = None
+            seconds = time.perf_counter() - t0
             self.stats.record(task, prompt=len(ids), prefilled=len(ids) - reused, reused=reused, generated=0,
-                              seconds=time.perf_counter() - t0)
-            return torch.log_softmax(logits.float(), dim=-1), reused
+                              seconds=seconds, first_token_s=seconds, l3_reads=self._l3_reads() - faults0)
+            if hidden:
+                states = torch.stack([h[0, -1].float().cpu() for h in states])
+            return torch.log_softmax(logits.float(), dim=-1), states if hidden else None, reused
 
     def teacher_force(self, prompt_ids: Sequence[int], output_ids: Sequence[int], text: str | None = None) -> Turn:
         """Run ``prompt_ids + output_ids`` through the model as if it had generated ``output_ids``.
@@ -232,17 +276,44 @@ class Engine:
         return ids
 
     def _fit_to_budget(self) -> None:
-        """Size the prefill chunk and the tiered window from the plan for the full context within vram_budget."""
-        from ..quant.int4_linear import Int4Linear
+        """Size the tiers and the prefill chunk: within ``vram_budget`` on a GPU the pool (L1) is the largest the
+        plan for the full context fits (the whole context when it fits: every page stays resident); without a
+        budget (the CPU) the pool is the whole context. L2 takes what host RAM holds (``kv.policy``). A budget
+        that cannot hold the weights and the smallest pool is a ConfigError naming ``vram_budget``."""
+        from ..config import ConfigError
+        from ..kv import policy
         from ..vram import plan as planner
 
-        weights = "int4" if any(isinstance(m, Int4Linear) for m in self.model.modules()) else "fp16"
         shape = planner.Shape.from_config(self.model.config, self.source.label)
-        self.kv, self.prefill_chunk, notes = planner.fit_to_budget(
-            shape, budget=self.config.vram_budget, context=self.context_length, weights=weights,
-            cache=self.config.cache, prefill_chunk=self.prefill_chunk, kv=self.kv)
+        l2_per_token = shape.layers * 2 * shape.kv_heads * shape.head_dim * (1 if self.kv.l2_codec == "int8" else 2)
+        if self.vram_budget is None:
+            if self.config.kv_cache == "tiered" and not self.kv.sized:
+                self.kv = policy.size_tiers(self.kv, context=self.context_length, pool_tokens=self.context_length,
+                                            l2_bytes_per_token=l2_per_token, host_available=policy.host_available(),
+                                            kv_heads=shape.kv_heads)
+            return
+        self.kv, self.prefill_chunk, self.plan, notes = planner.fit_to_budget(
+            shape, budget=self.vram_budget, context=self.context_length, weights=self.weights_kind,
+            cache=self.config.kv_cache, prefill_chunk=self.prefill_chunk, kv=self.kv,
+            host_available=policy.host_available(), l2_bytes_per_token=l2_per_token)
+        gib = self.vram_budget / 2**30
+        if not self.plan.fits:
+            need = self.plan.peak_reserved / 2**30
+            raise ConfigError(
+                f"{gib:.2f} GiB cannot hold this model with a {self.context_length}-token context: the smallest plan "
+                f"needs {need:.2f} GiB (weights {self.plan.parts['weights'] / 2**30:.2f} GiB). Raise vram_budget, "
+                "set weights: int4, or lower max_context (`flashguard plan` shows the categories)", key="vram_budget")
         for note in notes:
-            log.warning("flashguard: vram_budget %.2f GiB: %s", self.config.vram_budget / 2**30, note)
+            log.warning("flashguard: vram_budget %.2f GiB: %s", gib, note)
+        log.info("flashguard: vram_budget %.2f GiB: pool %d tokens on the GPU (L1) of a %d-token context, L2 %d tokens",
+                 gib, self.kv.l1_max_tokens or 0, self.context_length, self.kv.l2_tokens or 0)
+
+    @property
+    def weights_kind(self) -> str:
+        """"int4" when the decoder's linears are int4, else "fp16" (the planner's names)."""
+        from ..quant.int4_linear import Int4Linear
+
+        return "int4" if any(isinstance(m, Int4Linear) for m in self.model.modules()) else "fp16"
 
     def _use_causal_sdpa(self) -> None:
         """Plain causal models run flashguard's attention function even with a DynamicCache: SDPA with a
@@ -254,18 +325,29 @@ class Engine:
             attention.register()
             self.model.set_attn_implementation(attention.NAME)
 
-    def _new_cache(self):
-        from transformers import DynamicCache
+    def _new_session(self):
+        from ..kv.session import DynamicSession, TieredSession
 
-        if self.config.cache == "tiered":
-            from ..kv.cache import TieredCache
+        if self.config.kv_cache == "tiered":
             from ..kv.store import PageStore
 
             if self.store is None:  # one store per engine: sessions share pages by content hash
                 self.store = PageStore(self.kv, pin_memory=self.device.type == "cuda")
-            return TieredCache(self.model.config, self.kv, store=self.store,
-                               model_id=self.source.identity).attach(self.model)
-        return DynamicCache(config=self.model.config)
+            return TieredSession(self.model, self.kv, self.store, self.source.identity,
+                                 preallocate=self.device.type == "cuda")
+        return DynamicSession(self.model.config)
+
+    def _drop_session(self, keep_pages: bool) -> None:
+        """The one place a session ends: its page references go back to the store."""
+        if self.session is not None:
+            self.session.release(keep_pages=keep_pages)
+            self.session = None
+
+    def _start_session(self, ids: list[int]) -> int:
+        """A new session for ``ids``, adopting its stored pages; returns tokens reused."""
+        self._drop_session(keep_pages=True)
+        self.session = self._new_session()
+        return self.session.adopt(ids, self.dtype, self.device)
 
     def _prefill(self, ids: list[int]) -> tuple[torch.Tensor, int]:
         """Bring the cache to ``ids[:-1]`` + feed the rest; returns (last logits row, reused count)."""
@@ -280,22 +362,14 @@ class Engine:
         return logits, reused
 
     def _reuse_prefix(self, ids: list[int]) -> int:
+        held = self.session_ids
         common = 0
-        limit = min(len(ids) - 1, len(self.session_ids))  # always feed at least one token
-        while common < limit and self.session_ids[common] == ids[common]:
+        limit = min(len(ids) - 1, len(held))  # always feed at least one token
+        while common < limit and held[common] == ids[common]:
             common += 1
-        if self._cache is None or common == 0:
-            if self._cache is not None and hasattr(self._cache, "reset"):
-                self._cache.reset()  # give its pages back to the store
-            self._cache = self._new_cache()
-            self.session_ids = []
-            adopt = getattr(self._cache, "adopt_prefix", None)
-            reused = adopt(ids[:-1], self.dtype, self.device) if adopt else 0
-            self.session_ids = list(ids[:reused])
-            return reused
-        if common < len(self.session_ids):
-            self._cache.crop(common - len(self.session_ids))  # negative = tokens to drop (transformers 5.17+)
-            del self.session_ids[common:]
+        if self.session is None or common == 0:
+            return self._start_session(ids[:-1])
+        self.session.crop(common)
         return common
 
     def _forward(self, tokens: list[int]) -> torch.Tensor:
@@ -309,20 +383,19 @@ class Engine:
             ids = self.session_ids + list(tokens)
             for _ in range(3):  # pages adopted during the recompute can be found bad too; each try drops them
                 log.warning("flashguard: %s; recomputing %d tokens by prefill", exc, len(ids))
-                self._cache, self.session_ids = None, []
+                self._drop_session(keep_pages=False)
                 try:
-                    reused = self._adopt_all(ids)
+                    reused = self._start_session(ids)
                     logits = None
                     for a in range(reused, len(ids), self.prefill_chunk):
                         logits = self._forward_fitting(ids[a:a + self.prefill_chunk])
+                    if logits is None:  # every token was adopted: run the last one again for its logits
+                        self.session.crop(len(ids) - 1)
+                        logits = self._forward_fitting(ids[-1:])
                     return logits
                 except PageLost as again:
                     exc = again
             raise exc
-
-    def _adopt_all(self, ids: list[int]) -> int:
-        """Start a new cache for ``ids`` and adopt as many of its stored pages as exist (all of ids may match)."""
-        return self._reuse_prefix(ids + [0])  # _reuse_prefix keeps one token to feed; the extra one is that token
 
     MIN_CHUNK = 16
 
@@ -335,66 +408,83 @@ class Engine:
             return self._forward_once(tokens)
         except OUT_OF_MEMORY as exc:
             self.oom_retries += 1
-            self._undo_partial_step()
+            self.session.undo()   # every layer back to the tokens before this call
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
             if len(tokens) <= self.MIN_CHUNK:
                 if len(tokens) == 1 and not retried:  # one more try after releasing the cached blocks
                     return self._forward_fitting(tokens, retried=True)
+                budget = self.vram_budget
                 raise GpuMemoryError(
                     f"out of GPU memory for a {len(tokens)}-token step"
-                    + (f" within vram_budget {self.config.vram_budget / 2**30:.2f} GiB" if self.config.vram_budget
-                       else "") + "; set models[main].parameters.weights: int4, cache: tiered with a smaller "
-                    "kv.l1_tokens / kv.l1_max_tokens, a smaller prefill_chunk, or a larger vram_budget "
-                    "(`flashguard plan` shows what fits)") from exc
+                    + (f" within vram_budget {budget / 2**30:.2f} GiB" if isinstance(budget, int) else "")
+                    + "; set models[main].parameters.weights: int4, a smaller kv.l1_tokens, a smaller "
+                    "prefill_chunk, or a larger vram_budget (`flashguard plan` shows what fits)") from exc
             half = len(tokens) // 2
             self.prefill_chunk = max(self.MIN_CHUNK, min(self.prefill_chunk, half))
             log.warning("flashguard: out of GPU memory on %d tokens; retrying in chunks of %d", len(tokens), half)
             self._forward_fitting(tokens[:half])
             return self._forward_fitting(tokens[half:])
 
-    def _undo_partial_step(self) -> None:
-        """After a failed forward some layers may hold the new tokens' KV: cut every layer back to the
-        tokens the engine recorded (a DynamicCache crops; a tiered cache, whose pages are keyed by content,
-        restarts from its stored pages and recomputes the rest)."""
-        if self._cache is None:
-            return
-        if hasattr(self._cache, "feed"):  # a TieredCache
-            before = list(self.session_ids)
-            self._cache.reset()
-            self._cache, self.session_ids = None, []
-            reused = self._adopt_all(before) if before else 0
-            if self._cache is None:
-                self._cache = self._new_cache()
-            if before:
-                for a in range(reused, len(before), self.MIN_CHUNK):
-                    self._forward_once(before[a:a + self.MIN_CHUNK])
-        elif not self.session_ids:
-            self._cache = self._new_cache()
-        else:  # layers before the failing one hold extra tokens: cut each layer to the recorded length
-            keep = len(self.session_ids)
-            for layer in getattr(self._cache, "layers", []):
-                keys = getattr(layer, "keys", None)
-                if isinstance(keys, torch.Tensor) and keys.dim() == 4 and keys.shape[-2] > keep:
-                    layer.keys, layer.values = keys[..., :keep, :], layer.values[..., :keep, :]
-
     def _forward_once(self, tokens: list[int]) -> torch.Tensor:
-        if hasattr(self._cache, "feed"):
-            self._cache.feed(tokens)
-        if len(tokens) == 1 and self._step is not None:  # a decode step: graphs (CUDA) or the lean eager path
-            logits = self._step.step(tokens[0], self._cache)
-            self.session_ids.extend(tokens)
+        session = self.session
+        session.feed(tokens)
+        hidden = self._hidden is not None
+        if len(tokens) == 1 and self._step is not None and not hidden:  # a decode step: graphs or the lean eager path
+            logits = self._step.step(tokens[0], session.cache)
+            session.commit(tokens)
             return logits
         inp = torch.tensor([tokens], dtype=torch.long, device=self.device)
         with torch.inference_mode():
-            out = self.model(input_ids=inp, **{self._cache_kwarg: self._cache}, use_cache=True, logits_to_keep=1)
-        self.session_ids.extend(tokens)
+            out = self.model(input_ids=inp, **{self._cache_kwarg: session.cache}, use_cache=True, logits_to_keep=1,
+                             output_hidden_states=hidden)
+        if hidden:  # keep only the last position of each layer's states (the chunk's, for the last chunk)
+            self._hidden[:] = [h[:, -1:] for h in out.hidden_states]
+        session.commit(tokens)
         return out.logits[0, -1]
 
+    def _l3_reads(self) -> int:
+        return self.store.stats.page_faults if self.store is not None else 0
+
+    @property
+    def session_ids(self) -> list[int]:
+        """The tokens whose K/V the session's cache holds (empty without a session)."""
+        return self.session.ids if self.session is not None else []
+
     def reset_session(self) -> None:
-        """Drop the cached conversation (the next call prefills from scratch)."""
+        """Drop the cached conversation (the next call prefills from scratch, adopting stored pages)."""
         with self.lock:
-            self._cache, self.session_ids = None, []
+            self._drop_session(keep_pages=True)
+
+    def info(self) -> dict:
+        """What ``flashguard.engine_info()`` shows for this engine (sizes as configured after start-up sizing; bytes
+        of the tiers as held now)."""
+        from ..quant.int4_linear import Int4Linear
+        from ..vram import plan as planner
+
+        shape = planner.Shape.from_config(self.model.config, self.source.label)
+        kv_token = shape.layers * 2 * shape.kv_heads * shape.head_dim * self.dtype.itemsize
+        kernels = sorted({m.backend for m in self.model.modules() if isinstance(m, Int4Linear)})
+        out = {"model": self.source.label, "device": str(self.device), "dtype": str(self.dtype).replace("torch.", ""),
+               "weights": self.weights_kind, "int4_kernel": kernels[0] if len(kernels) == 1 else kernels or None,
+               "cache": self.config.kv_cache, "vram_budget": self.vram_budget, "context": self.context_length,
+               "prefill_chunk": self.prefill_chunk}
+        with self.lock:
+            session = self.session.stats() if self.session is not None else {}
+        if self.config.kv_cache == "tiered":
+            k = self.kv
+            store = self.store.stats_dict() if self.store is not None else {}
+            out["tiers"] = {
+                "page_size": k.page_size, "policy": k.policy,
+                "pool": {"tokens": k.l1_max_tokens, "bytes": k.l1_max_tokens * kv_token},
+                "l1": {"tokens": k.l1_tokens, "sink_tokens": k.sink_tokens, "bytes_now": session.get("l1_bytes", 0)},
+                "l2": {"tokens": k.l2_tokens, "codec": k.l2_codec, "pages_now": store.get("l2_pages", 0),
+                       "bytes_now": store.get("l2_bytes", 0)},
+                "l3": {"tokens": k.l3_tokens, "codec": k.l3_codec, "pages_now": store.get("l3_pages", 0),
+                       "dir": self.store.l3_dir if self.store is not None else None},
+            }
+        out["session"] = session
+        return out
 
     def _remember(self, turn: Turn) -> None:
         self.turns.append(turn)

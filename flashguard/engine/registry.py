@@ -21,9 +21,9 @@ loads = 0  # how many times weights were loaded in this process (tests read it)
 
 def engine_key(config: EngineConfig, source: loader.ModelSource) -> tuple:
     device = loader.resolve_device(config.device)
-    return (source.identity, str(device), str(loader.resolve_dtype(config.dtype, device)), config.cache, config.kv,
-            config.max_context, config.prefill_chunk, config.system_prompt, config.weights, config.int4_kernel,
-            config.cuda_graphs)
+    return (source.identity, str(device), str(loader.resolve_dtype(config.dtype, device)), config.kv_cache,
+            config.kv, config.vram_budget, config.max_context, config.prefill_chunk, config.system_prompt,
+            config.weights, config.int4_kernel, config.cuda_graphs)
 
 
 def get_engine(config: EngineConfig) -> Engine:
@@ -42,3 +42,9 @@ def get_engine(config: EngineConfig) -> Engine:
 def all_engines() -> list[Engine]:
     with _lock:
         return list(_engines.values())
+
+
+def engine_info() -> list[dict]:
+    """One dict per loaded engine: model label, device, weights and kernel, the cache kind, the VRAM budget and
+    the tiers' sizes in tokens and bytes (``Engine.info``). ``flashguard.engine_info()``."""
+    return [engine.info() for engine in all_engines()]

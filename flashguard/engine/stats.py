@@ -27,13 +27,21 @@ class TaskStats:
 
 
 class EngineStats:
+    """Cumulative ``TaskStats`` per task, and ``last[task]``: the figures of that task's most recent call
+    (prompt / prefilled / reused / generated tokens, seconds, first_token_s: the time to its first token,
+    l3_reads: pages read from disk during the call) for benchmarks and ``/stats``."""
+
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._tasks = {t: TaskStats() for t in TASKS}
+        self.last: dict[str, dict] = {}
 
     def record(self, task: str, *, prompt: int, prefilled: int, reused: int, generated: int, seconds: float,
-               fallback: bool = False, pages_read: dict | None = None) -> None:
+               fallback: bool = False, pages_read: dict | None = None, first_token_s: float | None = None,
+               l3_reads: int = 0) -> None:
         with self._lock:
+            self.last[task] = {"prompt": prompt, "prefilled": prefilled, "reused": reused, "generated": generated,
+                               "seconds": seconds, "first_token_s": first_token_s, "l3_reads": l3_reads}
             s = self._tasks.setdefault(task, TaskStats())
             s.calls += 1
             s.prompt_tokens += prompt

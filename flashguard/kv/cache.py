@@ -1,14 +1,17 @@
 """TieredCache: a transformers ``Cache`` whose pages live in L1 (device), L2 (host RAM) and L3 (disk).
 
 Per layer (``TieredLayer``), L1 holds the attention sinks (the first ``sink_tokens``) and the recent window
-(``l1_tokens``, growing up to ``l1_max_tokens`` when queries keep reaching just behind it) in the model's dtype.
-Every full page is also written to the shared ``PageStore`` (L2 int8, spilling to L3 int4 + zstd) when it
-fills, so leaving the window only drops the device copy. Nothing is ever dropped from the sequence.
+(``l1_tokens``, growing up to ``l1_max_tokens`` when queries keep reaching just behind it) in the model's dtype,
+in one buffer (the pool). Pages are keyed as they fill; a page is written to the shared ``PageStore`` (L2 int8,
+spilling to L3 int4 + zstd) only when it leaves the window (sink pages at once), or when the cache is released
+with ``keep_pages``. So while the sequence fits the window (``resident``) nothing is encoded or copied, attention
+is one fused call over the buffer, and ``static_view`` offers the buffers to ``DecodeStep``'s one-graph step.
+Nothing is ever dropped from the sequence: every full page is in L1, in the store, or both (``stored``).
 
 Attention (``attention.py``) covers: sinks + window (causal inside the current chunk) and the pages between
 them: all of them (``exact``, fetched in blocks), or, when decoding one token with the ``sparse`` policy, the
 top pages by their Quest upper bound ``sum_d max(q_d min_d, q_d max_d)`` within ``budget_tokens`` per KV head.
-Pages fetched for sparse decoding stay on the device in a small hot set, evicted by access heat.
+Pages fetched for sparse decoding on the host path stay on the device in a small hot set, evicted by heat.
 
 Use::
 
@@ -108,7 +111,8 @@ class TieredLayer(CacheLayerMixin):
         return -1
 
     def crop(self, tokens_to_remove: int) -> None:
-        self.owner._crop_to(self.owner.length + tokens_to_remove if tokens_to_remove < 0 else tokens_to_remove)
+        """A layer cannot be cropped alone (the sequence's pages are shared by every layer): ``TieredCache.crop``."""
+        raise NotImplementedError("crop a TieredCache as a whole: TieredCache.crop or crop_to")
 
     def reset(self) -> None:
         self.owner.reset()
@@ -120,17 +124,25 @@ class TieredLayer(CacheLayerMixin):
         return min(self.length, self.owner.sink_tokens) + max(0, self.length - self.win_start)
 
     @property
+    def resident(self) -> bool:
+        """Every token of the sequence is in L1, in order (no page has left the window)."""
+        return self.win_start == self.owner.sink_tokens or self.length <= self.owner.sink_tokens
+
+    @property
     def win_k(self) -> torch.Tensor:
         s = self.owner.sink_tokens
         return self.l1_k[:, s:s + max(0, self.length - self.win_start)]
 
     def _reserve(self, tokens: int) -> None:
-        """Make the L1 buffer hold ``tokens``; it is sized to the window it serves (sinks + window + two pages),
-        grows for a long prefill chunk and shrinks back at ``_trim``."""
-        if tokens <= self.l1_k.shape[1]:
+        """Make the L1 buffer hold ``tokens``. Its full size is the window it serves (sinks + window + two pages):
+        taken at once when the owner preallocates (the engine on a GPU: the pool is planned memory, and growing
+        in steps would need old + new at once), else grown by doubling. A long prefill chunk may grow it further;
+        ``_trim`` shrinks it back."""
+        cap = self.l1_k.shape[1]
+        if tokens <= cap:
             return
-        p = self.owner.page_size
-        self._resize(max(tokens, self.owner.sink_tokens + self.owner.window + 2 * p))
+        full = self.owner.sink_tokens + self.owner.window + 2 * self.owner.page_size
+        self._resize(max(tokens, full if self.owner.preallocate else min(full, max(2 * cap, 1024))))
 
     @torch.inference_mode()  # the buffers may be inference tensors (made by the engine) in a plain generate()
     def _append(self, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -161,15 +173,6 @@ class TieredLayer(CacheLayerMixin):
         want = self.owner.sink_tokens + self.owner.window + 2 * self.owner.page_size
         if self.l1_k.shape[1] > want + self.owner.page_size and self.l1_len <= want:
             self._resize(want)
-
-    @torch.inference_mode()
-    def _set_l1(self, sink: tuple, window: tuple, win_start: int, length: int) -> None:
-        """Refill L1 from (k, v) pairs ``[kvh, n, D]`` for the sinks and the window (prefix adoption, crops)."""
-        k = torch.cat([sink[0], window[0]], dim=1)
-        v = torch.cat([sink[1], window[1]], dim=1)
-        self.l1_k, self.l1_v = k, v
-        self.win_start, self.length = win_start, length
-        self._reserve(k.shape[1])
 
     def tokens(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V of tokens [start, end) that are in L1 (sinks or window): views when they are in one of them."""
@@ -268,10 +271,24 @@ class TieredLayer(CacheLayerMixin):
         last_page = self.win_start // p       # off-window pages: [first_page, last_page)
         n = self.l1_len
         l1_k, l1_v = self.l1_k[:, :n], self.l1_v[:, :n]
+        if self.resident:
+            # every token is in L1, in order: fused kernels over one buffer, as a plain resident cache
+            if lq == 1:
+                return attention.segment(qg, l1_k, l1_v, scale)[0].reshape(hq, lq, d)
+            if not q.is_cuda or n == lq:   # SDPA with a lower-right causal bias (the CPU's fastest form)
+                return attention.causal_sdpa(q.unsqueeze(0), l1_k.unsqueeze(0), l1_v.unsqueeze(0),
+                                             scale)[0].transpose(0, 1)
+            # on a GPU: the chunk over itself (causal) and over what precedes it, merged; no K/V copied per head
+            acc = attention.segment(qg, l1_k[:, n - lq:], l1_v[:, n - lq:], scale, causal=True)
+            acc = attention.merge_into(acc, attention.segment(qg, l1_k[:, :n - lq], l1_v[:, :n - lq], scale))
+            return acc[0].reshape(hq, lq, d)
         sparse = self.owner.config.policy == "sparse" and lq == 1
         if sparse and last_page > first_page:
-            # one token: its selected pages and L1 are one segment (one kernel call, no merge)
+            # one token: its selected pages and L1 as one segment (one kernel call), or two merged
             k, v = self._sparse(qg, first_page, last_page)
+            if n > 4 * k.shape[1]:   # a large pool: attend it in place and merge, rather than copy it each step
+                acc = attention.merge_into(attention.segment(qg, l1_k, l1_v, scale), attention.segment(qg, k, v, scale))
+                return acc[0].reshape(hq, lq, d)
             out = attention.segment(qg, torch.cat([l1_k, k], dim=1), torch.cat([l1_v, v], dim=1), scale)
             return out[0].reshape(hq, lq, d)
         if lq == 1:
@@ -283,7 +300,7 @@ class TieredLayer(CacheLayerMixin):
                 acc = attention.merge_into(acc, attention.segment(qg, l1_k[:, :n - lq], l1_v[:, :n - lq], scale))
         else:  # the chunk reaches into the sinks (the first chunk): one masked segment
             kpos = torch.cat([torch.arange(min(self.length, self.owner.sink_tokens), device=q.device),
-                              torch.arange(self.win_start, self.length, device=q.device)])
+                              torch.arange(self.win_start, max(self.win_start, self.length), device=q.device)])
             qpos = torch.arange(self.length - lq, self.length, device=q.device)
             acc = attention.partial_attention(qg, l1_k, l1_v, scale, kpos.unsqueeze(0) <= qpos.unsqueeze(1))
         if last_page > first_page:  # every page (exact policy, prefill chunks), streamed in blocks
@@ -347,7 +364,7 @@ class TieredLayer(CacheLayerMixin):
         edge = self.win_start // self.owner.page_size - self.owner.adapt_pages - first
         owner = self.owner
         if owner.zero_copy(self.device):
-            slots = owner.device_slots(self.device)[first:last]
+            slots = owner.device_slots(self.device, last)[first:last]
             slots = slots if pick is None else slots[pick]
             arena = owner.store.arena
             rows = uva.gather_rows(arena.data[self.index], slots, self.device)
@@ -368,10 +385,19 @@ class TieredCache(Cache):
     """See the module docstring. One sequence (batch size 1) per cache; the store may be shared."""
 
     def __init__(self, model_config, cache_config: CacheConfig | None = None, store: PageStore | None = None,
-                 model_id: str | None = None):
-        self.config = cache_config or CacheConfig()
-        self.model_config = model_config
+                 model_id: str | None = None, preallocate: bool = False):
+        """``preallocate``: take the whole L1 buffer (the pool) at the first token instead of growing it."""
         text_config = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+        cache_config = cache_config or CacheConfig()
+        if not cache_config.sized:   # made outside an engine: everything resident up to the model's context
+            from .policy import size_tiers
+
+            context = getattr(text_config, "max_position_embeddings", None) or 8192
+            cache_config = size_tiers(cache_config, context=context, pool_tokens=context, l2_bytes_per_token=1,
+                                      host_available=None, kv_heads=text_config.num_key_value_heads or 1)
+        self.config = cache_config
+        self.preallocate = preallocate
+        self.model_config = model_config
         self.num_layers = text_config.num_hidden_layers
         p = self.config.page_size
         self.page_size = p
@@ -383,6 +409,7 @@ class TieredCache(Cache):
         self.store = store
         self.namespace = b""
         self.page_keys: list[bytes] = []
+        self.stored: list[bool] = []            # per full page: the store holds it (and a reference for us)
         self.token_ids: list[int] = []
         self.length = 0
         self.page_reads = 0
@@ -420,9 +447,10 @@ class TieredCache(Cache):
         self._evict_window()
 
     def _complete_pages(self, first: int, end: int) -> None:
-        """Pages [first, end) are full: key them, bound their keys per layer and store them (one encode)."""
+        """Pages [first, end) are full: key them and bound their keys per layer. Sink pages go to the store now;
+        window pages only when they leave L1 (``_store_pages``), so a context that fits the pool never pays
+        for encoding and copying its pages to the host."""
         p, n = self.page_size, end - first
-        a, b = first * p, end * p
         keys, parent = [], self.page_keys[-1] if self.page_keys else b"root"
         for i in range(first, end):
             if len(self.token_ids) >= (i + 1) * p:
@@ -430,23 +458,58 @@ class TieredCache(Cache):
             else:
                 parent = os.urandom(16)  # no token ids: a private page
             keys.append(parent)
-        ks, vs, summ = [], [], []
         for layer in self.layers:
-            k, v = layer.tokens(a, b)
+            k, _ = layer.tokens(first * p, end * p)
             kvh, _, d = k.shape
-            k, v = k.reshape(kvh, n, p, d), v.reshape(kvh, n, p, d)
-            ks.append(k)
-            vs.append(v)
-            s = torch.stack([k.amin(dim=2), k.amax(dim=2)], dim=2).transpose(0, 1)   # [n, kvh, 2, D]
-            summ.append(s)
-            layer._add_bounds(s)
+            k = k.reshape(kvh, n, p, d)
+            layer._add_bounds(torch.stack([k.amin(dim=2), k.amax(dim=2)], dim=2).transpose(0, 1))  # [n, kvh, 2, D]
             layer.heat.extend([0.0] * n)
-        self.store.put_many(keys, torch.stack(ks), torch.stack(vs), torch.stack(summ, dim=1))
         self.page_keys.extend(keys)
+        self.stored.extend([False] * n)
+        sinks = min(end, self.sink_tokens // p)
+        if sinks > first:
+            self._store_pages(first, sinks)
+
+    def _store_pages(self, first: int, end: int) -> None:
+        """Write the pages in [first, end) that are not in the store yet from L1 to the store (one encode and one
+        host copy per ``SETTLE_PAGES``); the store takes one reference per page for this cache."""
+        p = self.page_size
+        runs: list[list[int]] = []
+        for i in range(first, end):
+            if self.stored[i]:
+                continue
+            if runs and runs[-1][-1] == i - 1 and len(runs[-1]) < self.SETTLE_PAGES:
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+        for run in runs:                  # runs of consecutive unstored pages
+            lo, hi = run[0], run[-1] + 1
+            n = hi - lo
+            ks, vs, summ = [], [], []
+            for layer in self.layers:
+                k, v = layer.tokens(lo * p, hi * p)
+                kvh, _, d = k.shape
+                k, v = k.reshape(kvh, n, p, d), v.reshape(kvh, n, p, d)
+                ks.append(k)
+                vs.append(v)
+                summ.append(torch.stack([k.amin(dim=2), k.amax(dim=2)], dim=2).transpose(0, 1))
+            self.store.put_many(self.page_keys[lo:hi], torch.stack(ks), torch.stack(vs), torch.stack(summ, dim=1))
+            for i in range(lo, hi):
+                self.stored[i] = True
 
     def _evict_window(self) -> None:
+        """Pages leave the window when it is longer than ``window`` + a page: stored first, then dropped from L1."""
         p = self.page_size
         self._adapt_window()
+        l0 = self.layers[0]
+        if l0.is_initialized:
+            full_end = len(self.page_keys) * p
+            leave = 0
+            while l0.length - (l0.win_start + leave * p) > self.window + p and l0.win_start + (leave + 1) * p <= full_end:
+                leave += 1
+            if leave:
+                first = l0.win_start // p
+                self._store_pages(first, first + leave)
         for layer in self.layers:
             if not layer.is_initialized:
                 continue
@@ -465,17 +528,45 @@ class TieredCache(Cache):
         elif reach < 1 and self.window - self.page_size >= self.config.l1_tokens:
             self.window -= self.page_size
 
+    def static_view(self):
+        """The L1 buffers as a ``StaticKV`` when the whole sequence is resident in them, in order, with room for
+        one more token (``DecodeStep`` then runs the whole step, attention included, as one CUDA graph); None
+        otherwise. Page bookkeeping after such a step is ``advance``."""
+        layers = self.layers
+        l0 = layers[0]
+        if not l0.is_initialized or not l0.resident or l0.l1_k.shape[1] <= self.length + 1:
+            return None
+        from ..engine.decode_step import StaticKV
+
+        # the attention kernel is sized by the capacity it is shown: show a power of two above the length (a few
+        # graphs per conversation), not the whole pool (a 128K pool would cost a 4K conversation 15% of its step)
+        view = min(l0.l1_k.shape[1], max(self.STATIC_MIN, 1 << (self.length + 1).bit_length()))
+        return StaticKV([layer.l1_k[:, :view] for layer in layers], [layer.l1_v[:, :view] for layer in layers],
+                        self.length, owner=self)
+
+    STATIC_MIN = 4096   # the smallest capacity a whole-step graph attends over
+
+    def advance(self, n: int = 1) -> None:
+        """``n`` tokens were written into every layer's L1 buffer outside ``update`` (a whole-step graph): count
+        them, and complete the pages they filled."""
+        for layer in self.layers:
+            layer.length += n
+        self.length += n
+        if self.length // self.page_size > len(self.page_keys):
+            self._settle()
+
     def zero_copy(self, device: torch.device) -> bool:
         """Sparse decoding reads pages on the GPU straight from the pinned L2 arena (``uva.py``): when the config
         allows it, every page is in L2 (L3 pages need the host) and the arena is pinned."""
         return (self.config.zero_copy and device.type == "cuda" and self.store.l3_pages == 0
                 and self.store.arena.pinned and uva.available(device))
 
-    def device_slots(self, device: torch.device) -> torch.Tensor:
-        """L2 slot of every full page, as a device tensor (rebuilt when pages are added or moved)."""
-        key = (self.store.epoch, len(self.page_keys))
+    def device_slots(self, device: torch.device, upto: int) -> torch.Tensor:
+        """L2 slot of pages [0, upto) (pages that left the window: all stored), as a device tensor (rebuilt when
+        pages are added or moved)."""
+        key = (self.store.epoch, upto)
         if self._dev_slots is None or self._dev_slots_key != key:
-            slots = self._l2_slots(list(range(len(self.page_keys))))
+            slots = self._l2_slots(list(range(upto)))
             self._dev_slots, self._dev_slots_key = _index(slots, device), key
         return self._dev_slots
 
@@ -533,50 +624,60 @@ class TieredCache(Cache):
         if not keys:
             return 0
         self.page_keys = keys
+        self.stored = [True] * len(keys)
         self.token_ids = ids[:len(keys) * p]
         self._rebuild_l1(len(keys) * p, model_dtype, torch.device(device))
         return self.length
 
+    @torch.inference_mode()
     def _rebuild_l1(self, length: int, dtype: torch.dtype, device: torch.device) -> None:
-        """Set every layer to ``length`` tokens, refilling sinks and window from stored pages."""
-        p = self.page_size
-        n_pages = len(self.page_keys)
+        """Set every layer to ``length`` tokens, refilling sinks and window from stored pages: one page at a time,
+        decoded and copied straight into every layer's L1 buffer (the peak is the buffer plus one page)."""
+        p, n_pages = self.page_size, len(self.page_keys)
         win_start = max(self.sink_tokens, (max(0, length - self.window) // p) * p)
-        decoded = {}
-        for idx in list(range(min(n_pages, self.sink_tokens // p))) + list(range(win_start // p, -(-length // p))):
-            enc = self.store.get(self.page_keys[idx])
-            if enc is None:
-                raise PageLost(f"page {idx} of this sequence is gone from the store")
-            decoded[idx] = codecs.decode(enc, dtype, device)
+        sink_end = min(length, self.sink_tokens)
         summaries = torch.stack([self.store.summary(k) for k in self.page_keys]).to(device, dtype) if n_pages else None
         for li, layer in enumerate(self.layers):
             if not layer.is_initialized:
                 kvh, d = self._kv_shape()
                 z = torch.zeros((1, kvh, 0, d), dtype=dtype, device=device)
                 layer.lazy_initialization(z, z)
-
-            def span(a, b):
-                ks = [decoded[i][0][li][:, max(a, i * p) - i * p:min(b, (i + 1) * p) - i * p] for i in
-                      range(a // p, -(-b // p))]
-                vs = [decoded[i][1][li][:, max(a, i * p) - i * p:min(b, (i + 1) * p) - i * p] for i in
-                      range(a // p, -(-b // p))]
-                return torch.cat(ks, dim=1), torch.cat(vs, dim=1)
-
-            sink_end = min(length, self.sink_tokens)
-            empty = (layer.l1_k[:, :0], layer.l1_v[:, :0])
-            layer._set_l1(span(0, sink_end) if sink_end else empty,
-                          span(win_start, length) if length > win_start else empty, win_start, length)
+            layer.length, layer.win_start = 0, self.sink_tokens   # nothing of the old content is kept
+            layer._reserve(sink_end + max(0, length - win_start))
+            layer.win_start, layer.length = win_start, length
             layer.n_pages = 0
             if summaries is not None:
                 layer._add_bounds(summaries[:, li])
             layer.heat = [0.0] * n_pages
             layer.hot.clear()
+        spans = [(0, sink_end, 0), (win_start, length, self.sink_tokens - win_start)]   # (first, end, shift)
+        for idx in sorted({i for a, b, _ in spans if b > a for i in range(a // p, -(-b // p))}):
+            enc = self.store.get(self.page_keys[idx])
+            if enc is None:
+                raise PageLost(f"page {idx} of this sequence is gone from the store")
+            k, v = codecs.decode(enc, dtype, device)              # [layers, kvh, page_size, D]
+            for a, b, shift in spans:
+                lo, hi = max(a, idx * p), min(b, (idx + 1) * p)
+                if lo >= hi:
+                    continue
+                for li, layer in enumerate(self.layers):
+                    layer.l1_k[:, lo + shift:hi + shift] = k[li][:, lo - idx * p:hi - idx * p]
+                    layer.l1_v[:, lo + shift:hi + shift] = v[li][:, lo - idx * p:hi - idx * p]
         self.length = length
 
     def _kv_shape(self) -> tuple[int, int]:
         c = self.model_config.get_text_config() if hasattr(self.model_config, "get_text_config") else self.model_config
         d = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         return c.num_key_value_heads, d
+
+    def crop(self, max_length: int) -> None:
+        """transformers' convention: ``max_length`` < 0 drops that many tokens, else keeps ``max_length``. Once for
+        the whole cache (``Cache.crop`` would crop every layer, and each would cut the shared length again)."""
+        self.crop_to(self.length + max_length if max_length < 0 else max_length)
+
+    def crop_to(self, length: int) -> None:
+        """Keep the first ``length`` tokens."""
+        self._crop_to(length)
 
     def _crop_to(self, length: int) -> None:
         if length >= self.length:
@@ -585,11 +686,14 @@ class TieredCache(Cache):
             self._settle()
         length = max(0, length)
         keep = length // self.page_size
-        dropped = self.page_keys[keep:]
+        dropped = [k for k, kept in zip(self.page_keys[keep:], self.stored[keep:]) if kept]
         l0 = self.layers[0]
-        if length >= l0.win_start:  # still inside the window: just cut (L1 is a prefix of its buffer)
+        if length >= l0.win_start or length <= self.sink_tokens:
+            # still inside L1 (the window, or the sinks): just cut (L1 is a prefix of its buffer)
             for layer in self.layers:
                 layer.length = length
+                if length <= self.sink_tokens:
+                    layer.win_start = self.sink_tokens
             self.length = length
         else:  # below the window: refill L1 from the stored pages (the partial last page included)
             self.page_keys = self.page_keys[:-(-length // self.page_size)]
@@ -597,19 +701,43 @@ class TieredCache(Cache):
         for layer in self.layers:
             layer.n_pages, layer.heat = min(layer.n_pages, keep), layer.heat[:keep]
             layer.hot = OrderedDict((p, slot) for p, slot in layer.hot.items() if p < keep)
-        self.page_keys = self.page_keys[:keep]
+        self.page_keys, self.stored = self.page_keys[:keep], self.stored[:keep]
         for key in dropped:
             self.store.release(key)
         self.token_ids = self.token_ids[:length]
 
-    def reset(self) -> None:
-        for key in self.page_keys:
-            self.store.release(key)
-        self.page_keys, self.token_ids, self.length = [], [], 0
+    def undo_to(self, length: int) -> None:
+        """After a forward that failed part-way (some layers appended the new tokens, others not): every layer
+        back to ``length`` tokens. Pages are completed only between forwards, so only L1 lengths changed."""
+        for layer in self.layers:
+            if layer.is_initialized and layer.length > length:
+                layer.length = length
+        self.length = min(self.length, length)
+
+    def release(self, keep_pages: bool = True) -> None:
+        """The end of this cache: with ``keep_pages`` its full pages still only in L1 are written to the store
+        first (a later sequence with the same prefix adopts them), then every reference it holds is given back.
+        Idempotent; the cache is empty afterwards."""
+        if keep_pages and self.store is not None and self.layers[0].is_initialized and self.page_keys:
+            try:
+                self._settle()
+                self._store_pages(0, len(self.page_keys))
+            except Exception:  # noqa: BLE001 - keeping pages is an optimisation; the references must go back
+                pass
+        if self.store is not None:
+            for key, kept in zip(self.page_keys, self.stored):
+                if kept:
+                    self.store.release(key)
+        self.page_keys, self.stored, self.token_ids, self.length = [], [], [], 0
         for layer in self.layers:
             layer.is_initialized = False
             layer.length = 0
             layer.hot.clear()
+            layer.l1_k = layer.l1_v = layer.hot_k = layer.hot_v = None
+
+    def reset(self) -> None:
+        """transformers' Cache.reset: forget the sequence, keep nothing."""
+        self.release(keep_pages=False)
 
     # ---- introspection ---------------------------------------------------------------------
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -647,6 +775,9 @@ class TieredCache(Cache):
             assert layer.length <= self.sink_tokens or layer.win_start <= layer.length
             assert layer.win_start % p == 0 and layer.win_start >= self.sink_tokens
             assert layer.n_pages == len(self.page_keys) <= layer.bounds.shape[2]
-        for key in self.page_keys:
-            assert key in self.store.pages, "a page of this cache is missing from the store"
+        assert len(self.stored) == len(self.page_keys), "stored flags do not match the page table"
+        for key, kept in zip(self.page_keys, self.stored):
+            assert not kept or key in self.store.pages, "a page of this cache is missing from the store"
+        for i in range(min(len(self.page_keys), self.layers[0].win_start // p)):
+            assert self.stored[i], f"page {i} left L1 without being stored"
         self.store.check_integrity()

@@ -12,9 +12,11 @@ Contract:
 - ``get(key, layer)`` returns (a copy of) the encoded tensors of one layer of a page, promoting it from L3
   to L2 (a page fault) when needed; ``None`` when the key is unknown. The hot path instead asks
   ``slots(keys)`` once and reads many pages of a layer with ``arena.gather`` (L2 is one pinned arena).
-- When L2 holds more than ``l2_tokens`` the coldest pages are demoted to L3 (int4 + zstd files); when L3 is
-  over ``l3_tokens`` (or disabled) the coldest unreferenced pages are dropped, and referenced ones stay in
-  L2 over budget rather than being lost: nothing a live sequence needs is ever dropped.
+- The store only stores; ``policy.TierPolicy`` decides placement. When L2 holds more than ``l2_tokens`` the
+  policy's coldest pages are demoted to L3 (int4 + zstd files; a page that already has its file leaves L2
+  for free). When L3 is full the policy's coldest unreferenced page gives its file up; with no such page (or
+  L3 disabled) an unreferenced page is forgotten and a referenced one stays in L2 over budget: nothing a live
+  sequence needs is ever dropped. A page read from L3 is promoted to L2 and stays there while it is read.
 - ``check_integrity()`` raises AssertionError if the bookkeeping is inconsistent (tests call it).
 """
 
@@ -32,6 +34,7 @@ import torch
 from ..config import CacheConfig
 from . import codecs
 from .disk import L3Folder, PageCorrupt
+from .policy import TierPolicy
 
 log = logging.getLogger("flashguard")
 
@@ -71,6 +74,7 @@ class TierStats:
     disk_seconds: float = 0.0
     disk_errors: int = 0          # L3 writes that failed (missing, read-only or full folder)
     corrupt_pages: int = 0        # L3 reads that failed verification: dropped, recomputed by the caller
+    l3_evictions: int = 0         # L3 files removed to make room (unreferenced pages only)
 
 
 class L2Arena:
@@ -188,8 +192,11 @@ def _host_alloc(shape, dtype, pin: bool) -> torch.Tensor:
 
 
 class PageStore:
-    def __init__(self, config: CacheConfig, pin_memory: bool = False):
+    def __init__(self, config: CacheConfig, pin_memory: bool = False, policy: TierPolicy | None = None):
+        if config.l2_tokens is None:   # a store made outside an engine: L2 holds everything
+            config = config.replace(l2_tokens=1 << 40)
         self.config = config
+        self.policy = policy or TierPolicy()
         self.pin = pin_memory
         self.arena = L2Arena(pin_memory)
         self.epoch = 0  # bumped whenever a page leaves its L2 slot (callers may cache key -> slot until then)
@@ -339,14 +346,13 @@ class PageStore:
         excess = self.arena.capacity - len(self.arena.free) - self.l2_pages_max
         if excess <= 0:
             return
-        in_l2 = [k for k, p in self.pages.items() if p.l2 is not None]
-        victims = sorted((k for k in in_l2 if k not in protect), key=lambda k: self.pages[k].heat)
-        for key in victims[:excess]:
-            self._demote(key, self.pages[key])
-        for p in self.pages.values():
-            p.heat *= 0.5  # decay, so heat means "used lately"
+        for key in self.policy.l2_victims(self.pages, excess, protect):
+            self._demote(key, self.pages[key], protect)
+        self.policy.cool(self.pages)
 
-    def _demote(self, key: bytes, page: _Page) -> None:
+    def _demote(self, key: bytes, page: _Page, protect: set = frozenset()) -> None:
+        if page.l3 is None and self.disk is not None and self.l3_pages >= self.l3_pages_max:
+            self._evict_l3(protect | {key})
         if page.l3 is None and self.disk is not None and self.l3_pages < self.l3_pages_max:
             try:
                 t0 = time.perf_counter()
@@ -368,6 +374,19 @@ class PageStore:
         if page.l3 is None and page.refs == 0:
             del self.pages[key]  # unreferenced and no room on disk: forget it (a later miss recomputes)
         # else: referenced and L3 unavailable -> stays in L2 over budget; nothing a sequence needs is lost
+
+    def _evict_l3(self, protect: set) -> None:
+        """L3 is full: the policy's victim gives its file up (forgotten when it has no L2 copy either)."""
+        key = self.policy.l3_victim(self.pages, protect)
+        if key is None:
+            return
+        page = self.pages[key]
+        self.disk.remove(page.l3)
+        page.l3 = None
+        self.l3_pages -= 1
+        self.stats.l3_evictions += 1
+        if page.l2 is None:
+            del self.pages[key]
 
     def _disk_warning(self, text: str) -> None:
         self._warn_once("disk", text + "; continuing with host RAM (L2) only")
@@ -392,7 +411,8 @@ class PageStore:
             return {**self.tier_counts(), "hits": dict(s.hits), "misses": s.misses, "page_faults": s.page_faults,
                     "bytes_to_l2": s.bytes_to_l2, "bytes_to_l3": s.bytes_to_l3, "bytes_from_l3": s.bytes_from_l3,
                     "pages_shared": s.pages_shared, "codec_seconds": s.codec_seconds,
-                    "disk_seconds": s.disk_seconds, "disk_errors": s.disk_errors, "corrupt_pages": s.corrupt_pages}
+                    "disk_seconds": s.disk_seconds, "disk_errors": s.disk_errors, "corrupt_pages": s.corrupt_pages,
+                    "l3_evictions": s.l3_evictions}
 
     def check_integrity(self) -> None:
         with self.lock:

@@ -85,8 +85,9 @@ def gpu_categories(device: torch.device, weights: int, kv: int) -> dict:
 def engine_memory(engine) -> dict:
     import psutil
 
-    weights = getattr(engine, "weight_bytes", None) or model_bytes(engine.model)
-    kv = cache_device_bytes(engine._cache)
+    weights = model_bytes(engine.model)
+    with engine.lock:
+        kv = cache_device_bytes(engine.session.cache if engine.session is not None else None)
     out: dict = {"model": engine.source.label, "device": str(engine.device), "pid": os.getpid(),
                  "gpu": None, "host": {}}
     if engine.device.type == "cuda":
@@ -94,7 +95,7 @@ def engine_memory(engine) -> dict:
         out["gpu"] = {**gpu_categories(engine.device, weights, kv), "reserved": torch.cuda.memory_reserved(dev),
                       "peak reserved": torch.cuda.max_memory_reserved(dev),
                       "peak allocated": torch.cuda.max_memory_allocated(dev),
-                      "budget": getattr(engine.config, "vram_budget", None)}
+                      "budget": engine.vram_budget}
     else:
         out["cpu_weights"] = weights
         out["cpu_kv cache"] = kv
@@ -106,6 +107,7 @@ def engine_memory(engine) -> dict:
         out["host"]["L3 pages"] = counts["l3_pages"]
         out["host"]["L3 disk bytes"] = folder_bytes(store.l3_dir)
     out["host"]["process RSS"] = psutil.Process().memory_info().rss
+    out["info"] = engine.info()
     return out
 
 
@@ -159,6 +161,15 @@ def render(report: dict) -> str:
             lines.append(f"L3 folder {path}: {_gib(size)} GiB")
     for eng in report.get("engines", []):
         lines.append(f"engine {eng['model']} on {eng['device']} (pid {eng['pid']})")
+        info = eng.get("info") or {}
+        if info:
+            budget = info.get("vram_budget")
+            lines.append(f"  weights {info['weights']} ({info.get('int4_kernel') or 'float'}), cache {info['cache']}, "
+                         f"context {info['context']}, vram_budget {_gib(budget) + ' GiB' if budget else 'none'}")
+        for tier, t in (info.get("tiers") or {}).items():
+            if isinstance(t, dict):
+                extra = ", ".join(f"{k} {v}" for k, v in t.items() if k != "tokens" and v is not None)
+                lines.append(f"  {tier}: {t.get('tokens')} tokens ({extra})")
         lines.append("| category | GiB |")
         lines.append("|---|---|")
         for k, v in (eng["gpu"] or {}).items():

@@ -4,10 +4,12 @@ All numbers are computed from the model shape and the flashguard config, the way
 
 - weights      embeddings and lm_head in 16-bit; decoder linears in 16-bit or int4 (codes K*N/2 bytes plus a
                bf16 scale and zero per group and output column); norms and biases in 16-bit.
-- kv           dynamic: every token, K and V, every layer, 16-bit. tiered: sinks + the largest adaptive window +
-               one chunk, the per-page Quest key summaries (min and max), and one fetch block of pages.
+- kv           dynamic: every token, K and V, every layer, 16-bit. tiered: the pool (sinks + the largest adaptive
+               window + one chunk; the whole context when it fits), the per-page Quest key summaries (min and
+               max), and, when pages live off the pool, one fetch block of pages. ``pool_tokens`` finds the
+               largest pool that fits a budget; an unsized tiered config (``auto``) is planned with it.
 - activations  the largest of the chunked prefill (tiered attention materialises fp32 scores for a chunk
-               against one segment: the window or a 64-page fetch block; dynamic SDPA materialises the chunk's
+               against one segment: the window or a fetch block; dynamic SDPA materialises the chunk's
                boolean mask against the whole cache) and the MLP of one chunk.
 - slack        the caching allocator's reserved-but-unallocated share (estimated as a fixed fraction).
 - context      the CUDA context and kernels, outside torch's allocator (not capped by vram_budget).
@@ -24,6 +26,7 @@ from dataclasses import dataclass
 from ..kv import FETCH_BLOCK_TOKENS
 SLACK = 0.08           # reserved - allocated, measured 5-10% on the H200 runs
 CUDA_CONTEXT = 400 * 2**20
+HEADROOM = 0.15        # share of vram_budget left unplanned: planner error, fragmentation, the desktop's needs
 
 
 def deepseek_1_5b_config(vocab: int = 151936):
@@ -114,6 +117,9 @@ def plan(shape: Shape, *, gpu_mem: int, context: int, weights: str = "int4", cac
     from ..config import CacheConfig
 
     kv = kv or CacheConfig()
+    if cache == "tiered" and not kv.sized:
+        kv = sized_kv(shape, budget=gpu_mem, context=context, weights=weights, prefill_chunk=prefill_chunk, kv=kv,
+                      group=group, cuda_context=cuda_context)
     s = shape
     kvd = s.kv_heads * s.head_dim
     per_token_kv = s.layers * 2 * kvd * 2
@@ -132,13 +138,13 @@ def plan(shape: Shape, *, gpu_mem: int, context: int, weights: str = "int4", cac
         prefill_window = min(context, kv.sink_tokens + kv.l1_tokens + chunk)
         summaries = pages * s.layers * s.kv_heads * 2 * s.head_dim * 2
         # a streamed block of pages: decoded (16-bit) plus its encoded bytes and the next block's in flight
-        fetch = min(FETCH_BLOCK_TOKENS, context) * 2 * kvd * 2 * 2
+        fetch = min(FETCH_BLOCK_TOKENS, context) * 2 * kvd * 2 * 2 if window < context else 0
         parts["kv cache"] = window * per_token_kv + summaries + fetch
         # On the GPU, blocks of pages and the window are attended by fused kernels that keep no scores; only a
         # chunk that reaches into the sinks (the first) is attended with a mask over L1: one query tile against
         # it, fp32 scores (scaled, masked, exp'd in place) plus, at either end, one 16-bit copy (the einsum result
         # being widened, or the probabilities for the second einsum); the bool mask is shared by the heads
-        segment = prefill_window
+        segment = min(prefill_window, kv.sink_tokens + chunk)   # later chunks attend L1 with fused kernels
         tile = min(chunk, 512)
         attn = s.heads * tile * segment * (4 + 2) + tile * segment
         off = max(0, context - window)
@@ -151,6 +157,56 @@ def plan(shape: Shape, *, gpu_mem: int, context: int, weights: str = "int4", cac
     parts["cuda context"] = cuda_context
     host = {"L2 (host RAM)": l2, "L3 (disk, before zstd)": l3}
     return Plan(s, gpu_mem, context, weights, cache, prefill_chunk, parts, host)
+
+
+MIN_POOL_PAGES = 8   # the smallest pool worth running: sinks, a few window pages and a hot set
+
+
+def planned(budget: int) -> int:
+    """The share of ``vram_budget`` (the process's whole GPU memory, CUDA context included) a plan may fill."""
+    return int(budget * (1 - HEADROOM))
+
+
+def pool_tokens(shape: Shape, *, budget: int, context: int, weights: str, prefill_chunk: int, kv,
+                group: int = 128, cuda_context: int = CUDA_CONTEXT) -> int:
+    """The most tokens the tiered cache's pool (L1) may hold for the plan of ``context`` to fit ``budget`` (the
+    process's whole GPU memory, less ``HEADROOM``): a binary search over page multiples; 0 when not even
+    ``MIN_POOL_PAGES`` pages fit."""
+    from ..kv.policy import round_pages, size_tiers
+
+    p = kv.page_size
+    full = round_pages(context, p)
+
+    def fits(pool: int) -> bool:
+        k = size_tiers(kv, context=context, pool_tokens=pool, l2_bytes_per_token=1, host_available=None,
+                       kv_heads=shape.kv_heads)
+        return plan(shape, gpu_mem=planned(budget), context=context, weights=weights, cache="tiered",
+                    prefill_chunk=prefill_chunk, kv=k, group=group, cuda_context=cuda_context).fits
+
+    if fits(full):
+        return full
+    lo, hi = 0, full // p      # in pages: lo fits (or is 0), hi does not
+    if not fits(MIN_POOL_PAGES * p + kv.sink_tokens):
+        return 0
+    lo = (MIN_POOL_PAGES * p + kv.sink_tokens) // p
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid * p) else (lo, mid)
+    return lo * p
+
+
+def sized_kv(shape: Shape, *, budget: int, context: int, weights: str, prefill_chunk: int, kv,
+             group: int = 128, cuda_context: int = CUDA_CONTEXT, host_available: int | None = None,
+             l2_bytes_per_token: int = 1):
+    """``kv`` with its ``auto`` sizes set for ``budget``: the largest pool that fits (at least the minimum, which
+    ``fit_to_budget`` reports when even that does not fit)."""
+    from ..kv.policy import size_tiers
+
+    pool = pool_tokens(shape, budget=budget, context=context, weights=weights, prefill_chunk=prefill_chunk, kv=kv,
+                       group=group, cuda_context=cuda_context)
+    pool = max(pool, MIN_POOL_PAGES * kv.page_size + kv.sink_tokens)
+    return size_tiers(kv, context=context, pool_tokens=pool, l2_bytes_per_token=l2_bytes_per_token,
+                      host_available=host_available, kv_heads=shape.kv_heads)
 
 
 def suggest(shape: Shape, *, gpu_mem: int, context: int, weights: str, cache: str, prefill_chunk: int, kv=None,
@@ -169,14 +225,14 @@ def suggest(shape: Shape, *, gpu_mem: int, context: int, weights: str, cache: st
     if not fits() and weights != "int4":
         weights = changes["weights"] = "int4"
     if not fits() and cache != "tiered":
-        cache = changes["cache"] = "tiered"
+        cache = changes["kv_cache"] = "tiered"
     if fits():
         return changes
-    new_kv, chunk, _ = fit_to_budget(shape, budget=gpu_mem - cuda_context, context=context, weights=weights,
+    new_kv, chunk, _, _ = fit_to_budget(shape, budget=gpu_mem, context=context, weights=weights,
                                      cache=cache, prefill_chunk=prefill_chunk, kv=kv, cuda_context=cuda_context)
     if chunk != prefill_chunk:
         changes["prefill_chunk"] = chunk
-    if new_kv.l1_max_tokens != kv.l1_max_tokens:
+    if kv.sized and new_kv.l1_max_tokens != kv.l1_max_tokens:
         changes["kv.l1_max_tokens"] = new_kv.l1_max_tokens
     prefill_chunk, kv = chunk, new_kv
     return changes if fits() else {"error": "does not fit even with int4 weights, the tiered cache, a 256-token "
@@ -210,30 +266,45 @@ def resolve_shape(model: str) -> Shape:
 
 
 def fit_to_budget(shape: Shape, *, budget: int, context: int, weights: str, cache: str, prefill_chunk: int,
-                  kv, cuda_context: int = CUDA_CONTEXT) -> tuple:
-    """What the engine does with ``vram_budget`` at start: the prefill chunk and tiered window (the two things it
-    can still change once the weights are loaded) shrunk until the plan for ``context`` fits ``budget`` (the
-    allocator cap, so the CUDA context is not counted). Returns ``(kv, prefill_chunk, notes)``; ``notes`` lists
-    what changed and, when even that does not fit, the keys to change in config.yml."""
+                  kv, cuda_context: int = CUDA_CONTEXT, host_available: int | None = None,
+                  l2_bytes_per_token: int = 1) -> tuple:
+    """What the engine does with ``vram_budget`` (``budget``: the process's whole GPU memory, CUDA context
+    included) at start: the prefill chunk shrunk while not even the smallest
+    pool fits beside it, then the tiered cache's ``auto`` sizes set (the largest pool that fits; see
+    ``sized_kv``); a config with explicit sizes has its adaptive window shrunk instead. Returns
+    ``(kv, prefill_chunk, plan, notes)``: ``plan`` is the final plan (``plan.fits`` False when even the minimum
+    does not fit) and ``notes`` lists what changed."""
+    from ..kv.policy import size_tiers
+
     notes: list[str] = []
 
-    def fits(k, c) -> bool:
-        return plan(shape, gpu_mem=budget + cuda_context, context=context, weights=weights, cache=cache,
-                    prefill_chunk=c, kv=k, cuda_context=cuda_context).fits
+    def plan_of(k, c) -> Plan:
+        return plan(shape, gpu_mem=planned(budget), context=context, weights=weights, cache=cache,
+                    prefill_chunk=c, kv=k, cuda_context=cuda_context)
 
     chunk = prefill_chunk
-    while not fits(kv, chunk) and chunk > 256:
-        chunk //= 2
+    if cache == "tiered" and not kv.sized:
+        smallest = size_tiers(kv, context=context, pool_tokens=MIN_POOL_PAGES * kv.page_size + kv.sink_tokens,
+                              l2_bytes_per_token=1, host_available=None, kv_heads=shape.kv_heads)
+        while not plan_of(smallest, chunk).fits and chunk > 256:
+            chunk //= 2
+        kv = sized_kv(shape, budget=budget, context=context, weights=weights, prefill_chunk=chunk, kv=kv,
+                      cuda_context=cuda_context, host_available=host_available,
+                      l2_bytes_per_token=l2_bytes_per_token)
+    else:
+        while not plan_of(kv, chunk).fits and chunk > 256:
+            chunk //= 2
+        if cache == "tiered":
+            while not plan_of(kv, chunk).fits and kv.l1_max_tokens > max(kv.page_size, 1024):
+                smaller = max(kv.page_size, kv.l1_max_tokens // 2)
+                kv = dataclasses.replace(kv, l1_max_tokens=smaller, l1_tokens=min(kv.l1_tokens, smaller))
+                notes.append(f"kv.l1_max_tokens -> {smaller}")
     if chunk != prefill_chunk:
-        notes.append(f"prefill_chunk {prefill_chunk} -> {chunk}")
-    if cache == "tiered":
-        while not fits(kv, chunk) and kv.l1_max_tokens > max(kv.page_size, 1024):
-            smaller = max(kv.page_size, kv.l1_max_tokens // 2)
-            kv = dataclasses.replace(kv, l1_max_tokens=smaller, l1_tokens=min(kv.l1_tokens, smaller))
-            notes.append(f"kv.l1_max_tokens -> {smaller}")
-    if not fits(kv, chunk):
+        notes.insert(0, f"prefill_chunk {prefill_chunk} -> {chunk}")
+    final = plan_of(kv, chunk)
+    if not final.fits:
         hint = "weights: int4" if weights != "int4" else ""
-        hint += (", " if hint else "") + ("cache: tiered" if cache != "tiered" else "a smaller model or context")
+        hint += (", " if hint else "") + ("kv_cache: tiered" if cache != "tiered" else "a smaller model or context")
         notes.append(f"the plan for {context} tokens still exceeds vram_budget; set {hint} "
                      "(`flashguard plan` shows the categories)")
-    return kv, chunk, notes
+    return kv, chunk, final, notes

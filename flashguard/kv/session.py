@@ -1,0 +1,127 @@
+"""KVSession: one conversation's KV cache, owned by the engine, with one owner of its page references.
+
+The engine keeps one session (the last sequence it ran). Everything it does to the cache goes through this
+interface, so no caller needs to know which cache it is:
+
+- ``ids``: exactly the tokens whose K/V the cache holds.
+- ``feed(tokens)`` before a forward pass over ``tokens`` (a tiered cache keys its pages by their ids), then
+  ``commit(tokens)`` once the pass succeeded, or ``undo()`` when it failed part-way (every layer back to ``ids``).
+- ``crop(n)`` keeps the first ``n`` tokens (a new turn that diverges, a moderation suffix cropped away).
+- ``release(keep_pages)`` ends the session: every page reference it holds goes back to the store (with
+  ``keep_pages`` its resident pages are stored first, for a later session with the same prefix). Every path
+  that drops a session calls it; afterwards the session holds nothing and must not be used.
+- ``references()``: page references this session holds (tests check they go back to zero).
+
+``DynamicSession`` wraps transformers' DynamicCache (no pages); ``TieredSession`` wraps ``TieredCache`` over the
+engine's shared ``PageStore``.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+
+class KVSession:
+    cache = None
+
+    def __init__(self) -> None:
+        self.ids: list[int] = []
+        self.released = False
+
+    def adopt(self, ids: Sequence[int], dtype, device) -> int:
+        """On a new session: reuse stored pages of the longest page-aligned prefix of ``ids``; tokens reused."""
+        return 0
+
+    def feed(self, tokens: Sequence[int]) -> None:
+        """Tokens of the next forward pass."""
+
+    def commit(self, tokens: Sequence[int]) -> None:
+        self.ids.extend(int(t) for t in tokens)
+
+    def undo(self) -> None:
+        raise NotImplementedError
+
+    def crop(self, n: int) -> None:
+        raise NotImplementedError
+
+    def release(self, keep_pages: bool = True) -> None:
+        self.released = True
+
+    def references(self) -> int:
+        return 0
+
+    def stats(self) -> dict:
+        return {"kind": self.kind, "tokens": len(self.ids)}
+
+
+class DynamicSession(KVSession):
+    """transformers' DynamicCache: every token of every layer on the device, no pages."""
+
+    kind = "dynamic"
+
+    def __init__(self, model_config) -> None:
+        from transformers import DynamicCache
+
+        super().__init__()
+        self.cache = DynamicCache(config=model_config)
+
+    def undo(self) -> None:
+        keep = len(self.ids)
+        for layer in getattr(self.cache, "layers", []):
+            keys = getattr(layer, "keys", None)
+            if keys is not None and keys.dim() == 4 and keys.shape[-2] > keep:
+                layer.keys, layer.values = keys[..., :keep, :], layer.values[..., :keep, :]
+
+    def crop(self, n: int) -> None:
+        if n < len(self.ids):
+            self.cache.crop(n - len(self.ids))   # negative = tokens to drop (transformers >= 5.2x refuses positive)
+            del self.ids[n:]
+
+    def release(self, keep_pages: bool = True) -> None:
+        self.cache = None
+        self.ids = []
+        super().release()
+
+
+class TieredSession(KVSession):
+    """flashguard's TieredCache over the engine's PageStore."""
+
+    kind = "tiered"
+
+    def __init__(self, model, cache_config, store, model_id: str, preallocate: bool) -> None:
+        from .cache import TieredCache
+
+        super().__init__()
+        self.store = store
+        self.cache = TieredCache(model.config, cache_config, store=store, model_id=model_id,
+                                 preallocate=preallocate).attach(model)
+
+    def adopt(self, ids: Sequence[int], dtype, device) -> int:
+        reused = self.cache.adopt_prefix(ids, dtype, device)
+        self.ids = [int(t) for t in ids[:reused]]
+        return reused
+
+    def feed(self, tokens: Sequence[int]) -> None:
+        self.cache.feed(tokens)
+
+    def undo(self) -> None:
+        keep = len(self.ids)
+        self.cache.undo_to(keep)
+        del self.cache.token_ids[keep:]
+
+    def crop(self, n: int) -> None:
+        if n < len(self.ids):
+            self.cache.crop_to(n)
+            del self.ids[n:]
+
+    def release(self, keep_pages: bool = True) -> None:
+        if not self.released:
+            self.cache.release(keep_pages=keep_pages)
+        self.ids = []
+        super().release()
+
+    def references(self) -> int:
+        return sum(self.cache.stored)
+
+    def stats(self) -> dict:
+        return {**super().stats(), **self.cache.stats()}
