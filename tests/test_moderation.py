@@ -96,11 +96,18 @@ def test_test_set_accuracy_int4(int4_engine, capsys, monkeypatch, tmp_path):
 
 
 def test_shared_and_fresh_paths_agree(engine, shipped_probes_only):
+    """The verdict on the turn's cached pages equals the one of an engine that prefills the same ids from nothing
+    (a DynamicCache: the tiered cache would adopt the stored pages even after reset_session)."""
+    from flashguard import EngineConfig, get_engine
+
+    cold = get_engine(EngineConfig(kv_cache="dynamic"))
     for row in TEST[::11]:
         shared = run_rail(engine, row)
         assert shared.path == "shared" and shared.method == "probe"
-        engine.reset_session()
-        fresh = moderate(engine, row["bot"], row["user"], use_memo=False)  # same ids, nothing cached
+        turn = engine.turns[-1]
+        cold.teacher_force(turn.prompt_ids, turn.output_ids, turn.text)
+        cold.reset_session()
+        fresh = moderate(cold, row["bot"], row["user"], use_memo=False)  # same ids, nothing cached
         assert fresh.reused_tokens == 0 and fresh.path == "shared"
         assert shared.allowed == fresh.allowed and abs(shared.p_unsafe - fresh.p_unsafe) < 1e-3
 
