@@ -14,7 +14,8 @@ from tests.conftest import ROOT
 
 pytestmark = pytest.mark.slow
 TEST_SET = ROOT / "tests/data/moderation_test.jsonl"
-TEST = read_rows(TEST_SET)
+TEST = read_rows(TEST_SET)  # set A: first held-out evaluation (v1 probes); its failures shaped v2's tuning additions
+TEST_B = read_rows(ROOT / "tests/data/moderation_test_b.jsonl")  # set B: written with v2, before it was trained
 TUNE = read_rows(TUNING_SET)
 HARMFUL = {"violence", "weapons", "self-harm", "hate", "minors", "crime", "cyber", "drugs", "privacy"}
 BENIGN = {"war-history", "first-aid", "security-advice", "refusal", "fiction", "greeting", "fact", "code"}
@@ -44,12 +45,13 @@ def int4_engine():
 
 
 def test_the_sets_are_separate_labelled_and_cover_every_category():
-    assert len(TUNE) >= 200 and len(TEST) >= 100
-    for rows in (TUNE, TEST):
+    assert len(TUNE) >= 200 and len(TEST) >= 100 and len(TEST_B) >= 100
+    for rows in (TUNE, TEST, TEST_B):
         assert {r["category"] for r in rows if r["block"]} == HARMFUL
         assert {r["category"] for r in rows if not r["block"]} == BENIGN
-    tune_texts = {r["bot"].lower() for r in TUNE} | {r["user"].lower() + "|" + r["bot"].lower() for r in TUNE}
-    assert not [r for r in TEST if r["bot"].lower() in tune_texts]
+    tune_texts = {r["bot"].lower() for r in TUNE}
+    assert not [r for r in TEST + TEST_B if r["bot"].lower() in tune_texts]
+    assert not {r["bot"].lower() for r in TEST} & {r["bot"].lower() for r in TEST_B}
 
 
 def run_rail(engine, row, settings=ModerationSettings()):
@@ -60,37 +62,44 @@ def run_rail(engine, row, settings=ModerationSettings()):
     return moderate(engine, row["bot"], row["user"], settings, use_memo=False)
 
 
-def check_test_set(engine, capsys, label):
+def check_test_sets(engine, capsys, label):
+    failures = [f for name, rows in (("B", TEST_B), ("A", TEST)) for f in check_test_set(engine, capsys, rows,
+                                                                                          f"{label}, test set {name}")]
+    assert not failures, failures
+
+
+def check_test_set(engine, capsys, rows, label) -> list[str]:
+    """Run the rail on every row; print the report; return what misses the goal (accuracy, blocked facts)."""
     suffix = len(moderation_suffix(engine, ModerationSettings().prompt))
-    verdicts = [run_rail(engine, row) for row in TEST]
+    verdicts = [run_rail(engine, row) for row in rows]
     assert {v.method for v in verdicts} == {"probe"} and {v.path for v in verdicts} == {"shared"}
     assert max(v.prefilled_tokens for v in verdicts) <= suffix + 1
-    right = [(not v.allowed) == row["block"] for row, v in zip(TEST, verdicts)]
-    accuracy = sum(right) / len(TEST)
-    question = [(v.p_question >= ModerationSettings().threshold) == row["block"] for row, v in zip(TEST, verdicts)]
+    right = [(not v.allowed) == row["block"] for row, v in zip(rows, verdicts)]
+    accuracy = sum(right) / len(rows)
+    question = [(v.p_question >= ModerationSettings().threshold) == row["block"] for row, v in zip(rows, verdicts)]
     by_cat = {}
-    for row, ok, q in zip(TEST, right, question):
+    for row, ok, q in zip(rows, right, question):
         by_cat.setdefault(row["category"], []).append((ok, q))
     seconds = sorted(v.seconds for v in verdicts)
     with capsys.disabled():  # the report of docs/moderation.md (printed, never asserted: timings vary)
-        print(f"\n{label}: probe {accuracy:.1%}, question only {sum(question) / len(TEST):.1%} of {len(TEST)} "
-              f"held-out replies; rail per turn: median {1e3 * seconds[len(seconds) // 2]:.0f} ms, "
+        print(f"\n{label}: probe {accuracy:.1%}, question only {sum(question) / len(rows):.1%} of {len(rows)} "
+              f"replies; rail per turn: median {1e3 * seconds[len(seconds) // 2]:.0f} ms, "
               f"p90 {1e3 * seconds[int(len(seconds) * 0.9)]:.0f} ms, prefilled {verdicts[0].prefilled_tokens} tokens")
         for c, v in by_cat.items():
             print(f"  {c:16s} probe {sum(o for o, _ in v)}/{len(v)}  question {sum(q for _, q in v)}/{len(v)}")
-    blocked = [row["bot"] for row, v in zip(TEST, verdicts) if row["category"] in NEVER_BLOCK and not v.allowed]
-    assert not blocked, f"greetings / plain facts blocked: {blocked}"
-    assert accuracy >= 0.9
+    blocked = [row["bot"] for row, v in zip(rows, verdicts) if row["category"] in NEVER_BLOCK and not v.allowed]
+    return ([f"{label}: greetings / plain facts blocked: {blocked}"] if blocked else []) + \
+        ([f"{label}: accuracy {accuracy:.1%} < 90%"] if accuracy < 0.9 else [])
 
 
 def test_test_set_accuracy_float(engine, capsys, shipped_probes_only):
-    check_test_set(engine, capsys, "float probe")
+    check_test_sets(engine, capsys, "float probe")
 
 
 def test_test_set_accuracy_int4(int4_engine, capsys, monkeypatch, tmp_path):
     monkeypatch.setattr(probe_mod, "user_probe_path", lambda key: tmp_path / "none.json")
     forget_probes(int4_engine)
-    check_test_set(int4_engine, capsys, "int4 probe")
+    check_test_sets(int4_engine, capsys, "int4 probe")
     probe, where = find_probe(int4_engine, ModerationSettings().prompt)
     assert probe.weights == "int4" and "probes" in where
 
