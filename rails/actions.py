@@ -32,8 +32,8 @@ async def flashguard_moderate_output(llm=None, config=None, context: Optional[di
         return RailOutcome.allow(reason="empty reply")
     settings = ModerationSettings.from_custom_data(getattr(config, "custom_data", None))
     verdict = await asyncio.to_thread(moderate, engine, bot, user, settings)
-    meta = {"p_unsafe": verdict.p_unsafe, "path": verdict.path, "prefilled_tokens": verdict.prefilled_tokens,
-            "reused_tokens": verdict.reused_tokens}
+    meta = {"p_unsafe": verdict.p_unsafe, "method": verdict.method, "threshold": verdict.threshold,
+            "path": verdict.path, "prefilled_tokens": verdict.prefilled_tokens, "reused_tokens": verdict.reused_tokens}
     if verdict.allowed:
         return RailOutcome.allow(reason=verdict.reason, metadata=meta)
     return RailOutcome.block(reason=verdict.reason, metadata=meta)
