@@ -183,6 +183,14 @@ def choose_probe(engine, settings: ModerationSettings):
         return None
     if mode == "auto":
         probe, where = find_probe(engine, settings.prompt)
+        if probe is not None and settings.threshold != DEFAULT_THRESHOLD:
+            warned = engine.__dict__.setdefault("_moderation_threshold_warned", set())
+            if settings.threshold not in warned:
+                warned.add(settings.threshold)
+                log.warning("flashguard moderation: custom_data.flashguard_moderation.threshold (%s) applies to the "
+                            "question verdict; the probe %s decides with its own calibrated threshold %.2f. Set "
+                            "probe: off to decide by the question and that threshold", settings.threshold, where,
+                            probe.threshold)
         if probe is None:
             warned = engine.__dict__.setdefault("_moderation_probe_warned", set())
             if settings.prompt not in warned:
