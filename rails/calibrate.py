@@ -71,14 +71,16 @@ def collect(engine, rows: Sequence[dict], settings: ModerationSettings = Moderat
 
 
 def train(engine, rows: Sequence[dict], settings: ModerationSettings = ModerationSettings(), *,
-          progress: bool = False, features=None, key: ModelKey | None = None) -> tuple[Probe, list[dict]]:
+          progress: bool = False, features=None, key: ModelKey | None = None,
+          layers: Sequence[int] | None = None) -> tuple[Probe, list[dict]]:
     """Choose (layer, l2, use_answer) by cross-validation on ``rows``, fit on all rows. Returns
-    ``(probe, cv table best first)``. ``features`` (precomputed ``collect`` output) and ``key`` (the model's
-    ModelKey) let a probe be fitted again without the engine (``engine=None``)."""
+    ``(probe, cv table best first)``. ``layers``: the candidates (default every decoder layer's output).
+    ``features`` (precomputed ``collect`` output) and ``key`` (the model's ModelKey) let a probe be fitted
+    again without the engine (``engine=None``)."""
     t0 = time.perf_counter()
     hidden, odds = features if features is not None else collect(engine, rows, settings, progress)
     labels = [int(r["block"]) for r in rows]
-    table = cross_validate(hidden, odds, labels, layers=range(1, hidden.shape[1]), l2s=L2_GRID, k=FOLDS)
+    table = cross_validate(hidden, odds, labels, layers=layers or range(1, hidden.shape[1]), l2s=L2_GRID, k=FOLDS)
     best = table[0]
     x = design(hidden, odds, best["layer"], best["use_answer"])
     w, b = fit_logistic(x, torch.tensor(labels), best["l2"])
