@@ -47,7 +47,9 @@ def blocking_server(tmp_path_factory):
     cfg = make_config(tmp)
     yml = (cfg / "config.yml").read_text()
     assert "threshold: 0.64" in yml
-    (cfg / "config.yml").write_text(yml.replace("threshold: 0.64", "threshold: 0.001"))
+    assert "probe: auto" in yml   # the question's verdict (probe: off) is the one a threshold decides
+    (cfg / "config.yml").write_text(yml.replace("threshold: 0.64", "threshold: 0.001").replace("probe: auto",
+                                                                                               "probe: off"))
     s = _start(cfg, tmp / "server.log", "--verbose")
     yield s
     s.stop()
