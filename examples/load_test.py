@@ -24,7 +24,7 @@ import psutil
 COUNTRIES = ["France", "Italy", "Spain", "Germany", "Japan", "Egypt", "Canada", "Peru"]
 LONG = ("Here is a note about a museum visit. " * 30) + "\nIn one sentence, what is this note about?"
 REFUSAL = "I'm sorry, I can't respond to that."  # configs/flash's `bot refuse to respond`
-BLOCKED = "<blocked by the output rail>"  # a refusal (plain) and an error frame (streaming) are the same outcome
+BLOCKED = "<blocked by the output rail>"  # the refusal (plain or streamed) and an error frame are the same outcome
 PROMPTS = [f"What is the capital of {c}?" for c in COUNTRIES] + [LONG.replace("museum", m) for m in
                                                                   ("museum", "garden", "harbour", "library")]
 
@@ -44,7 +44,8 @@ async def ask(client: httpx.AsyncClient, url: str, prompt: str, stream: bool) ->
                     return r.status_code, BLOCKED
                 if "choices" in chunk:
                     parts.append(chunk["choices"][0]["delta"].get("content") or "")
-        return r.status_code, "".join(parts)
+        text = "".join(parts)
+        return r.status_code, BLOCKED if text == REFUSAL else text
 
 
 async def run(url: str, pid: int, clients: int, seconds: float, warmup: float | None = None) -> dict:

@@ -91,6 +91,8 @@ class ModerationSettings:
         if unknown:
             raise ConfigError(f"unknown key(s) {sorted(unknown)} in custom_data.flashguard_moderation; "
                               f"known keys are {', '.join(sorted(known))}")
+        if data.get("probe") is False:   # YAML 1.1 reads a bare `probe: off` as false
+            data["probe"] = "off"
         settings = cls(**data)
         if not 0 < settings.threshold < 1:
             raise ConfigError("custom_data.flashguard_moderation.threshold must be between 0 and 1, "

@@ -266,3 +266,13 @@ def test_logistic_fit_separates_and_the_file_round_trips(tmp_path):
     assert abs(loaded.p_unsafe(hidden[1], 0.0) - probe.p_unsafe(hidden[1], 0.0)) < 1e-5
     with pytest.raises(ProbeError, match="hidden states"):
         probe.p_unsafe(torch.zeros(2, 8), 0.0)
+
+
+def test_a_bare_yaml_off_turns_the_probe_off():
+    """`probe: off` in config.yml reaches Python as False (YAML 1.1): it means the question's verdict."""
+    import yaml
+
+    from flashguard.rails.moderation import ModerationSettings
+
+    data = yaml.safe_load("flashguard_moderation:\n  probe: off\n  threshold: 0.5\n")
+    assert ModerationSettings.from_custom_data(data).probe == "off"

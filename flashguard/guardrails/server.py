@@ -285,6 +285,9 @@ class ChatCompletions:
                 first = ""
             except Exception as exc:
                 return Response(*_error_response(exc), media_type="application/json")
+            if usage.error is not None:   # the LLM call failed (a prompt over the context, ...): its 4xx, whatever
+                await _close(stream)      # the rails then made of NeMo's error text
+                return Response(*_error_response(usage.error), media_type="application/json")
             failed = _stream_error(first)
             if failed and failed.get("type") != "guardrails_violation":
                 await _close(stream)
