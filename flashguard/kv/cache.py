@@ -155,8 +155,10 @@ class TieredLayer(CacheLayerMixin):
     @torch.inference_mode()
     def _resize(self, capacity: int) -> None:
         n = self.l1_len
-        k = self.l1_k.new_empty((self.l1_k.shape[0], capacity, self.l1_k.shape[2]))
-        v = self.l1_v.new_empty(k.shape)
+        # zeros, not empty: the whole-step graph's attention reads the unused tail under a mask where flash's
+        # variable-length kernel is missing (CPU, pre-Ampere GPUs), and 0 x NaN of stale memory is NaN
+        k = self.l1_k.new_zeros((self.l1_k.shape[0], capacity, self.l1_k.shape[2]))
+        v = self.l1_v.new_zeros(k.shape)
         k[:, :n], v[:, :n] = self.l1_k[:, :n], self.l1_v[:, :n]
         self.l1_k, self.l1_v = k, v
 
