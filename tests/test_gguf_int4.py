@@ -1,4 +1,4 @@
-"""GGUF Q4_0 / Q4_1 tensors straight into Int4Linear: the weights are gguf-py's own dequantization (files written
+"""GGUF Q4_0 / Q4_1 / Q4_K tensors straight into Int4Linear: the weights are gguf-py's own dequantization (files written
 with gguf-py, and the embedded SmolLM2 Q4_1 GGUF); other types and truncated files are errors naming them."""
 
 from __future__ import annotations
@@ -53,8 +53,40 @@ def test_a_flat_q4_1_block_keeps_its_value():
     torch.testing.assert_close(ours[0, :32], torch.full((32,), 0.125), rtol=1e-3, atol=1e-4)
 
 
+def _q4_k_blocks(n, k, seed=0):
+    """Random Q4_K super-blocks (gguf-py cannot quantize Q4_K): every code and 6-bit scale/min pattern, fp16 d and
+    dmin in [1e-5, 1e-4], one sub-block scale of 0 (all its weights equal -dmin * m)."""
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, (n, k // 256, 144), dtype=np.uint8)
+    raw[..., 0:4] = rng.uniform(1e-5, 1e-4, (n, k // 256, 2)).astype(np.float16).view(np.uint8)
+    raw[0, 0, 4] &= 0xC0   # sub-block 0's 6-bit scale is the low bits of the first scale byte: now 0
+    return raw.reshape(n, -1)
+
+
+def test_q4_k_codes_are_gguf_pys_dequantization():
+    blocks = _q4_k_blocks(48, 512)
+    codes, zeros, scales = int4_codes(blocks, "Q4_K", (48, 512))
+    assert codes.shape == (48, 512) and zeros.shape == scales.shape == (48, 16) and int(codes.max()) == 15
+    theirs = torch.from_numpy(quants.dequantize(blocks, T.Q4_K))
+    ours = awq_format.dequantize(codes, zeros, scales, 32)
+    # the sub-block scale d * sc is kept in fp16: weights within fp16 rounding of gguf-py's
+    torch.testing.assert_close(ours, theirs, rtol=1e-3, atol=1e-3 * theirs.abs().max().item())
+    assert float(scales[0, 0]) < 1e-6   # the flat sub-block kept its value through a tiny scale
+    torch.testing.assert_close(ours[0, :32], theirs[0, :32], rtol=1e-3, atol=1e-7)
+
+
+def test_q4_k_int4_linear_on_the_cpu_kernel():
+    if not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
+        pytest.skip("torch has no CPU int4 kernel")
+    blocks = _q4_k_blocks(64, 256, seed=5)
+    layer = Int4Linear.from_codes(*int4_codes(blocks, "Q4_K", (64, 256)), 32, None, torch.device("cpu"), "cpu")
+    x = torch.from_numpy(_weights(3, 256, seed=1))
+    expected = x @ torch.from_numpy(quants.dequantize(blocks, T.Q4_K)).T
+    torch.testing.assert_close(layer(x), expected, rtol=2e-2, atol=2e-2 * expected.abs().max().item())
+
+
 def test_other_types_are_an_error_naming_them():
-    with pytest.raises(UnsupportedQuantization, match="GGUF type Q5_K has no direct int4 form; supported: Q4_0, Q4_1"):
+    with pytest.raises(UnsupportedQuantization, match="GGUF type Q5_K has no direct int4 form; supported: Q4_0, Q4_1, Q4_K"):
         int4_codes(np.zeros((4, 176), np.uint8), "Q5_K", (4, 256))
 
 

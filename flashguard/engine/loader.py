@@ -4,11 +4,15 @@ Contract:
 - ``resolve_model(config)`` turns ``model_path``/``gguf_file`` into a ``ModelSource`` (or raises
   ModelLoadError naming ``models[main].parameters.model_path``). It reads no weights.
 - ``load(source, device, dtype, weights, int4_kernel)`` returns ``(model, tokenizer)`` in eval mode on ``device``.
-  An AWQ checkpoint loads in int4 (``flashguard.quant``); ``weights="int4"`` quantizes a float model once
-  (AWQ, group size 64, about 3 minutes for the embedded model on 2 cores) into the user cache folder.
-  A GGUF file is converted (dequantized) once and kept as safetensors in the user cache folder,
+  An AWQ checkpoint loads in int4 (``flashguard.quant``). ``weights="int4"`` on a GGUF whose matrices are
+  Q4_0 / Q4_1 / Q4_K builds the model straight from the file (``quant.gguf_load``: seconds, no float round trip,
+  no search); on a float model (an HF folder, an F16 or Q8_0 GGUF) it quantizes once with AWQ (group size 64,
+  about 4 minutes for the embedded model on 2 cores; a log line says the estimate first) into the user cache folder.
+  A GGUF file loaded as float is converted (dequantized) once and kept as safetensors in the user cache folder,
   so later loads in any process are fast; the conversion is written to a temporary folder and
   renamed into place, so an interrupted conversion never leaves a folder that looks complete.
+- Cached folders (conversions, AWQ checkpoints, a GGUF's config and tokenizer) are keyed by the model's content
+  (``content_key``: size and sampled bytes), not its path: a copy in another virtual environment finds them.
 """
 
 from __future__ import annotations
@@ -137,9 +141,41 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return torch.float32
 
 
+def content_key(source: ModelSource) -> str:
+    """A hex key of the model's content: ``gguf_int4.file_key`` of the GGUF file, or of an HF folder's config.json
+    and weight files. Equal for copies anywhere on disk; different when the weights differ."""
+    from ..quant.gguf_int4 import file_key
+
+    if source.gguf_file is not None:
+        return file_key(os.path.join(source.folder, source.gguf_file))
+    folder = Path(source.folder)
+    files = sorted(p for p in folder.iterdir() if p.name == "config.json" or p.suffix in (".safetensors", ".bin"))
+    return hashlib.sha256("|".join(f"{p.name}:{file_key(str(p))}" for p in files).encode()).hexdigest()
+
+
+def _cached_folder(kind: str, source: ModelSource, salt: str = "") -> Path:
+    """``<cache>/<kind>/<digest of the content>``: no file name in it, so a renamed copy finds it too (the
+    ``flashguard-complete.json`` inside names the file it was made from)."""
+    return user_cache_dir() / kind / hashlib.sha256(f"{content_key(source)}|{salt}".encode()).hexdigest()[:24]
+
+
 def _converted_folder(source: ModelSource) -> Path:
-    digest = hashlib.sha256(source.identity.encode()).hexdigest()[:16]
-    return user_cache_dir() / "converted" / f"{Path(source.gguf_file).stem}-{digest}"
+    return _cached_folder("converted", source)
+
+
+def _write_atomically(target: Path, fill) -> None:
+    """``fill(tmp_folder)``, then rename it to ``target`` (another process finishing first is fine)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
+    try:
+        fill(tmp)
+        try:
+            os.replace(tmp, target)
+        except OSError:  # another process finished first
+            if not (target / "flashguard-complete.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def gguf_tokenizer(source: ModelSource):
@@ -173,19 +209,43 @@ def materialize(source: ModelSource) -> str:
             quantization_config=GgufConfig(gguf_file=source.gguf_file, dequantize=True))
     except (ValueError, OSError, KeyError, RuntimeError) as exc:
         raise ModelLoadError(f"cannot load {source.label}: {exc}", key="model_path") from exc
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
-    try:
+
+    def fill(tmp: Path) -> None:
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
-        (tmp / "flashguard-complete.json").write_text(json.dumps({"source": source.identity}))
-        try:
-            os.replace(tmp, target)
-        except OSError:  # another process finished first
-            if not (target / "flashguard-complete.json").is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        (tmp / "flashguard-complete.json").write_text(json.dumps({"source": source.identity, "label": source.label}))
+
+    _write_atomically(target, fill)
+    return str(target)
+
+
+def gguf_meta_folder(source: ModelSource) -> str:
+    """config.json and the tokenizer of a GGUF, kept in the user cache folder (a few MB; parsing the header for
+    them takes seconds): what ``weights: int4`` needs besides the tensors it reads from the file itself."""
+    from transformers import AutoConfig
+
+    from . import gguf_header
+
+    target = _cached_folder("gguf-meta", source)
+    if (target / "flashguard-complete.json").is_file():
+        return str(target)
+    path = os.path.join(source.folder, source.gguf_file)
+    try:
+        header = gguf_header.read_header(path)
+        if header.get("general.architecture") == "qwen2" and gguf_header.uses_qwen2_bpe(header):
+            config = gguf_header.config_from_header(header)
+        else:
+            config = AutoConfig.from_pretrained(source.folder, gguf_file=source.gguf_file)
+        tok = gguf_tokenizer(source)
+    except (ValueError, OSError, KeyError, RuntimeError) as exc:
+        raise ModelLoadError(f"cannot load {source.label}: {exc}", key="model_path") from exc
+
+    def fill(tmp: Path) -> None:
+        config.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        (tmp / "flashguard-complete.json").write_text(json.dumps({"source": source.identity, "label": source.label}))
+
+    _write_atomically(target, fill)
     return str(target)
 
 
@@ -197,15 +257,68 @@ def quantized_folder(source: ModelSource) -> str:
     """The cached AWQ int4 checkpoint of a float ``source``, made on first use (with a progress bar)."""
     from ..quant import awq_search
 
-    digest = hashlib.sha256(f"{source.identity}|{AWQ_RECIPE}".encode()).hexdigest()[:16]
-    stem = Path(source.gguf_file).stem if source.gguf_file else Path(source.folder).name
-    target = user_cache_dir() / "awq" / f"{stem}-{digest}"
+    target = _cached_folder("awq", source, AWQ_RECIPE)
     if (target / "config.json").is_file():
         return str(target)
     folder = materialize(source)
-    log.info("flashguard: quantizing %s to AWQ int4 once (kept in %s)", source.label, target)
+    log.warning("flashguard: weights: int4 on a float model: quantizing %s with AWQ once, about %s on this machine "
+                "(kept in %s; later starts take seconds)", source.label, _awq_estimate(folder), target)
     awq_search.quantize_folder(folder, target, AWQ_GROUP_SIZE, label=source.label)
     return str(target)
+
+
+AWQ_SECONDS_PER_PARAM_THREAD = 3.9e-6   # measured: 4.4 minutes for the 135M embedded model on 2 CPU threads
+AWQ_GPU_SPEEDUP = 20                     # a rough factor for a CUDA GPU (the search is matmuls and a grid of scales)
+
+
+def _awq_estimate(folder: str) -> str:
+    """Roughly how long ``awq_search`` takes on ``folder``'s model here, as words ("4 minutes")."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        params = sum(p.numel() for p in AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder)).parameters())
+    seconds = params * AWQ_SECONDS_PER_PARAM_THREAD / max(1, torch.get_num_threads())
+    if torch.cuda.is_available():
+        seconds /= AWQ_GPU_SPEEDUP
+    return f"{max(1, round(seconds / 60))} minutes" if seconds >= 90 else f"{max(1, round(seconds))} seconds"
+
+
+def _check_causal(config, source: ModelSource) -> None:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    archs = getattr(config, "architectures", None) or []
+    causal_arch = not archs or any(a.endswith(("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")) for a in archs)
+    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or not causal_arch:
+        raise ModelLoadError(
+            f"{source.label!r} is a {config.model_type!r} model, which is not a causal (decoder) language model; "
+            "point model_path at a chat/causal LM such as Qwen2, Llama or Mistral", key="model_path")
+
+
+def _load_gguf_int4(source: ModelSource, device: torch.device, dtype: torch.dtype, int4_kernel: str):
+    """``(model, tokenizer)`` straight from a GGUF with 4-bit matrices, or None (said in the log) when it has none
+    or an architecture ``gguf_load`` does not map: the caller then quantizes the float model."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from ..quant import gguf_load
+
+    path = os.path.join(source.folder, source.gguf_file)
+    try:
+        arch = gguf_load.int4_arch(path)
+    except ValueError as exc:
+        raise ModelLoadError(f"cannot load {source.label}: {exc}", key="model_path") from exc
+    if arch is None:
+        log.info("flashguard: %s has no Q4_0/Q4_1/Q4_K matrices of a %s model to load directly; quantizing its "
+                 "float weights instead", source.label, "/".join(gguf_load.ARCHS))
+        return None
+    folder = gguf_meta_folder(source)
+    config = AutoConfig.from_pretrained(folder)
+    _check_causal(config, source)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        model = gguf_load.load_int4(path, config, device, dtype, int4_kernel, label=source.label)
+    except (ValueError, OSError, KeyError, RuntimeError) as exc:
+        raise ModelLoadError(f"cannot load {source.label!r}: {exc}", key="model_path") from exc
+    return model, tokenizer
 
 
 def load(source: ModelSource, device: torch.device, dtype: torch.dtype, weights: str = "float",
@@ -215,19 +328,16 @@ def load(source: ModelSource, device: torch.device, dtype: torch.dtype, weights:
 
     from ..quant import awq_load, int4_linear
 
+    if weights == "int4" and source.gguf_file is not None:
+        loaded = _load_gguf_int4(source, device, dtype, int4_kernel)
+        if loaded is not None:
+            return loaded
     folder = materialize(source)
     try:
         config = AutoConfig.from_pretrained(folder)
     except (ValueError, OSError, KeyError) as exc:
         raise ModelLoadError(f"cannot read the model config in {folder!r}: {exc}", key="model_path") from exc
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    archs = getattr(config, "architectures", None) or []
-    causal_arch = not archs or any(a.endswith(("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")) for a in archs)
-    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or not causal_arch:
-        raise ModelLoadError(
-            f"{source.label!r} is a {config.model_type!r} model, which is not a causal (decoder) language model; "
-            "point model_path at a chat/causal LM such as Qwen2, Llama or Mistral", key="model_path")
+    _check_causal(config, source)
     if weights == "int4" and not awq_load.is_awq(config.to_dict()):
         folder = quantized_folder(source)
         config = AutoConfig.from_pretrained(folder)

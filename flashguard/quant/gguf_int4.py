@@ -1,25 +1,28 @@
 """GGUF 4-bit tensors straight into ``Int4Linear``: no float round trip, no AWQ search.
 
-A GGUF ``Q4_0`` or ``Q4_1`` tensor is already group-quantized with groups of 32 along the input dimension, the
-format ``Int4Linear.from_codes`` takes (codes 0..15, a zero point and a scale per group):
+A GGUF ``Q4_0``, ``Q4_1`` or ``Q4_K`` tensor is already group-quantized with groups of 32 along the input
+dimension, the format ``Int4Linear.from_codes`` takes (codes 0..15, a zero point and a scale per group):
 
 - ``Q4_0`` block (18 bytes): ``d`` fp16, 16 bytes of codes; ``w = (q - 8) * d``           -> zero 8, scale d
 - ``Q4_1`` block (20 bytes): ``d`` fp16, ``m`` fp16, 16 bytes; ``w = q * d + m``           -> zero -m/d, scale d
+- ``Q4_K`` super-block of 256 (144 bytes): ``d``, ``dmin`` fp16, 12 bytes of 6-bit scales ``sc`` and mins ``m`` for
+  its eight sub-blocks of 32, 128 bytes of codes; ``w = d*sc * q - dmin*m``  -> scale d*sc (fp16), zero dmin*m/scale
 
-In each block byte ``j`` holds element ``j`` in its low nibble and element ``j + 16`` in its high nibble. A ``Q4_1``
-zero point is fractional; the kernels take it as a float (``(q - 8) * s + z_float``), so the weights are exactly
-gguf-py's dequantization up to the kernels' rounding (bf16 on the CPU). Any other type is an error naming it.
+In a Q4_0 / Q4_1 block byte ``j`` holds element ``j`` in its low nibble and element ``j + 16`` in its high nibble;
+in a Q4_K super-block each 32 bytes hold 64 elements (low nibbles the first 32, high nibbles the next 32). The zero
+points are fractional; the kernels take them as floats (``(q - 8) * s + z_float``), so the weights are gguf-py's
+dequantization up to the scale's fp16 rounding (Q4_K) and the kernels' rounding (bf16 on the CPU). Any other type
+is an error naming it.
 
 Contract:
 - ``int4_codes(blocks, qtype, shape) -> (codes, zeros, scales)``: ``blocks`` the tensor's raw bytes (uint8, one row
   of blocks per output row), ``shape`` ``(out_features, in_features)``; ``awq_format.dequantize(codes, zeros, scales,
   32)`` equals ``gguf.quants.dequantize(blocks, qtype)``.
-- ``int4_tensors(path)`` yields ``(name, codes, zeros, scales)`` for every Q4_0 / Q4_1 matrix of a GGUF file.
+- ``int4_tensors(path)`` yields ``(name, codes, zeros, scales)`` for every Q4_0 / Q4_1 / Q4_K matrix of a GGUF file.
 - ``file_key(path)``: a key of a file's content (size, a hash of its head and of samples spread over it), for a
   cache of converted models that survives moving the file or reinstalling the package that holds it.
 
-The loader (``engine/loader.py``) does not use this yet: the embedded model still loads through transformers'
-float conversion, and ``weights: int4`` still runs AWQ.
+``gguf_load`` builds a whole model from these (``weights: int4`` on a GGUF file).
 """
 
 from __future__ import annotations
@@ -32,8 +35,10 @@ import numpy as np
 import torch
 
 GROUP_SIZE = 32
-SUPPORTED = ("Q4_0", "Q4_1")
-_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20}
+SUPPORTED = ("Q4_0", "Q4_1", "Q4_K")
+_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q4_K": 144}
+_BLOCK_ELEMENTS = {"Q4_0": 32, "Q4_1": 32, "Q4_K": 256}
+_TINY = 2 ** -24   # the scale of a group whose weights are all equal (scale 0): q * tiny + w keeps them
 
 
 class UnsupportedQuantization(ValueError):
@@ -41,13 +46,15 @@ class UnsupportedQuantization(ValueError):
 
 
 def int4_codes(blocks: np.ndarray, qtype: str, shape: tuple[int, int]):
-    """Codes uint8 [N, K], zeros float32 [N, K/32], scales float16 [N, K/32] of one Q4_0 / Q4_1 matrix."""
+    """Codes uint8 [N, K], zeros float32 [N, K/32], scales float16 [N, K/32] of one Q4_0 / Q4_1 / Q4_K matrix."""
     if qtype not in SUPPORTED:
         raise UnsupportedQuantization(f"GGUF type {qtype} has no direct int4 form; supported: {', '.join(SUPPORTED)}"
                                       " (other types load through the float conversion)")
     n, k = shape
-    if k % GROUP_SIZE:
-        raise ValueError(f"in_features {k} is not a multiple of the GGUF block size {GROUP_SIZE}")
+    if k % _BLOCK_ELEMENTS[qtype]:
+        raise ValueError(f"in_features {k} is not a multiple of the {qtype} block size {_BLOCK_ELEMENTS[qtype]}")
+    if qtype == "Q4_K":
+        return _q4_k_codes(blocks, n, k)
     b = np.ascontiguousarray(blocks, dtype=np.uint8).reshape(n, k // GROUP_SIZE, _BLOCK_BYTES[qtype])
     d = b[..., 0:2].copy().view(np.float16)[..., 0]
     qs = b[..., -16:]
@@ -58,13 +65,31 @@ def int4_codes(blocks: np.ndarray, qtype: str, shape: tuple[int, int]):
         m = b[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
         d32 = d.astype(np.float32)
         flat = d32 == 0   # all 32 weights equal m: a tiny scale keeps them (q * tiny + m)
-        d = np.where(flat, np.float16(2 ** -24), d)
-        zeros = -m / np.where(flat, np.float32(2 ** -24), d32)
+        d = np.where(flat, np.float16(_TINY), d)
+        zeros = -m / np.where(flat, np.float32(_TINY), d32)
     return torch.from_numpy(codes.astype(np.uint8)), torch.from_numpy(zeros), torch.from_numpy(d.astype(np.float16))
 
 
+def _q4_k_codes(blocks: np.ndarray, n: int, k: int):
+    from gguf.quants import Q4_K
+
+    b = np.ascontiguousarray(blocks, dtype=np.uint8).reshape(n * (k // 256), 144)
+    d = b[:, 0:2].copy().view(np.float16).astype(np.float32)          # [B, 1]
+    dmin = b[:, 2:4].copy().view(np.float16).astype(np.float32)
+    sc, m = Q4_K.get_scale_min(b[:, 4:16].copy())                      # [B, 8] 6-bit each, gguf-py's own unpacking
+    qs = b[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)
+    codes = (qs & 0xF).reshape(n, k)                                   # sub-block 2j: low nibbles of chunk j
+    scales = (d * sc.astype(np.float32)).astype(np.float16)            # the zero is taken against the rounded scale
+    mins = dmin * m.astype(np.float32)
+    flat = scales == 0
+    scales = np.where(flat, np.float16(_TINY), scales)
+    zeros = mins / scales.astype(np.float32)
+    return (torch.from_numpy(codes.astype(np.uint8)), torch.from_numpy(zeros.reshape(n, k // 32).astype(np.float32)),
+            torch.from_numpy(scales.reshape(n, k // 32)))
+
+
 def int4_tensors(path: str) -> Iterator[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """``(name, codes, zeros, scales)`` for each Q4_0 / Q4_1 matrix of the GGUF file at ``path`` (GGUF names)."""
+    """``(name, codes, zeros, scales)`` for each Q4_0 / Q4_1 / Q4_K matrix of the GGUF file at ``path`` (GGUF names)."""
     from gguf import GGUFReader
 
     try:

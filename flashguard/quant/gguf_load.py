@@ -1,0 +1,212 @@
+"""A causal LM built straight from a GGUF file, its 4-bit matrices as ``Int4Linear`` (``weights: int4``).
+
+No float round trip and no AWQ search: every Q4_0 / Q4_1 / Q4_K matrix becomes an ``Int4Linear`` with group size
+32 (``gguf_int4``), so starting takes seconds. Tensors of other types (the Q5_K / Q6_K / Q8_0 matrices a Q4_K_M
+file keeps, the embeddings, norms and biases) are dequantized by gguf-py and stay in the model's float dtype: the
+kernels have no 5-, 6- or 8-bit group format, and re-quantizing them to 4 bits would change the model. One log
+line says which tensors stayed float and why.
+
+llama.cpp's converter permutes the rows of a ``llama`` GGUF's ``attn_q`` / ``attn_k`` for its rotary layout; the
+permutation is undone here on the codes, zeros and scales (it moves whole rows, so it is exact), as transformers'
+GGUF loader does on the float weights.
+
+Contract:
+- ``read_tensors(path) -> (architecture, [GgufTensor])``: the tensor table, data memory-mapped, in ~0.1 s.
+- ``int4_arch(path)`` is the file's ``general.architecture`` when it is one of ``ARCHS`` and the file holds at least
+  one 4-bit matrix, else None (the caller then loads it as a float model).
+- ``load_int4(path, config, device, dtype, backend, label)`` returns the model in eval mode on ``device``: every
+  parameter comes from the file (an error names the first that does not), ``lm_head`` is tied to the embeddings
+  when the file has no ``output.weight``. Logits equal those of gguf-py's dequantization of the file up to the
+  int4 kernel's rounding (bf16 activations on the CPU). A truncated or unreadable file is a ``ValueError`` naming it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections import Counter
+
+import numpy as np
+import torch
+from torch import nn
+
+from . import gguf_int4
+from .int4_linear import Int4Linear, set_module
+
+log = logging.getLogger("flashguard")
+
+ARCHS = ("llama", "qwen2")   # plain decoders whose GGUF names gguf-py maps onto the transformers model
+
+
+_SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_STRING, _ARRAY = 8, 9
+
+
+class GgufTensor:
+    """One tensor of the file: its GGUF name, ``shape`` (rows first, as torch), type name and raw bytes ``data``
+    (uint8 ``[rows, bytes per row]``, memory-mapped)."""
+
+    def __init__(self, name: str, shape: tuple[int, ...], qtype, data: np.ndarray):
+        self.name, self.shape, self.qtype, self.data = name, shape, qtype, data
+
+
+def read_tensors(path: str) -> tuple[str, list[GgufTensor]]:
+    """``(general.architecture, tensors)`` of a GGUF file (versions 2 and 3). Reads the header with ``struct``,
+    skipping metadata values (gguf-py's reader decodes every token string, which takes seconds on a 49K vocabulary);
+    tensor data stays memory-mapped. A truncated or malformed file is a ``ValueError`` naming it."""
+    import struct
+
+    from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGMLQuantizationType
+
+    size = os.path.getsize(path)
+    with open(path, "rb") as fh:
+        def take(fmt: str):
+            raw = fh.read(struct.calcsize(fmt))
+            if len(raw) < struct.calcsize(fmt):
+                raise ValueError(f"{path}: the file ends inside its GGUF header; it is truncated")
+            return struct.unpack(fmt, raw)[0]
+
+        def text() -> str:
+            n = take("<Q")
+            if n > size:
+                raise ValueError(f"{path}: a GGUF string of {n} bytes in a {size}-byte file; the file is damaged")
+            return fh.read(n).decode("utf-8", "replace")
+
+        def value(kind: int):
+            if kind == _STRING:
+                return text()
+            if kind == _ARRAY:
+                inner, count = take("<I"), take("<Q")
+                if inner in _SCALAR:   # numbers: skipped in one seek
+                    fh.seek(count * struct.calcsize(_SCALAR[inner]), os.SEEK_CUR)
+                    return None
+                for _ in range(count):
+                    value(inner)
+                return None
+            if kind not in _SCALAR:
+                raise ValueError(f"{path}: unknown GGUF value type {kind}; the file is damaged")
+            return take(_SCALAR[kind])
+
+        if fh.read(4) != b"GGUF":
+            raise ValueError(f"{path} is not a GGUF file (no GGUF magic)")
+        version = take("<I")
+        if version not in (2, 3):
+            raise ValueError(f"{path}: GGUF version {version}; versions 2 and 3 are read")
+        n_tensors, n_kv = take("<Q"), take("<Q")
+        meta = {}
+        for _ in range(n_kv):
+            key = text()
+            meta[key] = value(take("<I"))
+        infos = []
+        for _ in range(n_tensors):
+            name = text()
+            dims = [take("<Q") for _ in range(take("<I"))]
+            infos.append((name, tuple(reversed(dims)), take("<I"), take("<Q")))   # GGUF lists innermost first
+        align = int(meta.get("general.alignment") or GGUF_DEFAULT_ALIGNMENT)
+        start = -(-fh.tell() // align) * align
+    tensors = []
+    for name, shape, kind, offset in infos:
+        try:
+            qtype = GGMLQuantizationType(kind)
+        except ValueError:
+            raise ValueError(f"{path}: tensor {name} has GGUF type number {kind}, which gguf-py does not know; "
+                             "the file may be damaged or newer than the installed gguf package") from None
+        block, block_bytes = GGML_QUANT_SIZES[qtype]
+        rows, cols = int(np.prod(shape[:-1], dtype=np.int64)), shape[-1]
+        row_bytes = cols // block * block_bytes
+        if start + offset + rows * row_bytes > size:
+            raise ValueError(f"{path}: tensor {name} ends past the end of the file ({size} bytes); it is truncated")
+        data = np.memmap(path, np.uint8, "r", offset=start + offset, shape=(rows, row_bytes))
+        tensors.append(GgufTensor(name, shape, qtype, data))
+    return str(meta.get("general.architecture") or ""), tensors
+
+
+def int4_arch(path: str) -> str | None:
+    arch, tensors = read_tensors(path)
+    has_int4 = any(t.qtype.name in gguf_int4.SUPPORTED and len(t.shape) == 2 for t in tensors)
+    return arch if arch in ARCHS and has_int4 else None
+
+
+def _unpermute(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """Rows of a llama ``attn_q`` / ``attn_k`` back in transformers' order (the inverse of llama.cpp's permute)."""
+    rest = x.shape[1:]
+    return x.reshape(heads, x.shape[0] // heads // 2, 2, *rest).transpose(1, 2).reshape(x.shape)
+
+
+def load_int4(path: str, config, device: torch.device, dtype: torch.dtype, backend: str = "auto",
+              label: str | None = None) -> nn.Module:
+    import gguf
+    from gguf.quants import dequantize
+    from transformers import AutoModelForCausalLM
+
+    from .awq_load import _rebuild_meta_buffers
+
+    arch, tensors = read_tensors(path)
+    if arch not in ARCHS:
+        raise ValueError(f"{path}: general.architecture is {arch!r}; int4 straight from GGUF supports "
+                         f"{', '.join(ARCHS)}")
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], config.num_hidden_layers)
+    to_hf = {}
+    for hf in model.state_dict():
+        g = names.get_name(hf, try_suffixes=(".weight", ".bias"))
+        if g is not None:
+            to_hf[g] = hf
+    heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads} if arch == "llama" else {}
+
+    floats: dict[str, torch.Tensor] = {}
+    int4_types: Counter = Counter()
+    kept: Counter = Counter()   # (gguf type, role) of 2-D tensors kept in float
+    for t in tensors:
+        hf = to_hf.get(t.name)
+        if hf is None:
+            continue   # e.g. rope_freqs: recomputed by the model
+        shape = t.shape
+        role = t.name.split(".")[-2] if t.name.startswith("blk.") else t.name.rsplit(".", 1)[0]
+        permute = heads.get(role)
+        module_name = hf.rsplit(".", 1)[0]
+        qtype = t.qtype.name
+        if qtype in gguf_int4.SUPPORTED and len(shape) == 2 and hf.endswith(".weight") and \
+                isinstance(model.get_submodule(module_name), nn.Linear):
+            codes, zeros, scales = gguf_int4.int4_codes(t.data, qtype, shape)
+            if permute:
+                codes, zeros, scales = (_unpermute(x, permute) for x in (codes, zeros, scales))
+            set_module(model, module_name, Int4Linear.from_codes(codes, zeros, scales, gguf_int4.GROUP_SIZE, None,
+                                                                 device, backend))
+            int4_types[qtype] += 1
+            continue
+        try:
+            w = torch.from_numpy(np.array(dequantize(t.data, t.qtype), dtype=np.float32)).reshape(shape)
+        except NotImplementedError:
+            raise ValueError(f"{path}: tensor {t.name} is {qtype}, which has no int4 form and which gguf-py cannot "
+                             f"dequantize; int4 straight from GGUF takes {', '.join(gguf_int4.SUPPORTED)} matrices "
+                             "and F32 / F16 / BF16 / Q8_0 / Q5_K / Q6_K / other gguf-py types for the rest") from None
+        if permute:
+            w = _unpermute(w, permute)
+        floats[hf] = w.to(device=device, dtype=dtype)
+        if len(shape) == 2:
+            kept[(qtype, role)] += 1
+    if not int4_types:
+        raise ValueError(f"{path} holds no {'/'.join(gguf_int4.SUPPORTED)} matrix to load as int4")
+    for hf in [k for k in floats if k.endswith(".bias")]:   # biases of the Int4Linear layers (Qwen2's q/k/v)
+        module = model.get_submodule(hf.rsplit(".", 1)[0])
+        if isinstance(module, Int4Linear):
+            module.bias = floats.pop(hf)
+    model.load_state_dict(floats, strict=False, assign=True)
+    if "lm_head.weight" not in floats and not isinstance(model.lm_head, Int4Linear):
+        model.lm_head.weight = model.get_input_embeddings().weight   # no output.weight: tied (SmolLM2, small Qwens)
+    missing = [n for n, p in model.named_parameters() if p.device.type == "meta"]   # buffers: rebuilt below
+    if missing:
+        raise ValueError(f"{path} has no tensor for {missing[0]} (and {len(missing) - 1} more); is it a complete "
+                         f"{arch} model?")
+    _rebuild_meta_buffers(model, device)
+    model.eval()
+    model.requires_grad_(False)
+    layer = next(m for m in model.modules() if isinstance(m, Int4Linear))
+    stayed = ", ".join(f"{n} {role} ({q})" for (q, role), n in sorted(kept.items())) or "none"
+    log.info("flashguard: %s: %d matrices int4 straight from %s (group %d, %s kernel); kept in %s (no int4 form "
+             "without re-quantizing): %s", label or path, sum(int4_types.values()),
+             "/".join(sorted(int4_types)), gguf_int4.GROUP_SIZE, layer.backend, str(dtype).replace("torch.", ""),
+             stayed)
+    return model
