@@ -704,6 +704,9 @@ class TieredCache(Cache):
             layer.n_pages, layer.heat = min(layer.n_pages, keep), layer.heat[:keep]
             layer.hot = OrderedDict((p, slot) for p, slot in layer.hot.items() if p < keep)
         self.page_keys, self.stored = self.page_keys[:keep], self.stored[:keep]
+        # page indices from ``keep`` on will name other pages: their remembered L2 slots are stale
+        self._slot_table = {i: slot for i, slot in self._slot_table.items() if i < keep}
+        self._dev_slots = None
         for key in dropped:
             self.store.release(key)
         self.token_ids = self.token_ids[:length]
