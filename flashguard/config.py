@@ -31,6 +31,7 @@ POLICIES = ("exact", "sparse")
 KV_CACHES = ("tiered", "dynamic")
 _AUTO_SIZES = ("l1_tokens", "l2_tokens", "l1_max_tokens")   # kv keys that take ``auto``
 INT4_KERNELS = ("auto", "triton", "cuda", "cpu", "dequant")   # "auto" + Int4Linear's backends
+L1_CODECS = ("auto", "fp16", "int8")
 L2_CODECS = ("int8", "fp16")
 L3_CODECS = ("int4-zstd", "int8-zstd", "fp16-zstd")
 
@@ -45,6 +46,10 @@ class CacheConfig:
                    it fits the VRAM budget (then every page stays resident and attention is one fused kernel
                    call, as fast as a plain resident cache), else what the budget leaves after the weights.
     sink_tokens    first tokens always kept in L1 (attention sinks).
+    l1_codec       how the pool holds K/V: "fp16" (the model's 16-bit dtype), "int8" (codes + a scale per 32
+                   channels, as llama.cpp's q8_0: twice the tokens in the same memory, decoded inside the attention
+                   kernel), or "auto" (the default): int8 on a GPU whose budget leaves a 16-bit pool shorter than
+                   the context, else fp16.
     l2_tokens      tokens kept in host RAM (int8 by default) before pages spill to disk. None (YAML ``auto``, the
                    default): the whole context, or what half of the host RAM available at start holds if less.
     l3_tokens      tokens kept on disk (int4 + zstd); 0 disables L3.
@@ -65,6 +70,7 @@ class CacheConfig:
     page_size: int = 64
     l1_tokens: int | None = None
     sink_tokens: int = 64
+    l1_codec: str = "auto"
     l2_tokens: int | None = None
     l3_tokens: int = 1 << 20
     l3_dir: str | None = None
@@ -80,6 +86,7 @@ class CacheConfig:
 
     def __post_init__(self) -> None:
         _check_choice(self.policy, POLICIES, "kv.policy")
+        _check_choice(self.l1_codec, L1_CODECS, "kv.l1_codec")
         _check_choice(self.l2_codec, L2_CODECS, "kv.l2_codec")
         _check_choice(self.l3_codec, L3_CODECS, "kv.l3_codec")
         for name in ("page_size", "l1_tokens", "budget_tokens", "l1_max_tokens"):
@@ -102,7 +109,7 @@ class CacheConfig:
     @property
     def sized(self) -> bool:
         """True when no size is left to ``auto`` (``kv.policy.size_tiers`` fills them in at engine start)."""
-        return None not in (self.l1_tokens, self.l2_tokens, self.l1_max_tokens)
+        return None not in (self.l1_tokens, self.l2_tokens, self.l1_max_tokens) and self.l1_codec != "auto"
 
     def replace(self, **changes: Any) -> "CacheConfig":
         return dataclasses.replace(self, **changes)

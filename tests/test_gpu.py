@@ -176,7 +176,32 @@ def test_static_kv_one_graph_step_matches_the_models_forward():
     torch.testing.assert_close(torch.stack(ours), torch.stack(theirs), atol=2e-2, rtol=2e-2)
 
 
-@pytest.mark.parametrize("cache", ["dynamic", "tiered", "default"])
+@pytest.mark.parametrize("kvh,g", [(2, 6), (4, 7)])
+def test_int8_pool_decode_kernel_reads_only_the_used_codes(kvh, g):
+    """The Triton split-K kernel over int8 codes + group scales = exact attention over the dequantized prefix;
+    garbage past ``used`` changes nothing; inside a CUDA graph with ``used`` changed between replays too."""
+    from flashguard.kv import int8_pool
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    k = torch.randn(kvh, 33000, 128, device="cuda", generator=gen, dtype=torch.float16)
+    v = torch.randn(kvh, 33000, 128, device="cuda", generator=gen, dtype=torch.float16)
+    kc, ks = int8_pool.quantize(k)
+    vc, vs = int8_pool.quantize(v)
+    kd, vd = int8_pool.dequantize(kc, ks, torch.float32), int8_pool.dequantize(vc, vs, torch.float32)
+    q = torch.randn(kvh * g, 128, device="cuda", generator=gen, dtype=torch.float16)
+    used = torch.tensor([1], dtype=torch.int32, device="cuda")
+    int8_pool.decode_attention(q, kc, ks, vc, vs, used, 128 ** -0.5)   # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = int8_pool.decode_attention(q, kc, ks, vc, vs, used, 128 ** -0.5)
+    for n in (1, 700, 32769):
+        used.fill_(n)
+        graph.replay()
+        want, _ = attention.partial_attention(q.float().view(kvh, g, 1, 128), kd[:, :n], vd[:, :n], 128 ** -0.5)
+        torch.testing.assert_close(out.float(), want.reshape(kvh * g, 128), atol=3e-3, rtol=3e-3)
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "tiered", "default", "int8-pool"])
 def test_int4_engine_decodes_what_the_models_forward_predicts(cache, tmp_path):
     """The product's int4 path end to end on the GPU: `auto` int4 (Triton where it passes its self-check) in the
     Engine, prompt by dequantize + cuBLAS, steps by the matrix-vector kernel inside DecodeStep's graphs, over a
@@ -203,8 +228,12 @@ def test_int4_engine_decodes_what_the_models_forward_predicts(cache, tmp_path):
                                         eos_token="</s>", unk_token="t0")
     tiers = CacheConfig(page_size=64, l1_tokens=256, sink_tokens=64, l1_max_tokens=512, l3_tokens=0,
                         policy="exact")
-    config = EngineConfig(device="cuda", prefill_chunk=256) if cache == "default" else \
-        EngineConfig(device="cuda", kv_cache=cache, kv=tiers, prefill_chunk=256)
+    if cache == "default":
+        config = EngineConfig(device="cuda", prefill_chunk=256)
+    elif cache == "int8-pool":
+        config = EngineConfig(device="cuda", prefill_chunk=256, kv=CacheConfig(l1_codec="int8"))
+    else:
+        config = EngineConfig(device="cuda", kv_cache=cache, kv=tiers, prefill_chunk=256)
     engine = Engine(config,
                     ModelSource(str(tmp_path), None, "random-qwen2-int4"), model=model, tokenizer=tokenizer)
     prompt = torch.randint(0, 1000, (1500,), generator=torch.Generator().manual_seed(3)).tolist()
@@ -215,8 +244,11 @@ def test_int4_engine_decodes_what_the_models_forward_predicts(cache, tmp_path):
         logits = model(input_ids=torch.tensor([prompt + out], device="cuda")).logits[0, len(prompt) - 1:-1].float()
     chosen = logits.gather(1, torch.tensor(out, device="cuda")[:, None])[:, 0]
     gap = logits.max(1).values - chosen            # 0 where the engine took the forward's top token
-    assert (gap <= 0.05 * logits.std(1)).all(), gap
+    assert (gap <= (0.15 if cache == "int8-pool" else 0.05) * logits.std(1)).all(), gap   # int8 KV: rounding
+    assert engine.embedding_on_host   # int4 weights on CUDA: the untied table lives in host RAM
     if cache == "tiered":
         assert engine.session.cache.layers[0].win_start > 64   # pages had left the window
-    if cache == "default":   # the memory-aware default: every token resident, the whole step one CUDA graph
+    if cache in ("default", "int8-pool"):   # every token resident, the whole step one CUDA graph
         assert engine.session.cache.layers[0].resident and engine._step.wholes
+    if cache == "int8-pool":
+        assert engine.session.cache.layers[0].l1_k.dtype == torch.int8

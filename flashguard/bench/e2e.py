@@ -15,7 +15,8 @@ Each turn generates ``--max-tokens`` tokens. Per turn: wall seconds, time to the
 prefilled / reused by the generation and by the moderation call, L3 reads, peak reserved memory and the NVML
 figure for the process. Each row runs in its own process (the allocator cap is per process).
 
-Rows: ``default`` (no cache key set, ``vram_budget: 4GiB``), ``l3`` (the same with a smaller pool and L2, so most
+Rows: ``default`` (no cache key set, ``vram_budget: 4GiB``), ``fp16-pool`` (the same, pool kept 16-bit), ``chunk-2048``
+(the same, 2048-token prefill chunks), ``l3`` (the same with a smaller pool and L2, so most
 pages live on disk), ``dynamic-fp16`` (fp16 weights, DynamicCache, no budget).
 """
 
@@ -31,13 +32,17 @@ from pathlib import Path
 
 ROWS = {
     "default": {"vram_budget": "4GiB"},
+    # the same budget with the pool kept 16-bit (kv.l1_codec: auto picks int8 for this model under 4 GiB: a
+    # 16-bit pool holds 56K of its 135K-token context)
+    "fp16-pool": {"vram_budget": "4GiB", "kv": {"l1_codec": "fp16"}},
+    "chunk-2048": {"vram_budget": "4GiB", "prefill_chunk": 2048},
     # a small pool and L2: at 32K half the pages live on disk; a larger prefill chunk, since every chunk of the
     # prompt attends every page that left the pool (exact), and those on disk are read again for each chunk
     "l3": {"vram_budget": "4GiB", "prefill_chunk": 4096,
            "kv": {"l1_tokens": 4096, "l1_max_tokens": 8192, "l2_tokens": 8192}},
     "dynamic-fp16": {"kv_cache": "dynamic", "vram_budget": None, "weights": "float"},
 }
-ROW_CONTEXTS = {"l3": (32768,)}   # contexts a row is limited to (the l3 row's prefill at 128K reads ~45K pages)
+ROW_CONTEXTS = {"l3": (32768,), "fp16-pool": (8192, 32768), "chunk-2048": (32768, 131072)}   # contexts a row is limited to (the l3 row's prefill at 128K reads ~45K pages)
 QUESTION_1 = "Summarise the text above in two sentences."
 QUESTION_2 = "Now list three topics it covers."
 
@@ -187,7 +192,7 @@ def _two_turns(args, rails, engine, tok, context: int, out: list):
         info = engine.info()
         if "tiers" in info:
             t = info["tiers"]
-            result.update(pool_tokens=t["pool"]["tokens"], l2_pages=t["l2"]["pages_now"],
+            result.update(pool_tokens=t["pool"]["tokens"], pool_codec=t["pool"].get("codec"), l2_pages=t["l2"]["pages_now"],
                           l3_pages=t["l3"]["pages_now"], pages=info["session"].get("pages"))
         out.append(result)
         print(json.dumps(result), flush=True)
@@ -206,7 +211,7 @@ def render(rows: list[dict]) -> str:
             lines.append(f"| {r['row']} | {r.get('context', '')} | | {r['error']} |" + " |" * 9)
             continue
         dec = f"{r['decode_tok_s']:.1f}" if r.get("decode_tok_s") else "-"
-        pool = r.get("pool_tokens", "-")
+        pool = f"{r['pool_tokens']} {r.get('pool_codec') or ''}".strip() if "pool_tokens" in r else "-"
         pages = f"{r.get('l3_pages', '-')} / {r.get('pages', '-')}" if "pages" in r else "-"
         lines.append(f"| {r['row']} | {r['context']} | {r['turn']} | {r['wall_s']:.2f} | {r['ttft_s']:.3f} | {dec} | "
                      f"{r['gen_prefilled']} / {r['gen_reused']} | {r['mod_prefilled']} / {r['mod_reused']} | "

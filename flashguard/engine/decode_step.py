@@ -27,7 +27,8 @@ import logging
 
 import torch
 
-from ..kv import attention
+from ..kv import attention, int8_pool
+from .host_embedding import HostEmbedding
 
 log = logging.getLogger("flashguard")
 
@@ -37,10 +38,13 @@ class StaticKV:
     tensors ``[layers, ...]``, or per-layer lists: a resident TieredCache's L1 buffers), written at the step's
     position by a kernel (the position is a device tensor) and attended up to a device-side count
     (``attention.prefix_attention``): shapes never change, so a whole decode step can be replayed as one CUDA
-    graph. ``length`` is the number of tokens held (host side); ``owner`` (a TieredCache) is told of each step."""
+    graph. ``length`` is the number of tokens held (host side); ``owner`` (a TieredCache) is told of each step.
+    ``scales``: an int8 pool (``kv/int8_pool.py``): keys/values are codes and ``scales`` is ``(key scales, value
+    scales)``, per layer ``[kv_heads, capacity, head_dim / GROUP]``."""
 
-    def __init__(self, keys, values, length: int, owner=None):
+    def __init__(self, keys, values, length: int, owner=None, scales=None):
         self.keys, self.values, self.length, self.owner = keys, values, length, owner
+        self.scales = scales
 
     @property
     def capacity(self) -> int:
@@ -81,8 +85,9 @@ class DecodeStep:
         self.rotary = inner.rotary_emb
         first = self.layers[0].self_attn
         self.head_dim, self.scaling = first.head_dim, first.scaling
-        weight = self.embed.weight
+        weight = self.norm.weight   # (the embedding table may live in host RAM: host_embedding.py)
         self.device, self.dtype = weight.device, weight.dtype
+        self.host_embed = isinstance(self.embed, HostEmbedding)
         self.use_graphs = self.device.type == "cuda" if graphs is None else graphs
         self.whole_step = self.use_graphs if whole_step is None else whole_step
         half = self.head_dim // 2   # rotate_half(x) = roll(x, D/2) * sign: the sign goes into sin once a step
@@ -90,6 +95,9 @@ class DecodeStep:
         n = len(self.layers)
         hq = model.config.num_attention_heads
         self.token = torch.zeros((1, 1), dtype=torch.long, device=self.device)
+        # a host embedding table: the token's row is copied here before each step (the graphs read it)
+        self.embedded = torch.zeros((1, 1, model.config.hidden_size), dtype=self.dtype, device=self.device) \
+            if self.host_embed else None
         self.position = torch.zeros((1, 1), dtype=torch.long, device=self.device)
         self.attn_out = [torch.zeros((1, 1, hq * self.head_dim), dtype=self.dtype, device=self.device)
                          for _ in range(n)]
@@ -114,7 +122,7 @@ class DecodeStep:
         """Work between attention ``i - 1`` and attention ``i``. Segment 0 embeds the token and computes the
         rotary angles; the last one (``i == layers``) ends with the final norm and ``lm_head``."""
         if i == 0:
-            h = self.embed(self.token)
+            h = self.embedded.clone() if self.host_embed else self.embed(self.token)
             cos, sin = self.rotary(h, self.position)
             cos, sin = cos.unsqueeze(1), (sin * self.sign).unsqueeze(1)   # [1, 1, 1, D]
         else:
@@ -150,11 +158,19 @@ class DecodeStep:
 
     def _attend_static(self, i: int, kv: StaticKV, q, k, v) -> None:
         """Write this token's k, v at ``position``; attend over every position written so far."""
-        kv.keys[i].index_copy_(1, self.position[0], k[0])          # [kvh, capacity, D] <- [kvh, 1, D]
-        kv.values[i].index_copy_(1, self.position[0], v[0])
         if i == 0:
             self.used = (self.position[0] + 1).to(torch.int32)
-        out = attention.prefix_attention(q[0, :, 0], kv.keys[i], kv.values[i], self.used, self.scaling)
+        if kv.scales is None:
+            kv.keys[i].index_copy_(1, self.position[0], k[0])          # [kvh, capacity, D] <- [kvh, 1, D]
+            kv.values[i].index_copy_(1, self.position[0], v[0])
+            out = attention.prefix_attention(q[0, :, 0], kv.keys[i], kv.values[i], self.used, self.scaling)
+        else:   # an int8 pool: quantize on the way in, attend the codes (kv/int8_pool.py)
+            ks, vs = kv.scales[0][i], kv.scales[1][i]
+            for codes, scales, x in ((kv.keys[i], ks, k[0]), (kv.values[i], vs, v[0])):
+                c, s = int8_pool.quantize(x)
+                codes.index_copy_(1, self.position[0], c)
+                scales.index_copy_(1, self.position[0], s)
+            out = int8_pool.decode_attention(q[0, :, 0], kv.keys[i], ks, kv.values[i], vs, self.used, self.scaling)
         self.attn_out[i].copy_(out.reshape(1, 1, -1))
 
     def _layers(self, attend, cache) -> torch.Tensor:
@@ -171,6 +187,8 @@ class DecodeStep:
     def step(self, token_id: int, cache) -> torch.Tensor:
         self.token.fill_(int(token_id))
         self.position.fill_(cache.get_seq_length())
+        if self.host_embed:
+            self.embedded.copy_(self.embed.rows(torch.tensor([[int(token_id)]])))
         if isinstance(cache, StaticKV):
             if cache.length >= cache.capacity:
                 raise ValueError(f"the StaticKV is full ({cache.length} tokens)")

@@ -129,6 +129,13 @@ class Engine:
         self.eos_ids = self._eos_ids()
         self._cache_kwarg = cache_kwarg(self.model)
         self._use_causal_sdpa()
+        self.embedding_on_host = False
+        if self.device.type == "cuda" and self.weights_kind == "int4":
+            # the GPU needs one row of the table per token; its 16-bit copy would take a quarter of an int4
+            # model's GPU memory (the planner counts it on the host: vram/plan.py)
+            from .host_embedding import install
+
+            self.embedding_on_host = install(self.model, self.device) > 0
         self._step = DecodeStep(self.model, graphs=config.cuda_graphs and self.device.type == "cuda") \
             if DecodeStep.supports(self.model) else None
         self.session = None   # the KVSession of the last sequence run (kv/session.py)
@@ -150,7 +157,7 @@ class Engine:
         for i, m in enumerate(messages):
             role, content = m.get("role"), m.get("content")
             if role not in ("system", "user", "assistant", "tool"):
-                raise PromptError(f"messages[{i}].role must be system, user or assistant; got {role!r}")
+                raise PromptError(f"messages[{i}].role must be system, user, assistant or tool; got {role!r}")
             if not isinstance(content, str):
                 raise PromptError(f"messages[{i}].content must be a string")
             msgs.append({"role": role, "content": content})
@@ -464,11 +471,16 @@ class Engine:
 
         shape = planner.Shape.from_config(self.model.config, self.source.label)
         kv_token = shape.layers * 2 * shape.kv_heads * shape.head_dim * self.dtype.itemsize
+        if self.kv.l1_codec == "int8":
+            from ..kv.int8_pool import bytes_per_value
+
+            kv_token = int(shape.layers * 2 * shape.kv_heads * shape.head_dim * bytes_per_value())
         kernels = sorted({m.backend for m in self.model.modules() if isinstance(m, Int4Linear)})
         out = {"model": self.source.label, "device": str(self.device), "dtype": str(self.dtype).replace("torch.", ""),
                "weights": self.weights_kind, "int4_kernel": kernels[0] if len(kernels) == 1 else kernels or None,
                "cache": self.config.kv_cache, "vram_budget": self.vram_budget, "context": self.context_length,
-               "prefill_chunk": self.prefill_chunk}
+               "prefill_chunk": self.prefill_chunk,
+               "embedding": "host" if self.embedding_on_host else str(self.device)}
         with self.lock:
             session = self.session.stats() if self.session is not None else {}
         if self.config.kv_cache == "tiered":
@@ -476,7 +488,7 @@ class Engine:
             store = self.store.stats_dict() if self.store is not None else {}
             out["tiers"] = {
                 "page_size": k.page_size, "policy": k.policy,
-                "pool": {"tokens": k.l1_max_tokens, "bytes": k.l1_max_tokens * kv_token},
+                "pool": {"tokens": k.l1_max_tokens, "codec": k.l1_codec, "bytes": k.l1_max_tokens * kv_token},
                 "l1": {"tokens": k.l1_tokens, "sink_tokens": k.sink_tokens, "bytes_now": session.get("l1_bytes", 0)},
                 "l2": {"tokens": k.l2_tokens, "codec": k.l2_codec, "pages_now": store.get("l2_pages", 0),
                        "bytes_now": store.get("l2_bytes", 0)},

@@ -32,7 +32,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..config import CacheConfig
-from . import FETCH_BLOCK_TOKENS, FETCH_BLOCK_TOKENS_CPU, attention, codecs, uva
+from . import FETCH_BLOCK_TOKENS, FETCH_BLOCK_TOKENS_CPU, attention, codecs, int8_pool, uva
 from .store import PageStore, namespace_for, page_key
 
 
@@ -62,6 +62,7 @@ class TieredLayer(CacheLayerMixin):
         self.index = index
         self.length = 0
         self.l1_k = self.l1_v = None            # [kvh, capacity, D]: sinks at [0, S), the window right after
+        self.l1_ks = self.l1_vs = None          # int8 pool only: the codes' scales [kvh, capacity, D / GROUP]
         self.win_start = 0
         self.bounds = None                      # [kvh, 2D, capacity]: per full page key max (rows :D), min (D:)
         self.n_pages = 0                        # full pages with bounds (columns of ``bounds`` in use)
@@ -74,8 +75,14 @@ class TieredLayer(CacheLayerMixin):
     def lazy_initialization(self, key_states, value_states):
         self.dtype, self.device = key_states.dtype, key_states.device
         kvh, d = key_states.shape[1], key_states.shape[-1]
-        self.l1_k = key_states.new_zeros((kvh, 0, d))
-        self.l1_v = value_states.new_zeros((kvh, 0, d))
+        if self.owner.int8:
+            self.l1_k = key_states.new_zeros((kvh, 0, d), dtype=torch.int8)
+            self.l1_v = key_states.new_zeros((kvh, 0, d), dtype=torch.int8)
+            self.l1_ks = key_states.new_zeros(int8_pool.scale_shape(kvh, 0, d), dtype=torch.float16)
+            self.l1_vs = key_states.new_zeros(int8_pool.scale_shape(kvh, 0, d), dtype=torch.float16)
+        else:
+            self.l1_k = key_states.new_zeros((kvh, 0, d))
+            self.l1_v = value_states.new_zeros((kvh, 0, d))
         self.bounds = key_states.new_zeros((kvh, 2 * d, 64))
         self.n_pages = 0
         self.heat: list[float] = []             # per full page, on the host (no device syncs)
@@ -148,9 +155,26 @@ class TieredLayer(CacheLayerMixin):
     def _append(self, k: torch.Tensor, v: torch.Tensor) -> None:
         n, new = self.l1_len, k.shape[1]
         self._reserve(n + new)
-        self.l1_k[:, n:n + new] = k
-        self.l1_v[:, n:n + new] = v
+        self._write(n, k, v)
         self.length += new
+
+    def _write(self, at: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """K/V ``[kvh, T, D]`` into L1 positions [at, at + T) (quantized in an int8 pool)."""
+        b = at + k.shape[1]
+        if self.l1_ks is None:
+            self.l1_k[:, at:b] = k
+            self.l1_v[:, at:b] = v
+            return
+        self.l1_k[:, at:b], self.l1_ks[:, at:b] = int8_pool.quantize(k)
+        self.l1_v[:, at:b], self.l1_vs[:, at:b] = int8_pool.quantize(v)
+
+    def _read(self, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V of L1 positions [a, b) in the model's dtype: views of a 16-bit pool, dequantized copies of an int8
+        one."""
+        if self.l1_ks is None:
+            return self.l1_k[:, a:b], self.l1_v[:, a:b]
+        return (int8_pool.dequantize(self.l1_k[:, a:b], self.l1_ks[:, a:b], self.dtype),
+                int8_pool.dequantize(self.l1_v[:, a:b], self.l1_vs[:, a:b], self.dtype))
 
     @torch.inference_mode()
     def _resize(self, capacity: int) -> None:
@@ -161,13 +185,19 @@ class TieredLayer(CacheLayerMixin):
         v = self.l1_v.new_zeros(k.shape)
         k[:, :n], v[:, :n] = self.l1_k[:, :n], self.l1_v[:, :n]
         self.l1_k, self.l1_v = k, v
+        if self.l1_ks is not None:
+            ks = self.l1_ks.new_zeros((k.shape[0], capacity, self.l1_ks.shape[2]))
+            vs = self.l1_vs.new_zeros(ks.shape)
+            ks[:, :n], vs[:, :n] = self.l1_ks[:, :n], self.l1_vs[:, :n]
+            self.l1_ks, self.l1_vs = ks, vs
 
     @torch.inference_mode()
     def _drop_window_page(self) -> None:
         """The oldest window page leaves L1 (it is already in the store): shift the window left by a page."""
         s, p, nw = self.owner.sink_tokens, self.owner.page_size, self.length - self.win_start
-        self.l1_k[:, s:s + nw - p] = self.l1_k[:, s + p:s + nw].clone()
-        self.l1_v[:, s:s + nw - p] = self.l1_v[:, s + p:s + nw].clone()
+        for t in (self.l1_k, self.l1_v, self.l1_ks, self.l1_vs):
+            if t is not None:
+                t[:, s:s + nw - p] = t[:, s + p:s + nw].clone()
         self.win_start += p
 
     def _trim(self) -> None:
@@ -181,9 +211,9 @@ class TieredLayer(CacheLayerMixin):
         s = self.owner.sink_tokens
         if end <= s or start >= self.win_start:
             a, b = (start, end) if end <= s else (start - self.win_start + s, end - self.win_start + s)
-            return self.l1_k[:, a:b], self.l1_v[:, a:b]
-        return (torch.cat([self.l1_k[:, start:s], self.l1_k[:, s:end - self.win_start + s]], dim=1),
-                torch.cat([self.l1_v[:, start:s], self.l1_v[:, s:end - self.win_start + s]], dim=1))
+            return self._read(a, b)
+        (k1, v1), (k2, v2) = self._read(start, s), self._read(s, end - self.win_start + s)
+        return torch.cat([k1, k2], dim=1), torch.cat([v1, v2], dim=1)
 
     # ---- pages off L1 ---------------------------------------------------------------------
     def fetch(self, pages: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -272,7 +302,7 @@ class TieredLayer(CacheLayerMixin):
         first_page = self.owner.sink_tokens // p
         last_page = self.win_start // p       # off-window pages: [first_page, last_page)
         n = self.l1_len
-        l1_k, l1_v = self.l1_k[:, :n], self.l1_v[:, :n]
+        l1_k, l1_v = self._read(0, n)   # an int8 pool: this layer's 16-bit copy, alive while it attends
         if self.resident:
             # every token is in L1, in order: fused kernels over one buffer, as a plain resident cache
             if lq == 1:
@@ -399,6 +429,14 @@ class TieredCache(Cache):
                                       host_available=None, kv_heads=text_config.num_key_value_heads or 1)
         self.config = cache_config
         self.preallocate = preallocate
+        text_heads = text_config.num_attention_heads
+        head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_heads
+        if cache_config.l1_codec == "int8" and not int8_pool.supported(head_dim):
+            from ..errors import ConfigError
+
+            raise ConfigError(f"an int8 pool needs a head_dim that is a multiple of {int8_pool.GROUP}, this model's "
+                              f"is {head_dim}; set fp16", key="kv.l1_codec")
+        self.int8 = cache_config.l1_codec == "int8"
         self.model_config = model_config
         self.num_layers = text_config.num_hidden_layers
         p = self.config.page_size
@@ -543,8 +581,11 @@ class TieredCache(Cache):
         # the attention kernel is sized by the capacity it is shown: show a power of two above the length (a few
         # graphs per conversation), not the whole pool (a 128K pool would cost a 4K conversation 15% of its step)
         view = min(l0.l1_k.shape[1], max(self.STATIC_MIN, 1 << (self.length + 1).bit_length()))
+        scales = None
+        if l0.l1_ks is not None:
+            scales = ([layer.l1_ks[:, :view] for layer in layers], [layer.l1_vs[:, :view] for layer in layers])
         return StaticKV([layer.l1_k[:, :view] for layer in layers], [layer.l1_v[:, :view] for layer in layers],
-                        self.length, owner=self)
+                        self.length, owner=self, scales=scales)
 
     STATIC_MIN = 4096   # the smallest capacity a whole-step graph attends over
 
@@ -663,8 +704,7 @@ class TieredCache(Cache):
                 if lo >= hi:
                     continue
                 for li, layer in enumerate(self.layers):
-                    layer.l1_k[:, lo + shift:hi + shift] = k[li][:, lo - idx * p:hi - idx * p]
-                    layer.l1_v[:, lo + shift:hi + shift] = v[li][:, lo - idx * p:hi - idx * p]
+                    layer._write(lo + shift, k[li][:, lo - idx * p:hi - idx * p], v[li][:, lo - idx * p:hi - idx * p])
         self.length = length
 
     def _kv_shape(self) -> tuple[int, int]:
@@ -738,7 +778,7 @@ class TieredCache(Cache):
             layer.is_initialized = False
             layer.length = 0
             layer.hot.clear()
-            layer.l1_k = layer.l1_v = layer.hot_k = layer.hot_v = None
+            layer.l1_k = layer.l1_v = layer.l1_ks = layer.l1_vs = layer.hot_k = layer.hot_v = None
 
     def reset(self) -> None:
         """transformers' Cache.reset: forget the sequence, keep nothing."""
@@ -752,8 +792,9 @@ class TieredCache(Cache):
         total = 0
         for layer in self.layers:
             if layer.is_initialized:
-                for t in (layer.l1_k, layer.l1_v, layer.bounds):
-                    total += t.numel() * t.element_size()
+                for t in (layer.l1_k, layer.l1_v, layer.l1_ks, layer.l1_vs, layer.bounds):
+                    if t is not None:
+                        total += t.numel() * t.element_size()
                 total += layer.hot_bytes()
         return total
 

@@ -65,7 +65,8 @@ def size_tiers(kv: CacheConfig, *, context: int, pool_tokens: int, l2_bytes_per_
             if l2 < off:
                 log.warning("flashguard: host RAM holds %d of the %d off-pool tokens in L2; the rest go to disk "
                             "(L3). Set models[main].parameters.kv.l2_tokens to change it", l2, off)
-    return kv.replace(l1_tokens=l1, l1_max_tokens=l1_max, l2_tokens=l2)
+    return kv.replace(l1_tokens=l1, l1_max_tokens=l1_max, l2_tokens=l2,
+                      l1_codec="fp16" if kv.l1_codec == "auto" else kv.l1_codec)
 
 
 def host_available() -> int | None:

@@ -48,7 +48,10 @@ def page_key(parent: bytes, token_ids, namespace: bytes) -> bytes:
 
 
 def namespace_for(model_id: str, dtype: torch.dtype, config: CacheConfig) -> bytes:
+    # an int8 pool's pages were rounded once more before the L2 codec: not the same page as a 16-bit pool's
     text = f"{model_id}|{dtype}|{config.page_size}|{config.l2_codec}|{config.l3_codec}|{config.isolation_salt}"
+    if config.l1_codec == "int8":
+        text += "|l1-int8"
     return hashlib.blake2b(text.encode(), digest_size=16).digest()
 
 

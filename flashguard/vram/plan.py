@@ -3,8 +3,10 @@
 All numbers are computed from the model shape and the flashguard config, the way the engine allocates:
 
 - weights      embeddings and lm_head in 16-bit; decoder linears in 16-bit or int4 (codes K*N/2 bytes plus a
-               bf16 scale and zero per group and output column); norms and biases in 16-bit.
-- kv           dynamic: every token, K and V, every layer, 16-bit. tiered: the pool (sinks + the largest adaptive
+               bf16 scale and zero per group and output column); norms and biases in 16-bit. With int4 weights
+               the embedding table stays in host RAM (``engine/host_embedding.py``); an untied lm_head stays.
+- kv           dynamic: every token, K and V, every layer, 16-bit. tiered: the pool (16-bit, or int8 codes and
+               scales with one layer's 16-bit copy for prefill when ``kv.l1_codec`` is int8) (sinks + the largest adaptive
                window + one chunk; the whole context when it fits), the per-page Quest key summaries (min and
                max), and, when pages live off the pool, one fetch block of pages. ``pool_tokens`` finds the
                largest pool that fits a budget; an unsized tiered config (``auto``) is planned with it.
@@ -105,6 +107,8 @@ def weight_bytes(s: Shape, kind: str, group: int = 128) -> dict:
                          + 3 * s.hidden * s.intermediate)
     small = s.layers * (2 * s.hidden + ((s.heads * s.head_dim + 2 * kvd) if s.qkv_bias else 0)) + s.hidden
     emb = s.vocab * s.hidden * (1 if s.tied else 2)
+    if kind == "int4" and not s.tied:   # the embedding table lives in host RAM; lm_head stays
+        emb = s.vocab * s.hidden
     if kind == "int4":
         lin_bytes = linear // 2 + (linear // group) * 2 * 2
     else:
@@ -139,7 +143,12 @@ def plan(shape: Shape, *, gpu_mem: int, context: int, weights: str = "int4", cac
         summaries = pages * s.layers * s.kv_heads * 2 * s.head_dim * 2
         # a streamed block of pages: decoded (16-bit) plus its encoded bytes and the next block's in flight
         fetch = min(FETCH_BLOCK_TOKENS, context) * 2 * kvd * 2 * 2 if window < context else 0
-        parts["kv cache"] = window * per_token_kv + summaries + fetch
+        pool = window * per_token_kv
+        if kv.l1_codec == "int8":   # codes and scales, and one layer's 16-bit copy while a prefill chunk attends
+            from ..kv.int8_pool import bytes_per_value
+
+            pool = int(window * s.layers * 2 * kvd * bytes_per_value()) + window * 2 * kvd * 2
+        parts["kv cache"] = pool + summaries + fetch
         # On the GPU, blocks of pages and the window are attended by fused kernels that keep no scores; only a
         # chunk that reaches into the sinks (the first) is attended with a mask over L1: one query tile against
         # it, fp32 scores (scaled, masked, exp'd in place) plus, at either end, one 16-bit copy (the einsum result
@@ -199,11 +208,26 @@ def sized_kv(shape: Shape, *, budget: int, context: int, weights: str, prefill_c
              group: int = 128, cuda_context: int = CUDA_CONTEXT, host_available: int | None = None,
              l2_bytes_per_token: int = 1):
     """``kv`` with its ``auto`` sizes set for ``budget``: the largest pool that fits (at least the minimum, which
-    ``fit_to_budget`` reports when even that does not fit)."""
-    from ..kv.policy import size_tiers
+    ``fit_to_budget`` reports when even that does not fit). ``kv.l1_codec: auto`` becomes int8 when a 16-bit
+    pool would be shorter than the context and an int8 pool holds more (the head size allowing it), else fp16."""
+    from ..kv import int8_pool
+    from ..kv.policy import round_pages, size_tiers
 
-    pool = pool_tokens(shape, budget=budget, context=context, weights=weights, prefill_chunk=prefill_chunk, kv=kv,
-                       group=group, cuda_context=cuda_context)
+    def largest(k):
+        return pool_tokens(shape, budget=budget, context=context, weights=weights, prefill_chunk=prefill_chunk,
+                           kv=k, group=group, cuda_context=cuda_context)
+
+    if kv.l1_codec == "auto":
+        fp16 = kv.replace(l1_codec="fp16")
+        pool = largest(fp16)
+        kv = fp16
+        if pool < round_pages(context, kv.page_size) and kv.l1_tokens is None and int8_pool.supported(shape.head_dim):
+            int8 = kv.replace(l1_codec="int8")
+            pool8 = largest(int8)
+            if pool8 > pool:
+                kv, pool = int8, pool8
+    else:
+        pool = largest(kv)
     pool = max(pool, MIN_POOL_PAGES * kv.page_size + kv.sink_tokens)
     return size_tiers(kv, context=context, pool_tokens=pool, l2_bytes_per_token=l2_bytes_per_token,
                       host_available=host_available, kv_heads=shape.kv_heads)
