@@ -7,7 +7,7 @@
     flashguard plan       --model M --gpu-mem 4GiB --context 131072   will it fit, and what to change
     flashguard smi        [--url URL] [--watch S] [--json]            GPU/host memory by category
     flashguard stress     --context 131072 [--vram-budget 4GiB]       drive the tiered KV cache, measure it
-    flashguard calibrate  [--config DIR] [--weights int4]             train the moderation probe for the model
+    flashguard calibrate  [--config DIR] [--weights int4] [--rail input]  train a moderation probe for the model
 """
 
 from __future__ import annotations
@@ -312,6 +312,7 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("calibrate", help="train the moderation rail's probe for the config's model (once per model)")
     p.add_argument("--config", default=default_config_dir())
     p.add_argument("--weights", choices=("float", "int4"), default=None, help="override the config's weights")
+    p.add_argument("--rail", choices=("output", "input"), default="output", help="which rail's probe to train")
     p.add_argument("--data", default=None, help="labelled JSONL (default: the project's tuning set)")
     p.add_argument("--out", default=None, help="probe file (default: the user cache folder, where the rail looks)")
     p.set_defaults(func=cmd_calibrate)

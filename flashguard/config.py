@@ -123,7 +123,10 @@ class EngineConfig:
     gguf_file      GGUF file name inside model_path, when model_path is a folder with several.
     device         "auto" (CUDA when present, else CPU), "cpu", "cuda" or "cuda:N".
     dtype          "auto" (fp16/bf16 on GPU, fp32 on CPU), "float32", "float16", "bfloat16".
-    max_tokens     default cap on generated tokens per call.
+    max_tokens     default cap on generated tokens per call (the answer's; see reasoning_tokens).
+    reasoning_tokens  room for a reasoning model's ``<think>...</think>`` block on top of max_tokens (the call's
+                   cap is their sum); None (``auto``, default) = 2048 when the chat template writes ``<think>``
+                   (DeepSeek-R1 distills), else 0.
     temperature    0 = greedy (default); > 0 samples.
     top_p          nucleus sampling mass when sampling.
     seed           sampling seed for reproducible sampled output; None = random.
@@ -150,6 +153,7 @@ class EngineConfig:
     device: str = "auto"
     dtype: str = "auto"
     max_tokens: int = 256
+    reasoning_tokens: int | None = None
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
@@ -176,6 +180,8 @@ class EngineConfig:
             raise ConfigError(f"must be auto, cpu, cuda or cuda:N, got {self.device!r}", key="device")
         if self.max_tokens <= 0:
             raise ConfigError(f"must be a positive integer, got {self.max_tokens!r}", key="max_tokens")
+        if self.reasoning_tokens is not None and self.reasoning_tokens < 0:
+            raise ConfigError(f"must be auto or an integer >= 0, got {self.reasoning_tokens!r}", key="reasoning_tokens")
         if self.temperature < 0:
             raise ConfigError(f"must be >= 0, got {self.temperature!r}", key="temperature")
         if not 0 < self.top_p <= 1:
@@ -196,6 +202,8 @@ class EngineConfig:
             raise ConfigError("renamed to kv_cache (NeMo Guardrails rejects a model parameter named cache)",
                               key="cache")
         kv = params.pop("kv", None)
+        if params.get("reasoning_tokens") == "auto":
+            params["reasoning_tokens"] = None
         if params.get("vram_budget") not in (None, "auto"):
             params["vram_budget"] = parse_bytes(params["vram_budget"], key="vram_budget")
         values = _typed_values(cls, params, prefix="", skip={"kv"})
@@ -247,7 +255,7 @@ def _coerce(value: Any, f: dataclasses.Field, key: str) -> Any:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"must be a number, got {value!r}", key=key)
         return float(value)
-    if f.name in ("seed", "max_context", "vram_budget", *_AUTO_SIZES):
+    if f.name in ("seed", "max_context", "vram_budget", "reasoning_tokens", *_AUTO_SIZES):
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigError(f"must be an integer, got {value!r}", key=key)
         return value

@@ -1,7 +1,8 @@
-"""The NeMo Guardrails action of the moderation rail: ``flashguard_moderate_output``.
+"""The NeMo Guardrails actions of the moderation rails: ``flashguard_moderate_output`` and
+``flashguard_moderate_input``.
 
-Registered by ``configs/flash/config.py``; used by the ``flashguard moderate output`` flow.
-It needs the main model to be the flashguard provider (it moderates with the same engine).
+Registered by ``configs/flash/config.py``; used by the ``flashguard moderate output`` / ``flashguard moderate
+input`` flows. They need the main model to be the flashguard provider (they moderate with the same engine).
 """
 
 from __future__ import annotations
@@ -12,19 +13,14 @@ from typing import Optional
 from nemoguardrails.actions import action
 from nemoguardrails.actions.rail_outcome import RailOutcome
 
-from .moderation import ModerationSettings, moderate
+from .moderation import ModerationSettings, moderate, moderate_input
 
 
 @action(name="flashguard_moderate_output", is_system_action=True)
 async def flashguard_moderate_output(llm=None, config=None, context: Optional[dict] = None,
                                      bot_message: Optional[str] = None, user_message: Optional[str] = None,
                                      **kwargs) -> RailOutcome:
-    engine = getattr(llm, "engine", None)
-    if engine is None:  # NeMo's langchain framework wraps the model: ChatFlashguard is its raw_llm
-        engine = getattr(getattr(llm, "raw_llm", None), "engine", None)
-    if engine is None:
-        raise RuntimeError("flashguard_moderate_output needs the main model to use `engine: flashguard` "
-                           "(models[main].engine in config.yml)")
+    engine = _engine_of(llm, "flashguard_moderate_output")
     context = context or {}
     bot = bot_message if bot_message is not None else context.get("bot_message")
     user = user_message if user_message is not None else context.get("user_message")
@@ -32,6 +28,53 @@ async def flashguard_moderate_output(llm=None, config=None, context: Optional[di
         return RailOutcome.allow(reason="empty reply")
     settings = ModerationSettings.from_custom_data(getattr(config, "custom_data", None))
     verdict = await asyncio.to_thread(moderate, engine, bot, user, settings)
+    return _outcome(verdict)
+
+
+@action(name="flashguard_moderate_input", is_system_action=True)
+async def flashguard_moderate_input(llm=None, config=None, context: Optional[dict] = None,
+                                    user_message: Optional[str] = None, **kwargs) -> RailOutcome:
+    """Judge the user's last message on the conversation's pages (``moderate_input``). The conversation is the
+    message list of the request (NeMo's ``raw_llm_request``, as passthrough generation sends it), with its last
+    user message set to ``user_message``; without one, the user's message alone."""
+    engine = _engine_of(llm, "flashguard_moderate_input")
+    context = context or {}
+    user = user_message if user_message is not None else context.get("user_message")
+    settings = ModerationSettings.from_custom_data(getattr(config, "custom_data", None), side="input")
+    messages = conversation(user)
+    verdict = await asyncio.to_thread(moderate_input, engine, messages, settings)
+    return _outcome(verdict)
+
+
+def conversation(user: Optional[str]) -> list[dict]:
+    """The request's messages as the provider will encode them (NeMo's passthrough generation sends
+    ``raw_llm_request`` with its last user message replaced by the context's ``user_message``)."""
+    from nemoguardrails.context import raw_llm_request
+
+    from flashguard.guardrails.provider import _as_dict
+
+    raw = raw_llm_request.get()
+    messages = [_as_dict(m) for m in raw] if isinstance(raw, list) and raw else []
+    messages = [m for m in messages if isinstance(m.get("content"), str)] if messages else []
+    for m in reversed(messages):
+        if m["role"] == "user":
+            if user is not None:
+                m["content"] = user
+            return messages
+    return [{"role": "user", "content": user or ""}]
+
+
+def _engine_of(llm, name: str):
+    engine = getattr(llm, "engine", None)
+    if engine is None:  # NeMo's langchain framework wraps the model: ChatFlashguard is its raw_llm
+        engine = getattr(getattr(llm, "raw_llm", None), "engine", None)
+    if engine is None:
+        raise RuntimeError(f"{name} needs the main model to use `engine: flashguard` "
+                           "(models[main].engine in config.yml)")
+    return engine
+
+
+def _outcome(verdict) -> RailOutcome:
     meta = {"p_unsafe": verdict.p_unsafe, "method": verdict.method, "threshold": verdict.threshold,
             "path": verdict.path, "prefilled_tokens": verdict.prefilled_tokens, "reused_tokens": verdict.reused_tokens}
     if verdict.allowed:

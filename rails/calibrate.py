@@ -1,12 +1,16 @@
 """``flashguard calibrate``: train the moderation probe for the model ``model_path`` points at.
 
-    flashguard calibrate [--config DIR] [--weights float|int4] [--out FILE]
+    flashguard calibrate [--config DIR] [--weights float|int4] [--rail output|input] [--out FILE]
 
 Runs every labelled (user, reply) of ``rails/data/moderation_tune.jsonl`` through the model exactly as the
 rail does (the chat template, the reply's tokens, the moderation suffix), keeps the hidden states of the
 suffix's last token, chooses the layer, the L2 strength and whether to add the question's Yes/No log-odds by
 5-fold cross-validation on that set only, fits the chosen probe on all of it and writes it to the user cache
 folder, where the rail finds it for that model (and those weights). The test set (tests/data) is never read.
+
+``--rail input`` trains the input rail's probe the same way on ``rails/data/moderation_input_tune.jsonl`` (user
+messages: harmful requests, jailbreaks, prompt injections and benign look-alikes), with the ids the input rail
+runs (the message, then its question as the next user turn).
 """
 
 from __future__ import annotations
@@ -25,19 +29,22 @@ from .probe import ModelKey, Probe, answer_log_odds, cross_validate, design, fit
 log = logging.getLogger("flashguard")
 
 TUNING_SET = Path(__file__).resolve().parent / "data" / "moderation_tune.jsonl"
+INPUT_TUNING_SET = Path(__file__).resolve().parent / "data" / "moderation_input_tune.jsonl"
 L2_GRID = (1.0, 0.1, 0.01)
 FOLDS = 5
 
 
-def read_rows(path: Path) -> list[dict]:
-    """Labelled rows ``{user, bot, block, category}``; an error names the file and line."""
+def read_rows(path: Path, side: str = "output") -> list[dict]:
+    """Labelled rows ``{user, bot, block, category}`` (``side="input"``: ``{user, block, category}``); an error
+    names the file and line."""
     rows = []
     for n, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
         if not line.strip():
             continue
         try:
             row = json.loads(line)
-            if not (isinstance(row["user"], str) and isinstance(row["bot"], str) and isinstance(row["block"], bool)):
+            bot_ok = side == "input" or isinstance(row["bot"], str)
+            if not (isinstance(row["user"], str) and bot_ok and isinstance(row["block"], bool)):
                 raise TypeError("user and bot must be strings, block a boolean")
         except (json.JSONDecodeError, KeyError, TypeError) as exc:
             raise ValueError(f"{path}:{n}: {exc}") from exc
@@ -52,6 +59,11 @@ def moderation_ids(engine, user: str, bot: str, question: str) -> list[int]:
     return list(prompt) + list(reply) + moderation_suffix(engine, question)
 
 
+def input_moderation_ids(engine, user: str, question: str) -> list[int]:
+    """The ids the input rail runs for a one-message conversation: the message, then the question."""
+    return engine.encode_messages([{"role": "user", "content": user}, {"role": "user", "content": question}])
+
+
 def collect(engine, rows: Sequence[dict], settings: ModerationSettings = ModerationSettings(),
             progress: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``(hidden[n, layers + 1, hidden_size], log_odds[n])`` of the suffix's last token for every row."""
@@ -63,7 +75,8 @@ def collect(engine, rows: Sequence[dict], settings: ModerationSettings = Moderat
 
         it = tqdm(rows, desc="calibrate", unit="reply")
     for row in it:
-        ids = moderation_ids(engine, row["user"], row["bot"], settings.prompt)
+        ids = input_moderation_ids(engine, row["user"], settings.prompt) if settings.side == "input" else \
+            moderation_ids(engine, row["user"], row["bot"], settings.prompt)
         logprobs, hidden, _ = engine.next_token_state(ids, task="calibration", hidden=True)
         states.append(hidden)
         odds.append(answer_log_odds(logprobs, bad, good))
@@ -114,13 +127,14 @@ def main(args) -> int:
     if args.weights:
         params["weights"] = args.weights
     config = EngineConfig.from_parameters(params)
-    settings = ModerationSettings.from_custom_data(data.get("custom_data"))
+    side = getattr(args, "rail", None) or "output"
+    settings = ModerationSettings.from_custom_data(data.get("custom_data"), side=side)
     engine = Engine(config)
-    rows = read_rows(Path(args.data) if args.data else TUNING_SET)
+    rows = read_rows(Path(args.data) if args.data else (INPUT_TUNING_SET if side == "input" else TUNING_SET), side)
     probe, table = train(engine, rows, settings, progress=True)
-    out = Path(args.out) if args.out else user_probe_path(ModelKey.of(engine))
+    out = Path(args.out) if args.out else user_probe_path(ModelKey.of(engine), side)
     probe.save(out)
-    print(f"probe for {probe.model_file} ({probe.weights}): layer {probe.layer}, l2 {probe.metrics['l2']}, "
+    print(f"{side} probe for {probe.model_file} ({probe.weights}): layer {probe.layer}, l2 {probe.metrics['l2']}, "
           f"Yes/No feature {'on' if probe.answer_weight else 'off'}; {FOLDS}-fold accuracy on {len(rows)} tuning "
           f"replies {probe.metrics['cv_accuracy']:.1%} (question only {probe.metrics['question_only_accuracy']:.1%})")
     print(f"written to {out}")

@@ -118,7 +118,7 @@ class Probe:
         return path
 
     @classmethod
-    def load(cls, path: Path) -> "Probe":
+    def load(cls, path: Path, hint: str = CALIBRATE_HINT) -> "Probe":
         """Read a probe file; a missing key, a wrong type or a non-finite number is a ``ProbeError`` naming
         the file and the command that makes a new one."""
         path = Path(path)
@@ -139,20 +139,21 @@ class Probe:
         except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError,
                 AttributeError) as exc:
             raise ProbeError(f"moderation probe {path} cannot be used ({type(exc).__name__}: {exc}); delete it and "
-                             f"run `{CALIBRATE_HINT}` to train a new one for this model") from exc
+                             f"run `{hint}` to train a new one for this model") from exc
         return probe
 
 
-def user_probe_path(key: ModelKey) -> Path:
-    """Where ``flashguard calibrate`` writes the probe of one model + weights on this machine."""
+def user_probe_path(key: ModelKey, side: str = "output") -> Path:
+    """Where ``flashguard calibrate [--rail input]`` writes the probe of one model + weights on this machine."""
     from flashguard.engine.loader import user_cache_dir
 
     stem = Path(key.file).stem or "model"
-    return user_cache_dir() / "probes" / f"{stem}-{key.weights}-{key.digest}.json"
+    return user_cache_dir() / "probes" / f"{stem}-{key.weights}-{key.digest}{'-input' if side == 'input' else ''}.json"
 
 
-def find_probe(engine, question: str) -> tuple[Optional[Probe], str]:
-    """The probe for ``engine``'s model and ``question``: the user cache's, else a shipped one.
+def find_probe(engine, question: str, side: str = "output") -> tuple[Optional[Probe], str]:
+    """The probe for ``engine``'s model and ``question`` (of the ``side`` rail: output or input): the user
+    cache's, else a shipped one.
 
     Returns ``(probe, where)``; ``(None, why)`` when there is none (the caller falls back to the question).
     A file that exists but is corrupt raises ``ProbeError`` (naming it). Memoised per engine and question.
@@ -160,22 +161,24 @@ def find_probe(engine, question: str) -> tuple[Optional[Probe], str]:
     memo = engine.__dict__.setdefault("_moderation_probe", {})
     if question in memo:
         return memo[question]
+    hint = CALIBRATE_HINT + (" --rail input" if side == "input" else "")
     key = ModelKey.of(engine)
-    candidates = [user_probe_path(key)] + (sorted(SHIPPED_DIR.glob("*.json")) if SHIPPED_DIR.is_dir() else [])
-    found: tuple[Optional[Probe], str] = (None, f"no probe for {key.file} ({key.weights} weights) in "
-                                                f"{user_probe_path(key)} or the shipped ones")
+    mine = user_probe_path(key, side)
+    candidates = [mine] + (sorted(SHIPPED_DIR.glob("*.json")) if SHIPPED_DIR.is_dir() else [])
+    found: tuple[Optional[Probe], str] = (None, f"no {side} probe for {key.file} ({key.weights} weights) in "
+                                                f"{mine} or the shipped ones")
     for path in candidates:
         if not path.is_file():
             continue
-        probe = Probe.load(path)
+        probe = Probe.load(path, hint)
         if not probe.matches(key):
             if path == candidates[0]:
                 raise ProbeError(f"moderation probe {path} was trained for another model ({probe.model_file}, "
-                                 f"{probe.weights}); run `{CALIBRATE_HINT}` again")
+                                 f"{probe.weights}); run `{hint}` again")
             continue
         if probe.question != question:
             found = (None, f"probe {path} was trained with the question {probe.question!r}, not {question!r}; "
-                           f"run `{CALIBRATE_HINT}` for this question")
+                           f"run `{hint}` for this question")
             continue
         found = (probe, str(path))
         break

@@ -31,7 +31,7 @@ def forget_probes(engine):
 @pytest.fixture
 def shipped_probes_only(engine, monkeypatch, tmp_path):
     """The rail sees no probe in the user cache folder: what a fresh install gets (the shipped probe)."""
-    monkeypatch.setattr(probe_mod, "user_probe_path", lambda key: tmp_path / "none.json")
+    monkeypatch.setattr(probe_mod, "user_probe_path", lambda key, side="output": tmp_path / "none.json")
     forget_probes(engine)
     yield tmp_path
     forget_probes(engine)
@@ -97,7 +97,7 @@ def test_test_set_accuracy_float(engine, capsys, shipped_probes_only):
 
 
 def test_test_set_accuracy_int4(int4_engine, capsys, monkeypatch, tmp_path):
-    monkeypatch.setattr(probe_mod, "user_probe_path", lambda key: tmp_path / "none.json")
+    monkeypatch.setattr(probe_mod, "user_probe_path", lambda key, side="output": tmp_path / "none.json")
     forget_probes(int4_engine)
     check_test_sets(int4_engine, capsys, "int4 probe")
     probe, where = find_probe(int4_engine, ModerationSettings().prompt)
@@ -150,7 +150,7 @@ def test_settings_errors_name_the_key():
 
 # ---- probe files ---------------------------------------------------------------------------
 def test_without_any_probe_the_question_verdict_is_used_with_one_warning(engine, monkeypatch, tmp_path, caplog):
-    monkeypatch.setattr(probe_mod, "user_probe_path", lambda key: tmp_path / "none.json")
+    monkeypatch.setattr(probe_mod, "user_probe_path", lambda key, side="output": tmp_path / "none.json")
     monkeypatch.setattr(probe_mod, "SHIPPED_DIR", tmp_path / "no-shipped")
     forget_probes(engine)
     try:
@@ -166,7 +166,7 @@ def test_without_any_probe_the_question_verdict_is_used_with_one_warning(engine,
 
 def test_a_corrupt_probe_file_is_an_error_naming_it_and_the_command(engine, monkeypatch, tmp_path):
     bad = tmp_path / "probe.json"
-    monkeypatch.setattr(probe_mod, "user_probe_path", lambda key: bad)
+    monkeypatch.setattr(probe_mod, "user_probe_path", lambda key, side="output": bad)
     try:
         for text in ("{not json", json.dumps({"format": probe_mod.FORMAT, "layer": 3})):
             bad.write_text(text)
@@ -192,7 +192,7 @@ def test_calibrate_trains_a_probe_the_rail_then_finds(engine, monkeypatch, tmp_p
     loaded = Probe.load(path)  # the file keeps 6 significant digits of each weight
     assert loaded.layer == probe.layer and loaded.bias == probe.bias
     assert max(abs(a - b) for a, b in zip(loaded.weight, probe.weight)) <= 1e-5 * max(map(abs, probe.weight))
-    monkeypatch.setattr(probe_mod, "user_probe_path", lambda key: path)
+    monkeypatch.setattr(probe_mod, "user_probe_path", lambda key, side="output": path)
     forget_probes(engine)
     try:
         found, where = find_probe(engine, ModerationSettings().prompt)

@@ -8,11 +8,16 @@ The request's model name is only a label: the weights come from ``parameters.mod
 Engine per model is shared by every provider object in the process.
 
 Work runs on a worker thread (the engine's decode loop is synchronous); the event loop stays free.
+
+A reasoning model's ``<think>...</think>`` block is split off as it streams (``flashguard/reasoning.py``): NeMo
+gets it as ``LLMResponse.reasoning`` / ``LLMResponseChunk.delta_reasoning`` and the answer as the content, and
+the call may generate ``reasoning_tokens`` more than ``max_tokens``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import threading
 from typing import Any, AsyncIterator, List, Optional, Union
@@ -20,6 +25,7 @@ from typing import Any, AsyncIterator, List, Optional, Union
 from ..config import EngineConfig
 from ..engine import Engine, SamplingParams, get_engine
 from ..errors import FlashguardError, PromptError
+from ..reasoning import ThinkSplitter, prompt_opens_think, reasoning_budget, reasoning_sink, writes_reasoning
 from .server import record_call, record_error
 
 log = logging.getLogger("flashguard")
@@ -53,25 +59,27 @@ class FlashGuardModel:
     async def generate_async(self, prompt, *, stop: Optional[List[str]] = None, **kwargs):
         from nemoguardrails.types import LLMResponse, UsageInfo
 
-        parts, last = [], None
-        async for d in self._deltas(prompt, stop, kwargs):
-            parts.append(d.text)
+        parts, thoughts, last = [], [], None
+        async for reasoning, answer, d in self._deltas(prompt, stop, kwargs):
+            parts.append(answer)
+            thoughts.append(reasoning)
             last = d
         usage = UsageInfo(input_tokens=last.prompt_tokens, output_tokens=last.completion_tokens,
                           total_tokens=last.prompt_tokens + last.completion_tokens)
-        return LLMResponse(content="".join(parts), model=self._model_name, finish_reason=last.finish_reason,
-                           usage=usage)
+        return LLMResponse(content="".join(parts), reasoning="".join(thoughts).strip() or None, model=self._model_name,
+                           finish_reason=last.finish_reason, usage=usage)
 
     async def stream_async(self, prompt, *, stop: Optional[List[str]] = None, **kwargs) -> AsyncIterator:
         from nemoguardrails.types import LLMResponseChunk, UsageInfo
 
-        async for d in self._deltas(prompt, stop, kwargs):
+        async for reasoning, answer, d in self._deltas(prompt, stop, kwargs):
             usage = None
             if d.finish_reason:
                 usage = UsageInfo(input_tokens=d.prompt_tokens, output_tokens=d.completion_tokens,
                                   total_tokens=d.prompt_tokens + d.completion_tokens)
-            yield LLMResponseChunk(delta_content=d.text, model=self._model_name, finish_reason=d.finish_reason,
-                                   usage=usage)
+            if answer or reasoning or d.finish_reason:
+                yield LLMResponseChunk(delta_content=answer, delta_reasoning=reasoning or None,
+                                       model=self._model_name, finish_reason=d.finish_reason, usage=usage)
 
     # -- helpers ----------------------------------------------------------------------------
     def prompt_ids(self, prompt: Union[str, list]) -> list[int]:
@@ -96,13 +104,30 @@ class FlashGuardModel:
                                           seed=kwargs.get("seed"), stop=stop)
 
     async def _deltas(self, prompt, stop, kwargs):
+        """``(reasoning, answer, delta)`` per engine Delta: a reasoning model's ``<think>`` text apart from the
+        answer (both "" for a model that does not reason)."""
         params = self.sampling(stop, kwargs)
+        reasons = writes_reasoning(self.engine.tokenizer)
+        budget = reasoning_budget(self.config, self.engine.tokenizer)
+        if budget:
+            params = dataclasses.replace(params, max_tokens=params.max_tokens + budget)
+        sink = reasoning_sink.get()
         try:
             ids = await asyncio.to_thread(self.prompt_ids, prompt)
+            splitter = ThinkSplitter(inside=prompt_opens_think(self.engine.tokenizer, ids)) if reasons else None
             async for d in iterate_in_thread(lambda: self.engine.stream(ids, params)):
                 if d.finish_reason:  # the call's last Delta: count it toward the server request, if any
                     record_call(d.prompt_tokens, d.completion_tokens, d.finish_reason)
-                yield d
+                if splitter is None:
+                    yield "", d.text, d
+                    continue
+                reasoning, answer = splitter.feed(d.text)
+                if d.finish_reason:
+                    more_reasoning, more_answer = splitter.finish()
+                    reasoning, answer = reasoning + more_reasoning, answer + more_answer
+                if reasoning and sink is not None:
+                    sink(reasoning)
+                yield reasoning, answer, d
         except FlashguardError as exc:  # NeMo's streaming turns it into a bare error frame: keep it for the server
             record_error(exc)
             raise
