@@ -738,7 +738,14 @@ class TieredCache(Cache):
                     layer.win_start = self.sink_tokens
             self.length = length
         else:  # below the window: refill L1 from the stored pages (the partial last page included)
-            self.page_keys = self.page_keys[:-(-length // self.page_size)]
+            n = -(-length // self.page_size)
+            # references past the partial page go back now: the refill can raise PageLost, and release() then
+            # gives back exactly what page_keys / stored still list
+            for key, kept in zip(self.page_keys[n:], self.stored[n:]):
+                if kept:
+                    self.store.release(key)
+            dropped = [k for k, kept in zip(self.page_keys[keep:n], self.stored[keep:n]) if kept]
+            self.page_keys, self.stored = self.page_keys[:n], self.stored[:n]
             self._rebuild_l1(length, l0.dtype, l0.device)
         for layer in self.layers:
             layer.n_pages, layer.heat = min(layer.n_pages, keep), layer.heat[:keep]
