@@ -350,11 +350,24 @@ class Engine:
             self.session.release(keep_pages=keep_pages)
             self.session = None
 
+    ADOPT_TRIES = 8
+
     def _start_session(self, ids: list[int]) -> int:
-        """A new session for ``ids``, adopting its stored pages; returns tokens reused."""
+        """A new session for ``ids``, adopting its stored pages; returns tokens reused. A stored page that fails
+        verification while it is adopted is dropped by the store (never used): the next try adopts the pages
+        before it, and after ``ADOPT_TRIES`` bad pages the session starts empty."""
+        from ..kv.cache import PageLost
+
         self._drop_session(keep_pages=True)
+        for _ in range(self.ADOPT_TRIES):
+            self.session = self._new_session()
+            try:
+                return self.session.adopt(ids, self.dtype, self.device)
+            except PageLost as exc:
+                log.warning("flashguard: %s; adopting the stored pages before it", exc)
+                self._drop_session(keep_pages=False)
         self.session = self._new_session()
-        return self.session.adopt(ids, self.dtype, self.device)
+        return 0
 
     def _prefill(self, ids: list[int]) -> tuple[torch.Tensor, int]:
         """Bring the cache to ``ids[:-1]`` + feed the rest; returns (last logits row, reused count)."""
@@ -376,7 +389,14 @@ class Engine:
             common += 1
         if self.session is None or common == 0:
             return self._start_session(ids[:-1])
-        self.session.crop(common)
+        from ..kv.cache import PageLost
+
+        try:
+            self.session.crop(common)   # below the window it refills L1 from stored pages
+        except PageLost as exc:
+            log.warning("flashguard: %s; starting the session again", exc)
+            self._drop_session(keep_pages=False)
+            return self._start_session(ids[:-1])
         return common
 
     def _forward(self, tokens: list[int]) -> torch.Tensor:
