@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from conftest import FLASH, ROOT
+from tests.conftest import FLASH, ROOT
 
 langchain_core = pytest.importorskip("langchain_core")
 

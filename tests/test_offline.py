@@ -3,7 +3,7 @@ all-MiniLM-L6-v2 through FastEmbed), so a guarded chat works with no network at 
 
 from __future__ import annotations
 
-from conftest import FLASH
+from tests.conftest import FLASH
 
 
 def test_flash_config_builds_no_embedding_model(monkeypatch, engine):
