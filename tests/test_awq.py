@@ -105,6 +105,7 @@ def float_model():
     return folder, model, AutoTokenizer.from_pretrained(folder)
 
 
+@pytest.mark.slow
 def test_checkpoint_written_by_autoawq_loads_with_the_same_outputs(tmp_path, float_model):
     """AutoAWQ's quantizer (round-to-nearest) and its WQLinear_GEMM packer write the checkpoint, the way its
     ``save_quantized`` lays it out; flashguard must compute what AutoAWQ's own dequantization says."""
@@ -157,6 +158,7 @@ def awq_embedded():
     return loader.quantized_folder(loader.resolve_model(None))
 
 
+@pytest.mark.slow
 def test_flashguard_quantize_beats_round_to_nearest_within_1_2x_of_float(float_model, awq_embedded):
     from transformers import AutoConfig
 
@@ -181,6 +183,7 @@ def test_flashguard_quantize_beats_round_to_nearest_within_1_2x_of_float(float_m
                                              "version": "gemm", "modules_to_not_convert": None}
 
 
+@pytest.mark.slow
 def test_int4_engine_answers_sensibly(awq_embedded):
     from flashguard.config import EngineConfig
     from flashguard.engine.engine import Engine
@@ -197,6 +200,7 @@ def test_int4_engine_answers_sensibly(awq_embedded):
         assert answer in text.lower().replace(" 4", " four"), text
 
 
+@pytest.mark.slow
 def test_transformers_with_gptqmodel_loads_a_flashguard_checkpoint(awq_embedded):
     """Where gptqmodel is installed (not in CI: a 1.6 GB environment whose pypcre dependency compiles C),
     transformers loads ``flashguard quantize`` output through it: every linear dequantizes to flashguard's weights

@@ -10,6 +10,8 @@ import pytest
 
 from tests.conftest import ROOT, make_config
 
+pytestmark = pytest.mark.slow   # each case starts the CLI (NeMo's import) in a child process
+
 MAIN = "models:\n  - type: main\n    engine: flashguard\n    model: x\n"
 CASES = {
     "unknown parameter": (MAIN + "    parameters:\n      temperatur: 0.5\npassthrough: true\n",

@@ -13,7 +13,8 @@ from gguf import GGMLQuantizationType as T  # noqa: E402
 from gguf import quants  # noqa: E402
 
 from flashguard.quant import awq_format  # noqa: E402
-from flashguard.quant.gguf_int4 import UnsupportedQuantization, file_key, int4_codes, int4_tensors  # noqa: E402
+from flashguard.quant.gguf_int4 import (  # noqa: E402
+    Int4PairLinear, UnsupportedQuantization, file_key, int4_codes, int4_tensors, q8_0_codes)
 from flashguard.quant.int4_linear import Int4Linear  # noqa: E402
 
 
@@ -85,6 +86,22 @@ def test_q4_k_int4_linear_on_the_cpu_kernel():
     torch.testing.assert_close(layer(x), expected, rtol=2e-2, atol=2e-2 * expected.abs().max().item())
 
 
+@pytest.mark.parametrize("backend,tol", [("dequant", 1e-5), ("cpu", 2e-2)])
+def test_q8_0_as_an_int4_pair_is_exact(backend, tol):
+    """Q8_0 as one int4 matrix over [x, x]: the dequantized pair is gguf-py's weight; the layer computes x @ W.T."""
+    w = _weights(64, 128, seed=6)
+    w[0, :32] = 0.0   # a zero block (d == 0)
+    blocks = quants.quantize(w, T.Q8_0)
+    theirs = torch.from_numpy(quants.dequantize(blocks, T.Q8_0))
+    codes, zeros, scales = q8_0_codes(blocks, w.shape)
+    pair = awq_format.dequantize(codes, zeros, scales, 32)
+    torch.testing.assert_close(pair[:, :128] + pair[:, 128:], theirs, rtol=0, atol=1e-7)
+    layer = Int4PairLinear(Int4Linear.from_codes(codes, zeros, scales, 32, None, torch.device("cpu"), backend))
+    x = torch.from_numpy(_weights(3, 128, seed=7))
+    expected = x @ theirs.T
+    torch.testing.assert_close(layer(x), expected, rtol=tol, atol=tol * expected.abs().max().item())
+
+
 def test_other_types_are_an_error_naming_them():
     with pytest.raises(UnsupportedQuantization, match="GGUF type Q5_K has no direct int4 form; supported: Q4_0, Q4_1, Q4_K"):
         int4_codes(np.zeros((4, 176), np.uint8), "Q5_K", (4, 256))
@@ -122,6 +139,7 @@ def test_a_truncated_gguf_is_an_error_naming_the_file(tmp_path):
         list(int4_tensors(str(path)))
 
 
+@pytest.mark.slow
 def test_the_embedded_q4_1_gguf_loads_as_int4():
     from flashguard.engine import loader
 

@@ -20,6 +20,7 @@ from gguf import GGMLQuantizationType as T  # noqa: E402
 from flashguard import ModelLoadError  # noqa: E402
 from flashguard.engine import loader  # noqa: E402
 from flashguard.quant import gguf_load  # noqa: E402
+from flashguard.quant.gguf_int4 import Int4PairLinear  # noqa: E402
 from flashguard.quant.int4_linear import Int4Linear  # noqa: E402
 
 CPU = torch.device("cpu")
@@ -124,17 +125,23 @@ def test_logits_are_gguf_pys_dequantization(tmp_path, arch, output_type, backend
     with caplog.at_level(logging.INFO, logger="flashguard"):
         ours = gguf_load.load_int4(str(tmp_path / "tiny.gguf"), config, CPU, torch.float32, backend)
     theirs = reference(tmp_path, "tiny.gguf")
-    int4 = {n for n, m in ours.named_modules() if isinstance(m, Int4Linear)}
-    assert {n.rsplit(".", 1)[-1] for n in int4} == {"q_proj", "k_proj", "o_proj", "gate_proj", "up_proj"} | \
-        ({"lm_head"} if output_type == T.Q4_K else set())
-    assert {m.backend for m in ours.modules() if isinstance(m, Int4Linear)} == {backend}
+    kinds = {n.rsplit(".", 1)[-1]: type(m).__name__ for n, m in ours.named_modules()
+             if isinstance(m, (Int4Linear, Int4PairLinear)) and not n.endswith(".inner")}
+    assert kinds == {"q_proj": "Int4Linear", "k_proj": "Int4Linear", "o_proj": "Int4Linear", "gate_proj": "Int4Linear",
+                     "up_proj": "Int4Linear", "down_proj": "Int4PairLinear",   # Q8_0
+                     **({} if output_type == T.Q6_K else
+                        {"lm_head": "Int4Linear" if output_type == T.Q4_K else "Int4PairLinear"})}
+    assert isinstance(ours.model.layers[0].self_attn.v_proj, torch.nn.Linear)   # Q6_K: float
     ids = torch.randint(0, len(VOCAB), (1, 24), generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
         got, expected = ours(input_ids=ids).logits, theirs(input_ids=ids).logits
     torch.testing.assert_close(got, expected, rtol=tol, atol=tol * expected.abs().max().item())
     line = next(r.getMessage() for r in caplog.records if "int4 straight from" in r.getMessage())
-    assert "10 matrices int4 straight from Q4_0/Q4_1/Q4_K" in line or "11 matrices" in line, line
-    assert "2 attn_v (Q6_K)" in line and "2 ffn_down (Q8_0)" in line and "1 token_embd (Q8_0)" in line, line
+    pairs = 2 if output_type is not None else 3
+    assert f"{10 + (output_type == T.Q4_K)} matrices int4 straight from Q4_0/Q4_1/Q4_K, {pairs} Q8_0 matrices as " \
+        "exact int4 pairs" in line, line
+    assert "2 attn_v (Q6_K)" in line and "1 token_embd (Q8_0)" in line
+    assert ("1 output (Q6_K)" in line) == (output_type == T.Q6_K), line
 
 
 def test_a_type_gguf_py_cannot_read_is_named_with_what_is_supported(tmp_path):
@@ -155,7 +162,7 @@ def test_the_loader_builds_int4_without_a_float_conversion(tmp_path, monkeypatch
     write_tiny_gguf(tmp_path / "a" / "tiny.gguf", "qwen2")
     source = loader.resolve_model(str(tmp_path / "a" / "tiny.gguf"))
     model, tokenizer = loader.load(source, CPU, torch.float32, "int4", "cpu")
-    assert sum(isinstance(m, Int4Linear) for m in model.modules()) == 10
+    assert sum(isinstance(m, Int4Linear) for m in model.modules()) == 13   # 10 Q4 + 2 Q8_0 ffn_down + lm_head
     assert sorted(p.name for p in cache.iterdir()) == ["gguf-meta"]
     assert tokenizer.convert_tokens_to_ids("<|im_end|>") == EOS and tokenizer.eos_token == "<|im_end|>"
     ids = torch.tensor([tokenizer("hello")["input_ids"]])
@@ -210,10 +217,10 @@ def test_the_embedded_model_starts_in_int4_from_its_q4_1_weights(tmp_path, monke
     monkeypatch.setenv("FLASHGUARD_CACHE_DIR", str(tmp_path / "cache"))
     with caplog.at_level(logging.INFO, logger="flashguard"):
         engine = Engine(EngineConfig(device="cpu", weights="int4"))
-    assert sum(isinstance(m, Int4Linear) for m in engine.model.modules()) == 210
+    assert sum(isinstance(m, Int4Linear) for m in engine.model.modules()) == 211   # + lm_head from Q8_0 embeddings
     assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == ["gguf-meta"]   # no AWQ, no conversion
-    assert any("210 matrices int4 straight from Q4_1" in r.getMessage() and "1 token_embd (Q8_0)" in r.getMessage()
-               for r in caplog.records)
+    assert any("210 matrices int4 straight from Q4_1, 1 Q8_0 matrices as exact int4 pairs" in r.getMessage() and
+               "1 token_embd (Q8_0)" in r.getMessage() for r in caplog.records)
     ids = engine.encode_messages([{"role": "user", "content": "What is the capital of France?"}])
     assert ids == float_engine.encode_messages([{"role": "user", "content": "What is the capital of France?"}])
     with torch.inference_mode():

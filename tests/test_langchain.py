@@ -12,6 +12,7 @@ import pytest
 from tests.conftest import FLASH, ROOT
 
 langchain_core = pytest.importorskip("langchain_core")
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")

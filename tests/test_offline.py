@@ -3,7 +3,11 @@ all-MiniLM-L6-v2 through FastEmbed), so a guarded chat works with no network at 
 
 from __future__ import annotations
 
+import pytest
+
 from tests.conftest import FLASH
+
+pytestmark = pytest.mark.slow
 
 
 def test_flash_config_builds_no_embedding_model(monkeypatch, engine):

@@ -12,6 +12,8 @@ from flashguard.engine.engine import Engine
 from flashguard.engine.sampling import SamplingParams
 from flashguard.errors import GpuMemoryError
 
+pytestmark = pytest.mark.slow   # the real embedded model; the same paths on a tiny model: test_engine_states.py
+
 QUESTION = [{"role": "user", "content": "Write two sentences about the sea and the wind, please."}]
 
 

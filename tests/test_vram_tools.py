@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from flashguard.config import CacheConfig
 from flashguard.vram import plan as planner
 
@@ -61,6 +63,7 @@ def _cli(*args):
                           timeout=300)
 
 
+@pytest.mark.slow
 def test_plan_cli_says_what_to_set():
     out = _cli("plan", "--weights", "fp16", "--kv-cache", "dynamic", "--gpu-mem", "4GiB", "--context", "131072")
     assert out.returncode == 1
@@ -69,6 +72,7 @@ def test_plan_cli_says_what_to_set():
     assert out.returncode == 0 and "kv.l1_tokens (the pool on the GPU)" in out.stdout and "off the pool" in out.stdout
 
 
+@pytest.mark.slow
 def test_smi_without_a_gpu_or_server():
     out = _cli("smi", "--url", "http://127.0.0.1:9", "--json")
     assert out.returncode == 0, out.stderr

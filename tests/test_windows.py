@@ -9,6 +9,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import ROOT
 
 
@@ -24,6 +26,7 @@ def test_output_is_utf8_whatever_the_code_page(monkeypatch):
     assert raw.getvalue().decode("utf-8") == "Paris — 日本 ✓\n"
 
 
+@pytest.mark.slow
 def test_the_cli_writes_utf8_under_a_legacy_code_page(tmp_path):
     missing = tmp_path / "日本"
     env = dict(os.environ, PYTHONIOENCODING="cp1252")  # what Python picks for a redirected stream on Windows

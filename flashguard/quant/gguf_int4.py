@@ -18,6 +18,10 @@ Contract:
 - ``int4_codes(blocks, qtype, shape) -> (codes, zeros, scales)``: ``blocks`` the tensor's raw bytes (uint8, one row
   of blocks per output row), ``shape`` ``(out_features, in_features)``; ``awq_format.dequantize(codes, zeros, scales,
   32)`` equals ``gguf.quants.dequantize(blocks, qtype)``.
+- ``q8_0_codes(blocks, shape) -> (codes, zeros, scales)`` of shape ``[N, 2K]``: a Q8_0 matrix exactly as one int4
+  matrix over the doubled input ``[x, x]`` (``Int4PairLinear``): with ``q + 128 = 16 hi + lo``,
+  ``d q = 16d (hi - 8) + d lo``, so the first K columns hold ``hi`` (zero 8, scale 16d), the next K ``lo`` (zero 0,
+  scale d). One int4 kernel call reading ~1.1 bytes a weight instead of a float matrix's 2 or 4.
 - ``int4_tensors(path)`` yields ``(name, codes, zeros, scales)`` for every Q4_0 / Q4_1 / Q4_K matrix of a GGUF file.
 - ``file_key(path)``: a key of a file's content (size, a hash of its head and of samples spread over it), for a
   cache of converted models that survives moving the file or reinstalling the package that holds it.
@@ -86,6 +90,32 @@ def _q4_k_codes(blocks: np.ndarray, n: int, k: int):
     zeros = mins / scales.astype(np.float32)
     return (torch.from_numpy(codes.astype(np.uint8)), torch.from_numpy(zeros.reshape(n, k // 32).astype(np.float32)),
             torch.from_numpy(scales.reshape(n, k // 32)))
+
+
+def q8_0_codes(blocks: np.ndarray, shape: tuple[int, int]):
+    """Codes uint8 [N, 2K], zeros float32 [N, 2K/32], scales float16 [N, 2K/32] of a Q8_0 matrix over ``[x, x]``."""
+    n, k = shape
+    if k % GROUP_SIZE:
+        raise ValueError(f"in_features {k} is not a multiple of the Q8_0 block size {GROUP_SIZE}")
+    b = np.ascontiguousarray(blocks, dtype=np.uint8).reshape(n, k // GROUP_SIZE, 34)
+    d = b[..., 0:2].copy().view(np.float16)[..., 0]
+    u = (b[..., 2:].view(np.int8).astype(np.int16) + 128).reshape(n, k)   # 0..255
+    codes = np.concatenate([u >> 4, u & 0xF], axis=1).astype(np.uint8)
+    zeros = np.concatenate([np.full(d.shape, 8.0, np.float32), np.zeros(d.shape, np.float32)], axis=1)
+    scales = np.concatenate([d * np.float16(16), d], axis=1)
+    return torch.from_numpy(codes), torch.from_numpy(zeros), torch.from_numpy(scales)
+
+
+class Int4PairLinear(torch.nn.Module):
+    """``x @ W.T`` for an 8-bit matrix held as one ``Int4Linear`` over ``[x, x]`` (``q8_0_codes``)."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+        self.in_features, self.out_features = inner.in_features // 2, inner.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(torch.cat([x, x], dim=-1))
 
 
 def int4_tensors(path: str) -> Iterator[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]]:

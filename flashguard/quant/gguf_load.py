@@ -1,10 +1,12 @@
 """A causal LM built straight from a GGUF file, its 4-bit matrices as ``Int4Linear`` (``weights: int4``).
 
 No float round trip and no AWQ search: every Q4_0 / Q4_1 / Q4_K matrix becomes an ``Int4Linear`` with group size
-32 (``gguf_int4``), so starting takes seconds. Tensors of other types (the Q5_K / Q6_K / Q8_0 matrices a Q4_K_M
-file keeps, the embeddings, norms and biases) are dequantized by gguf-py and stay in the model's float dtype: the
-kernels have no 5-, 6- or 8-bit group format, and re-quantizing them to 4 bits would change the model. One log
-line says which tensors stayed float and why.
+32 (``gguf_int4``), so starting takes seconds. A Q8_0 matrix (and a tied ``lm_head`` whose embeddings are Q8_0,
+as in SmolLM2's GGUF) becomes an ``Int4PairLinear``: the same int4 kernel over ``[x, x]``, exact, about half the
+bytes a step reads of a 16-bit matrix. Other tensors (the Q5_K / Q6_K matrices a Q4_K_M file keeps, embeddings,
+norms, biases) are dequantized by gguf-py and stay in the model's float dtype: the kernels have no 5- or 6-bit
+group format (Q6_K's scales cover 16 weights, the kernels' groups at least 32), and re-quantizing them to 4 bits
+would change the model. One log line says what went where.
 
 llama.cpp's converter permutes the rows of a ``llama`` GGUF's ``attn_q`` / ``attn_k`` for its rotary layout; the
 permutation is undone here on the codes, zeros and scales (it moves whole rows, so it is exact), as transformers'
@@ -15,8 +17,8 @@ Contract:
 - ``int4_arch(path)`` is the file's ``general.architecture`` when it is one of ``ARCHS`` and the file holds at least
   one 4-bit matrix, else None (the caller then loads it as a float model).
 - ``load_int4(path, config, device, dtype, backend, label)`` returns the model in eval mode on ``device``: every
-  parameter comes from the file (an error names the first that does not), ``lm_head`` is tied to the embeddings
-  when the file has no ``output.weight``. Logits equal those of gguf-py's dequantization of the file up to the
+  parameter comes from the file (an error names the first that does not); without an ``output.weight``,
+  ``lm_head`` uses the embeddings (their codes when they are Q4 / Q8_0, else tied to the float table). Logits equal those of gguf-py's dequantization of the file up to the
   int4 kernel's rounding (bf16 activations on the CPU). A truncated or unreadable file is a ``ValueError`` naming it.
 """
 
@@ -155,9 +157,22 @@ def load_int4(path: str, config, device: torch.device, dtype: torch.dtype, backe
             to_hf[g] = hf
     heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads} if arch == "llama" else {}
 
+    def linear(module_name: str, t: GgufTensor, permute: int | None) -> None:
+        if t.qtype.name == "Q8_0":
+            codes, zeros, scales = gguf_int4.q8_0_codes(t.data, t.shape)
+        else:
+            codes, zeros, scales = gguf_int4.int4_codes(t.data, t.qtype.name, t.shape)
+        if permute:
+            codes, zeros, scales = (_unpermute(x, permute) for x in (codes, zeros, scales))
+        layer = Int4Linear.from_codes(codes, zeros, scales, gguf_int4.GROUP_SIZE, None, device, backend)
+        set_module(model, module_name, gguf_int4.Int4PairLinear(layer) if t.qtype.name == "Q8_0" else layer)
+        int4_types[t.qtype.name] += 1
+
+    direct = (*gguf_int4.SUPPORTED, "Q8_0")
     floats: dict[str, torch.Tensor] = {}
     int4_types: Counter = Counter()
     kept: Counter = Counter()   # (gguf type, role) of 2-D tensors kept in float
+    embeddings = None
     for t in tensors:
         hf = to_hf.get(t.name)
         if hf is None:
@@ -167,14 +182,11 @@ def load_int4(path: str, config, device: torch.device, dtype: torch.dtype, backe
         permute = heads.get(role)
         module_name = hf.rsplit(".", 1)[0]
         qtype = t.qtype.name
-        if qtype in gguf_int4.SUPPORTED and len(shape) == 2 and hf.endswith(".weight") and \
+        if t.name == "token_embd.weight":
+            embeddings = t
+        if qtype in direct and len(shape) == 2 and hf.endswith(".weight") and \
                 isinstance(model.get_submodule(module_name), nn.Linear):
-            codes, zeros, scales = gguf_int4.int4_codes(t.data, qtype, shape)
-            if permute:
-                codes, zeros, scales = (_unpermute(x, permute) for x in (codes, zeros, scales))
-            set_module(model, module_name, Int4Linear.from_codes(codes, zeros, scales, gguf_int4.GROUP_SIZE, None,
-                                                                 device, backend))
-            int4_types[qtype] += 1
+            linear(module_name, t, permute)
             continue
         try:
             w = torch.from_numpy(np.array(dequantize(t.data, t.qtype), dtype=np.float32)).reshape(shape)
@@ -187,6 +199,10 @@ def load_int4(path: str, config, device: torch.device, dtype: torch.dtype, backe
         floats[hf] = w.to(device=device, dtype=dtype)
         if len(shape) == 2:
             kept[(qtype, role)] += 1
+    tied = "lm_head.weight" not in floats and not isinstance(model.lm_head, (Int4Linear, gguf_int4.Int4PairLinear))
+    if tied and embeddings is not None and embeddings.qtype.name in direct:
+        linear("lm_head", embeddings, None)   # no output.weight: lm_head computes with the embeddings' own codes
+        tied = False
     if not int4_types:
         raise ValueError(f"{path} holds no {'/'.join(gguf_int4.SUPPORTED)} matrix to load as int4")
     for hf in [k for k in floats if k.endswith(".bias")]:   # biases of the Int4Linear layers (Qwen2's q/k/v)
@@ -194,8 +210,8 @@ def load_int4(path: str, config, device: torch.device, dtype: torch.dtype, backe
         if isinstance(module, Int4Linear):
             module.bias = floats.pop(hf)
     model.load_state_dict(floats, strict=False, assign=True)
-    if "lm_head.weight" not in floats and not isinstance(model.lm_head, Int4Linear):
-        model.lm_head.weight = model.get_input_embeddings().weight   # no output.weight: tied (SmolLM2, small Qwens)
+    if tied:
+        model.lm_head.weight = model.get_input_embeddings().weight   # no output.weight: tied
     missing = [n for n, p in model.named_parameters() if p.device.type == "meta"]   # buffers: rebuilt below
     if missing:
         raise ValueError(f"{path} has no tensor for {missing[0]} (and {len(missing) - 1} more); is it a complete "
@@ -205,8 +221,9 @@ def load_int4(path: str, config, device: torch.device, dtype: torch.dtype, backe
     model.requires_grad_(False)
     layer = next(m for m in model.modules() if isinstance(m, Int4Linear))
     stayed = ", ".join(f"{n} {role} ({q})" for (q, role), n in sorted(kept.items())) or "none"
-    log.info("flashguard: %s: %d matrices int4 straight from %s (group %d, %s kernel); kept in %s (no int4 form "
-             "without re-quantizing): %s", label or path, sum(int4_types.values()),
-             "/".join(sorted(int4_types)), gguf_int4.GROUP_SIZE, layer.backend, str(dtype).replace("torch.", ""),
-             stayed)
+    pairs = int4_types.pop("Q8_0", 0)
+    log.info("flashguard: %s: %d matrices int4 straight from %s%s (group %d, %s kernel); kept in %s (no int4 form "
+             "without re-quantizing): %s", label or path, sum(int4_types.values()), "/".join(sorted(int4_types)),
+             f", {pairs} Q8_0 matrices as exact int4 pairs" if pairs else "", gguf_int4.GROUP_SIZE, layer.backend,
+             str(dtype).replace("torch.", ""), stayed)
     return model
