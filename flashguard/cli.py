@@ -83,9 +83,25 @@ def _rails_config(config_dir: str):
                           "compare config.yml's structure with configs/flash/config.yml") from None
 
 
-async def _stream_reply(rails, messages: list[dict]) -> str:
+DIM, PLAIN = "\x1b[2m", "\x1b[0m"
+
+
+async def _stream_reply(rails, messages: list[dict], show_reasoning: bool = False) -> str:
+    """Stream the guarded answer to stdout; a reasoning model's ``<think>`` text (never part of the answer) is
+    shown dimmed before it when ``show_reasoning``."""
+    from .reasoning import reasoning_sink
+
+    thinking = []
+
+    def dimmed(text: str) -> None:
+        print(DIM + text + PLAIN, end="", flush=True)
+        thinking.append(text)
+
+    reasoning_sink.set(dimmed if show_reasoning else None)
     parts = []
     async for chunk in rails.stream_async(messages=messages):
+        if thinking and not parts:
+            print("\n", end="")
         text = chunk if isinstance(chunk, str) else json.dumps(chunk)
         if text.startswith('{"error"'):
             err = json.loads(text)["error"]
@@ -101,8 +117,10 @@ def cmd_chat(args) -> int:
     rails = load_rails(args.config)
     if not args.verbose:  # keep per-call stats lines out of the conversation (see /stats)
         logging.getLogger("flashguard").setLevel(logging.WARNING)
-    print("flashguard chat: type a message; /reset clears the conversation, /stats shows counters, /quit exits.")
+    print("flashguard chat: type a message; /reset clears the conversation, /stats shows counters, /think shows or "
+          "hides a reasoning model's thinking (dimmed), /quit exits.")
     messages: list[dict] = []
+    show_reasoning = args.show_reasoning
     while True:
         try:
             line = input("you> ").strip()
@@ -116,6 +134,10 @@ def cmd_chat(args) -> int:
         if line == "/reset":
             messages.clear()
             continue
+        if line == "/think":
+            show_reasoning = not show_reasoning
+            print(f"reasoning {'shown (dimmed)' if show_reasoning else 'hidden'}")
+            continue
         if line == "/stats":
             from flashguard import engine_stats
 
@@ -123,7 +145,7 @@ def cmd_chat(args) -> int:
             continue
         messages.append({"role": "user", "content": line})
         print("bot> ", end="", flush=True)
-        reply = asyncio.run(_stream_reply(rails, messages))
+        reply = asyncio.run(_stream_reply(rails, messages, show_reasoning))
         if reply:
             messages.append({"role": "assistant", "content": reply})
         else:
@@ -132,8 +154,14 @@ def cmd_chat(args) -> int:
 
 def cmd_generate(args) -> int:
     rails = load_rails(args.config)
+    from .reasoning import split_answer
+
     res = rails.generate(messages=[{"role": "user", "content": args.prompt}])
-    print(res["content"] if isinstance(res, dict) else res)
+    # NeMo 0.24 puts a reasoning model's trace in front of the content as <think>...</think>: the answer alone
+    reasoning, answer = split_answer(res["content"] if isinstance(res, dict) else res)
+    if reasoning and args.show_reasoning:
+        print(DIM + reasoning + PLAIN, file=sys.stderr)
+    print(answer)
     return 0
 
 
@@ -265,9 +293,11 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("chat", help="interactive guarded chat")
     p.add_argument("--config", default=default_config_dir())
+    p.add_argument("--show-reasoning", action="store_true", help="show a reasoning model's thinking, dimmed")
     p.set_defaults(func=cmd_chat)
     p = sub.add_parser("generate", help="one guarded answer")
     p.add_argument("prompt")
+    p.add_argument("--show-reasoning", action="store_true", help="print a reasoning model's thinking (dimmed, stderr)")
     p.add_argument("--config", default=default_config_dir())
     p.set_defaults(func=cmd_generate)
     p = sub.add_parser("serve", help="the NeMo Guardrails server, bound to 127.0.0.1 by default")

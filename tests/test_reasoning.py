@@ -202,3 +202,18 @@ def test_the_server_returns_the_answer_plain_and_streamed(r1_folder, tmp_path):
     deltas = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
     text = "".join(d["choices"][0]["delta"].get("content") or "" for d in deltas if d.get("choices"))
     assert text == ANSWER
+
+
+def test_the_chat_shows_the_reasoning_dimmed_only_when_asked(r1_folder, tmp_path, capsys):
+    from flashguard.cli import DIM, PLAIN, _stream_reply
+
+    rails = rails_for(r1_folder, tmp_path)
+    scripted(rails.llm)
+    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+    assert asyncio.run(_stream_reply(rails, msgs)) == ANSWER
+    hidden = capsys.readouterr().out
+    assert REASONING not in hidden and ANSWER in hidden
+    assert asyncio.run(_stream_reply(rails, msgs, show_reasoning=True)) == ANSWER
+    shown = capsys.readouterr().out
+    plain = shown.replace(DIM, "").replace(PLAIN, "")
+    assert DIM in shown and REASONING in plain and plain.index(REASONING) < plain.index(ANSWER)
