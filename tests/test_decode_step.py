@@ -10,8 +10,6 @@ from flashguard import CacheConfig
 from flashguard.engine.decode_step import DecodeStep
 from flashguard.kv.cache import TieredCache
 
-pytestmark = pytest.mark.slow
-
 TIERS = dict(page_size=32, l1_tokens=128, sink_tokens=32, l2_tokens=256, l1_max_tokens=256, budget_tokens=256)
 
 
@@ -42,6 +40,7 @@ def steps_both_ways(model, make_cache, ids, steps):
     return torch.stack(a), torch.stack(b), ours
 
 
+@pytest.mark.slow
 def test_supports_plain_causal_llama_and_qwen2_only(engine):
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
@@ -51,6 +50,7 @@ def test_supports_plain_causal_llama_and_qwen2_only(engine):
     assert not DecodeStep.supports(Gemma3ForCausalLM(gemma))  # sliding-window layers keep the model's forward
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["dynamic", "tiered-exact", "tiered-sparse"])
 def test_smollm2_steps_match_the_models_forward(engine, kind):
     text = "".join(topics.topics[k] for k in sorted(topics.topics)[:8])
