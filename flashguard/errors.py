@@ -35,12 +35,6 @@ class PromptError(FlashguardError):
     """The prompt cannot be served: empty, malformed, or longer than the model's context."""
 
 
-class CacheCapacityError(FlashguardError):
-    """The KV cache cannot hold the request within the configured budgets."""
-
-    status_code = 413
-
-
 class GpuMemoryError(FlashguardError):
     """The step does not fit the GPU memory budget even after shrinking the prefill chunk."""
 

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import threading
-from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 TASKS = ("generation", "moderation")
 
@@ -18,12 +17,9 @@ class TaskStats:
     generated_tokens: int = 0
     seconds: float = 0.0
     fallbacks: int = 0  # moderation: turns whose pages were gone, so the conversation was prefilled again
-    pages_read: dict = field(default_factory=lambda: defaultdict(int))
 
     def as_dict(self) -> dict:
-        d = {k: v for k, v in self.__dict__.items() if k != "pages_read"}
-        d["pages_read"] = dict(self.pages_read)
-        return d
+        return dict(self.__dict__)
 
 
 class EngineStats:
@@ -37,7 +33,7 @@ class EngineStats:
         self.last: dict[str, dict] = {}
 
     def record(self, task: str, *, prompt: int, prefilled: int, reused: int, generated: int, seconds: float,
-               fallback: bool = False, pages_read: dict | None = None, first_token_s: float | None = None,
+               fallback: bool = False, first_token_s: float | None = None,
                l3_reads: int = 0) -> None:
         with self._lock:
             self.last[task] = {"prompt": prompt, "prefilled": prefilled, "reused": reused, "generated": generated,
@@ -50,8 +46,6 @@ class EngineStats:
             s.generated_tokens += generated
             s.seconds += seconds
             s.fallbacks += int(fallback)
-            for tier, n in (pages_read or {}).items():
-                s.pages_read[tier] += n
 
     def as_dict(self) -> dict:
         with self._lock:

@@ -77,10 +77,6 @@ def _unpack4(p: torch.Tensor) -> torch.Tensor:
     return torch.stack((p >> 4, p & 0xF), dim=-1).flatten(-2)
 
 
-def nbytes(e: Encoded) -> int:
-    return sum(t.numel() * t.element_size() for t in e.values())
-
-
 _DTYPES = {"int8": torch.int8, "uint8": torch.uint8, "float16": torch.float16, "bfloat16": torch.bfloat16,
            "float32": torch.float32, "float64": torch.float64}
 _MAGIC = b"FGP1"

@@ -99,7 +99,7 @@ def engine_memory(engine) -> dict:
     else:
         out["cpu_weights"] = weights
         out["cpu_kv cache"] = kv
-    store = getattr(engine, "store", None)
+    store = engine.store
     if store is not None:
         counts = store.tier_counts()
         out["host"]["L2 pages"] = counts["l2_pages"]
