@@ -6,3 +6,6 @@
 FETCH_BLOCK_TOKENS = 32768
 FETCH_BLOCK_TOKENS_CPU = 4096
 
+# Queries per score matrix of the masked attention path (kv/attention.py): bounds prefill memory to
+# heads x Q_TILE x segment whatever the chunk; the planner budgets one tile.
+Q_TILE = 512

@@ -21,7 +21,7 @@ import torch
 NAME = "tiered_kv"  # must not contain "flash": transformers treats such names as flash-attn kernels
 
 
-Q_TILE = 512  # queries per score matrix: bounds prefill memory to heads x Q_TILE x segment, whatever the chunk
+from . import Q_TILE  # noqa: E402 - queries per score matrix (the planner budgets one tile)
 
 
 def partial_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
