@@ -302,7 +302,7 @@ class Engine:
         self.kv, self.prefill_chunk, self.plan, notes = planner.fit_to_budget(
             shape, budget=self.vram_budget, context=self.context_length, weights=self.weights_kind,
             cache=self.config.kv_cache, prefill_chunk=self.prefill_chunk, kv=self.kv,
-            host_available=policy.host_available(), l2_bytes_per_token=l2_per_token)
+            host_available=policy.host_available(), l2_bytes_per_token=l2_per_token, group=self._int4_group())
         gib = self.vram_budget / 2**30
         if not self.plan.fits:
             need = self.plan.peak_reserved / 2**30
@@ -321,6 +321,14 @@ class Engine:
         from ..quant.int4_linear import Int4Linear
 
         return "int4" if any(isinstance(m, Int4Linear) for m in self.model.modules()) else "fp16"
+
+    def _int4_group(self) -> int:
+        """The int4 group size the planner counts scales for: the smallest of the model's Int4Linear layers (a GGUF
+        keeps 32, ``flashguard quantize`` writes 64), or the quantizer's for a float model."""
+        from ..quant import AWQ_GROUP_SIZE
+        from ..quant.int4_linear import Int4Linear
+
+        return min((m.group_size for m in self.model.modules() if isinstance(m, Int4Linear)), default=AWQ_GROUP_SIZE)
 
     def _use_causal_sdpa(self) -> None:
         """Plain causal models run flashguard's attention function even with a DynamicCache: SDPA with a

@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from ..errors import ModelLoadError
+from ..quant import AWQ_GROUP_SIZE
 
 log = logging.getLogger("flashguard")
 
@@ -249,7 +250,6 @@ def gguf_meta_folder(source: ModelSource) -> str:
     return str(target)
 
 
-AWQ_GROUP_SIZE = 64
 AWQ_RECIPE = "awq-g64-clip-pydoc32x512-v1"  # changes when the quantizer's output would change
 
 

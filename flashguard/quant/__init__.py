@@ -5,3 +5,7 @@
 - ``awq_load``    load any ``quant_method: awq`` checkpoint into a transformers model.
 - ``awq_search``  ``flashguard quantize``: the activation-aware scale search that writes such checkpoints.
 """
+
+# Group size of the int4 weights ``flashguard quantize`` writes (``weights: int4`` on a float model); the VRAM planner
+# assumes it where the engine has no int4 model to ask (``flashguard plan``). GGUF Q4 tensors keep their own 32.
+AWQ_GROUP_SIZE = 64

@@ -25,7 +25,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from ..kv import FETCH_BLOCK_TOKENS
+from ..kv import FETCH_BLOCK_TOKENS, Q_TILE
+from ..quant import AWQ_GROUP_SIZE
 SLACK = 0.08           # reserved - allocated, measured 5-10% on the H200 runs
 CUDA_CONTEXT = 400 * 2**20
 HEADROOM = 0.15        # share of vram_budget left unplanned: planner error, fragmentation, the desktop's needs
@@ -101,7 +102,7 @@ class Plan:
         return "\n".join(lines) + "\n"
 
 
-def weight_bytes(s: Shape, kind: str, group: int = 128) -> dict:
+def weight_bytes(s: Shape, kind: str, group: int = AWQ_GROUP_SIZE) -> dict:
     kvd = s.kv_heads * s.head_dim
     linear = s.layers * (s.hidden * (s.heads * s.head_dim + 2 * kvd) + s.heads * s.head_dim * s.hidden
                          + 3 * s.hidden * s.intermediate)
@@ -117,7 +118,7 @@ def weight_bytes(s: Shape, kind: str, group: int = 128) -> dict:
 
 
 def plan(shape: Shape, *, gpu_mem: int, context: int, weights: str = "int4", cache: str = "tiered",
-         prefill_chunk: int = 512, kv=None, group: int = 128, cuda_context: int = CUDA_CONTEXT) -> Plan:
+         prefill_chunk: int = 512, kv=None, group: int = AWQ_GROUP_SIZE, cuda_context: int = CUDA_CONTEXT) -> Plan:
     from ..config import CacheConfig
 
     kv = kv or CacheConfig()
@@ -154,7 +155,7 @@ def plan(shape: Shape, *, gpu_mem: int, context: int, weights: str = "int4", cac
         # it, fp32 scores (scaled, masked, exp'd in place) plus, at either end, one 16-bit copy (the einsum result
         # being widened, or the probabilities for the second einsum); the bool mask is shared by the heads
         segment = min(prefill_window, kv.sink_tokens + chunk)   # later chunks attend L1 with fused kernels
-        tile = min(chunk, 512)
+        tile = min(chunk, Q_TILE)
         attn = s.heads * tile * segment * (4 + 2) + tile * segment
         off = max(0, context - window)
         l2 = min(off, kv.l2_tokens) * s.layers * 2 * kvd * (1 if kv.l2_codec == "int8" else 2)
@@ -177,7 +178,7 @@ def planned(budget: int) -> int:
 
 
 def pool_tokens(shape: Shape, *, budget: int, context: int, weights: str, prefill_chunk: int, kv,
-                group: int = 128, cuda_context: int = CUDA_CONTEXT) -> int:
+                group: int = AWQ_GROUP_SIZE, cuda_context: int = CUDA_CONTEXT) -> int:
     """The most tokens the tiered cache's pool (L1) may hold for the plan of ``context`` to fit ``budget`` (the
     process's whole GPU memory, less ``HEADROOM``): a binary search over page multiples; 0 when not even
     ``MIN_POOL_PAGES`` pages fit."""
@@ -205,7 +206,7 @@ def pool_tokens(shape: Shape, *, budget: int, context: int, weights: str, prefil
 
 
 def sized_kv(shape: Shape, *, budget: int, context: int, weights: str, prefill_chunk: int, kv,
-             group: int = 128, cuda_context: int = CUDA_CONTEXT, host_available: int | None = None,
+             group: int = AWQ_GROUP_SIZE, cuda_context: int = CUDA_CONTEXT, host_available: int | None = None,
              l2_bytes_per_token: int = 1):
     """``kv`` with its ``auto`` sizes set for ``budget``: the largest pool that fits (at least the minimum, which
     ``fit_to_budget`` reports when even that does not fit). ``kv.l1_codec: auto`` becomes int8 when a 16-bit
@@ -234,7 +235,7 @@ def sized_kv(shape: Shape, *, budget: int, context: int, weights: str, prefill_c
 
 
 def suggest(shape: Shape, *, gpu_mem: int, context: int, weights: str, cache: str, prefill_chunk: int, kv=None,
-            group: int = 128, cuda_context: int = CUDA_CONTEXT) -> dict:
+            group: int = AWQ_GROUP_SIZE, cuda_context: int = CUDA_CONTEXT) -> dict:
     """The YAML changes that make a plan fit, cheapest for quality/speed first: int4 weights, the tiered cache,
     then what ``fit_to_budget`` shrinks (prefill chunk, tiered window). Empty when it already fits."""
     from ..config import CacheConfig
@@ -291,7 +292,7 @@ def resolve_shape(model: str) -> Shape:
 
 def fit_to_budget(shape: Shape, *, budget: int, context: int, weights: str, cache: str, prefill_chunk: int,
                   kv, cuda_context: int = CUDA_CONTEXT, host_available: int | None = None,
-                  l2_bytes_per_token: int = 1) -> tuple:
+                  l2_bytes_per_token: int = 1, group: int = AWQ_GROUP_SIZE) -> tuple:
     """What the engine does with ``vram_budget`` (``budget``: the process's whole GPU memory, CUDA context
     included) at start: the prefill chunk shrunk while not even the smallest
     pool fits beside it, then the tiered cache's ``auto`` sizes set (the largest pool that fits; see
@@ -304,7 +305,7 @@ def fit_to_budget(shape: Shape, *, budget: int, context: int, weights: str, cach
 
     def plan_of(k, c) -> Plan:
         return plan(shape, gpu_mem=planned(budget), context=context, weights=weights, cache=cache,
-                    prefill_chunk=c, kv=k, cuda_context=cuda_context)
+                    prefill_chunk=c, kv=k, group=group, cuda_context=cuda_context)
 
     chunk = prefill_chunk
     if cache == "tiered" and not kv.sized:
@@ -313,7 +314,7 @@ def fit_to_budget(shape: Shape, *, budget: int, context: int, weights: str, cach
         while not plan_of(smallest, chunk).fits and chunk > 256:
             chunk //= 2
         kv = sized_kv(shape, budget=budget, context=context, weights=weights, prefill_chunk=chunk, kv=kv,
-                      cuda_context=cuda_context, host_available=host_available,
+                      group=group, cuda_context=cuda_context, host_available=host_available,
                       l2_bytes_per_token=l2_bytes_per_token)
     else:
         while not plan_of(kv, chunk).fits and chunk > 256:
