@@ -41,23 +41,22 @@ def _is_json(b: bytes) -> bool:
         return False
 
 
-SEEN = []
+def test_malformed_requests_get_a_clear_4xx_and_the_server_stays_healthy(server):
+    seen = []
 
+    @settings(max_examples=200, derandomize=True, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(body=bodies)
+    def malformed(body):
+        kind, value = body
+        content = value if kind == "raw" else json.dumps(value).encode()
+        r = httpx.post(server.url + "/v1/chat/completions", content=content, timeout=60,
+                       headers={"content-type": "application/json"})
+        seen.append(r.status_code)
+        assert 400 <= r.status_code < 500, (value, r.status_code, r.text)
+        assert r.json()["error"]["message"]
 
-@settings(max_examples=200, derandomize=True, deadline=None, suppress_health_check=list(HealthCheck))
-@given(body=bodies)
-def test_malformed_requests_get_a_clear_4xx(server, body):
-    kind, value = body
-    content = value if kind == "raw" else json.dumps(value).encode()
-    r = httpx.post(server.url + "/v1/chat/completions", content=content, timeout=60,
-                   headers={"content-type": "application/json"})
-    SEEN.append(r.status_code)
-    assert 400 <= r.status_code < 500, (value, r.status_code, r.text)
-    assert r.json()["error"]["message"]
-
-
-def test_the_server_is_healthy_after_the_fuzzing(server):
-    assert len(SEEN) >= 200
+    malformed()
+    assert len(seen) >= 200
     r = httpx.post(server.url + "/v1/chat/completions", timeout=120,
                    json={"model": "flashguard", "messages": [{"role": "user", "content": "What is the capital of France?"}]})
     assert r.status_code == 200 and "Paris" in r.json()["choices"][0]["message"]["content"]

@@ -104,7 +104,8 @@ def test_exact_default_codecs_greedy_256_tokens_equal_dynamic(engine, text_ids):
     ref = engine.turns[-1].output_ids
     tiered.generate(prompt, params)
     assert tiered.turns[-1].output_ids == ref
-    assert tiered.store.tier_counts()["l3_pages"] > 0 or tiered.store.tier_counts()["l2_pages"] > 0
+    counts = tiered.store.tier_counts()   # ~1150 tokens: 28 pages left the 256-token window, 16 fit L2
+    assert counts["l3_pages"] > 0 and counts["l2_pages"] > 0
     tiered.session.cache.check_integrity()
 
 
@@ -174,9 +175,11 @@ def test_two_caches_take_turns_on_one_model(engine, text_ids):
     interleaved on one model give what each gives alone."""
     m, ids = engine.model, text_ids[:600]
     alone = run(m, TieredCache(m.config, LOSSLESS).attach(m), ids, chunk=150)
+    alone_b = run(m, TieredCache(m.config, LOSSLESS).attach(m), ids[::-1], chunk=150)
     a, b = TieredCache(m.config, LOSSLESS).attach(m), TieredCache(m.config, LOSSLESS).attach(m)
     out_a, out_b = [], []
     for s in range(0, len(ids), 150):
         out_a.append(run(m, a, ids[s:s + 150], chunk=150))
         out_b.append(run(m, b, ids[::-1][s:s + 150], chunk=150))
     torch.testing.assert_close(torch.cat(out_a), alone, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(torch.cat(out_b), alone_b, atol=1e-5, rtol=1e-5)
