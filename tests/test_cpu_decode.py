@@ -19,3 +19,34 @@ def test_segment_on_the_cpu_is_the_einsum_reference(dtype, tol, lq, keys, causal
     o_ref, lse_ref = attention._partial(q.float(), k.float(), v.float(), 0.125, mask)
     torch.testing.assert_close(o.float(), o_ref.float(), rtol=tol, atol=tol)
     torch.testing.assert_close(lse.float(), lse_ref.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])   # qwen2: q/k/v biases
+def test_the_fused_int4_decode_step_is_the_models_forward(tmp_path, arch):
+    """On the CPU an int4 model's q/k/v and gate/up run as one kernel call each (``concat_rows``): the step's logits
+    are the model's own forward over the same cache, and the layers keep one copy of their codes."""
+    from transformers import AutoConfig, DynamicCache
+
+    from flashguard.engine.decode_step import DecodeStep
+    from flashguard.engine.engine import cache_kwarg
+    from flashguard.quant import gguf_load
+    from tests.test_gguf_load import VOCAB, T, write_tiny_gguf
+
+    write_tiny_gguf(tmp_path / "tiny.gguf", arch, v_type=T.Q4_1)
+    config = AutoConfig.from_pretrained(tmp_path, gguf_file="tiny.gguf")
+    model = gguf_load.load_int4(str(tmp_path / "tiny.gguf"), config, torch.device("cpu"), torch.float32, "cpu")
+    step = DecodeStep(model)
+    assert all(f is not None for f in step.fused)
+    q_proj = model.model.layers[0].self_attn.q_proj
+    assert q_proj.packed.data_ptr() == step.fused[0][0].packed.data_ptr()   # a view, not a copy
+    assert DecodeStep(model).fused[0] is step.fused[0]
+    ids = torch.randint(0, len(VOCAB), (1, 12), generator=torch.Generator().manual_seed(3))
+    kwarg = cache_kwarg(model)
+    with torch.inference_mode():
+        ours, theirs = DynamicCache(config=model.config), DynamicCache(config=model.config)
+        model(input_ids=ids[:, :8], **{kwarg: ours})
+        model(input_ids=ids[:, :8], **{kwarg: theirs})
+        for t in range(8, 12):
+            got = step.step(int(ids[0, t]), ours)
+            expected = model(input_ids=ids[:, t:t + 1], **{kwarg: theirs}).logits[0, -1]
+            torch.testing.assert_close(got, expected, rtol=1e-3, atol=1e-3 * expected.abs().max().item())

@@ -49,7 +49,7 @@ def random_blocks(rng, rows: int, cols: int, qtype) -> np.ndarray:
     return raw.reshape(rows, -1)
 
 
-def write_tiny_gguf(path, arch: str = "llama", seed: int = 0, output_type=None, odd_type=None) -> None:
+def write_tiny_gguf(path, arch: str = "llama", seed: int = 0, output_type=None, odd_type=None, v_type=T.Q6_K) -> None:
     """A 2-layer ``arch`` model whose matrices are Q4_K (q, gate), Q4_0 (k, up), Q4_1 (o), Q6_K (v), Q8_0
     (down, embeddings); ``output_type``: an untied output.weight of that type; ``odd_type``: ffn_down's type."""
     rng = np.random.default_rng(seed)
@@ -88,7 +88,10 @@ def write_tiny_gguf(path, arch: str = "llama", seed: int = 0, output_type=None, 
         w.add_tensor(b + "ffn_norm.weight", (1 + normal(H)).astype(np.float32))
         w.add_tensor(b + "attn_q.weight", random_blocks(rng, H, H, T.Q4_K), raw_dtype=T.Q4_K)
         quant(b + "attn_k.weight", normal(kv, H), T.Q4_0)
-        w.add_tensor(b + "attn_v.weight", random_blocks(rng, kv, H, T.Q6_K), raw_dtype=T.Q6_K)
+        if v_type == T.Q6_K:
+            w.add_tensor(b + "attn_v.weight", random_blocks(rng, kv, H, T.Q6_K), raw_dtype=T.Q6_K)
+        else:
+            quant(b + "attn_v.weight", normal(kv, H), v_type)
         quant(b + "attn_output.weight", normal(H, H), T.Q4_1)
         w.add_tensor(b + "ffn_gate.weight", random_blocks(rng, FF, H, T.Q4_K), raw_dtype=T.Q4_K)
         quant(b + "ffn_up.weight", normal(FF, H), T.Q4_1)

@@ -104,6 +104,8 @@ class DecodeStep:
         self.graphs: list | None = None
         self.outputs: list | None = None
         self.wholes: dict = {}   # StaticKV.key -> (graph, logits): the one-graph steps recorded
+        # On the CPU, where each call costs host time, int4 q/k/v and gate/up run as one kernel call each
+        self.fused = [_fuse(layer) for layer in self.layers] if not self.use_graphs else [None] * n
 
     @staticmethod
     def supports(model) -> bool:
@@ -129,14 +131,24 @@ class DecodeStep:
             h, cos, sin = inputs
             prev = self.layers[i - 1]
             h = h + prev.self_attn.o_proj(self.attn_out[i - 1])
-            h = h + prev.mlp(_rms_norm(prev.post_attention_layernorm, h))
+            x = _rms_norm(prev.post_attention_layernorm, h)
+            fused = self.fused[i - 1]
+            if fused is None:
+                h = h + prev.mlp(x)
+            else:
+                gate, up = fused[2](x).chunk(2, dim=-1)
+                h = h + prev.mlp.down_proj(prev.mlp.act_fn(gate) * up)
         if i == len(self.layers):
             return (self.lm_head(_rms_norm(self.norm, h))[0, -1],)
         attn = self.layers[i].self_attn
         x = _rms_norm(self.layers[i].input_layernorm, h)
-        q = attn.q_proj(x).view(1, 1, -1, self.head_dim).transpose(1, 2)
-        k = attn.k_proj(x).view(1, 1, -1, self.head_dim).transpose(1, 2)
-        v = attn.v_proj(x).view(1, 1, -1, self.head_dim).transpose(1, 2)
+        if self.fused[i] is None:
+            q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+        else:
+            q, k, v = self.fused[i][0](x).split(self.fused[i][1], dim=-1)
+        q = q.view(1, 1, -1, self.head_dim).transpose(1, 2)
+        k = k.view(1, 1, -1, self.head_dim).transpose(1, 2)
+        v = v.view(1, 1, -1, self.head_dim).transpose(1, 2)
         # Rotary embedding of q and k in one pass (4 kernels instead of transformers' 10): x*cos + rotate_half(x)*sin
         qk = torch.cat([q, k], 1)
         qk = torch.addcmul(qk * cos, qk.roll(self.head_dim // 2, -1), sin)
@@ -277,6 +289,25 @@ class DecodeStep:
             return graphs, outputs
 
         self.graphs, self.outputs = self._record(warm_up, record) or (None, None)
+
+
+def _fuse(layer):
+    """``(qkv, (q, k, v sizes), gate_up)``: a layer's int4 projections concatenated (``int4_linear.concat_rows``),
+    or None where they are not all Int4Linear layers that concatenate. Kept on the layer as ``flashguard_fused``, so
+    several steps over one model (engines sharing it) share one copy."""
+    from ..quant.int4_linear import Int4Linear, concat_rows
+
+    if hasattr(layer, "flashguard_fused"):
+        return layer.flashguard_fused
+    attn, mlp = layer.self_attn, layer.mlp
+    parts = (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj)
+    if not all(isinstance(m, Int4Linear) for m in parts) or not hasattr(mlp, "act_fn") or \
+            mlp.gate_proj.out_features != mlp.up_proj.out_features:
+        return None
+    qkv, gate_up = concat_rows(list(parts[:3])), concat_rows(list(parts[3:]))
+    fused = None if qkv is None or gate_up is None else (qkv, tuple(m.out_features for m in parts[:3]), gate_up)
+    object.__setattr__(layer, "flashguard_fused", fused)   # not a submodule: state_dict and .to() stay as they were
+    return fused
 
 
 _RMS_NORMS = ("LlamaRMSNorm", "Qwen2RMSNorm", "MistralRMSNorm")

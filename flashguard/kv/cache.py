@@ -33,6 +33,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..config import CacheConfig
 from . import FETCH_BLOCK_TOKENS, FETCH_BLOCK_TOKENS_CPU, attention, codecs, int8_pool, uva
+from .disk import PageLost  # the engine catches it from here
 from .store import PageStore, namespace_for, page_key
 
 
@@ -43,12 +44,6 @@ def _index(values: list[int], device: torch.device) -> torch.Tensor:
     if device.type != "cuda":
         return t
     return t.pin_memory().to(device, non_blocking=True)
-
-
-class PageLost(RuntimeError):
-    """A page this cache needs is gone from the store (it failed verification, or could not be kept).
-
-    The cache is no longer usable; the caller recomputes the sequence (the engine does so by prefill)."""
 
 
 class TieredLayer(CacheLayerMixin):

@@ -132,6 +132,33 @@ class Int4Linear(nn.Module):
                 f"backend={self.backend}, bias={self.bias is not None}")
 
 
+def concat_rows(layers: list[Int4Linear]) -> Int4Linear | None:
+    """One layer computing ``torch.cat([layer(x) for layer in layers], -1)`` (a decode step's q/k/v or gate/up in one
+    kernel call), or None where the layers differ in input size, group size, backend or bias, or their backend's
+    packing is not row by row (tinygemm's ``cuda`` tiles rows). The layers' packed codes become views of the new
+    layer's, so the weights are not held twice."""
+    first = layers[0]
+    if first.backend not in ("cpu", *_NIBBLES) or any(
+            (m.backend, m.in_features, m.group_size, m.bias is None) != (first.backend, first.in_features,
+                                                                        first.group_size, first.bias is None)
+            for m in layers):
+        return None
+    fused = Int4Linear(first.in_features, sum(m.out_features for m in layers), first.group_size, first.backend)
+    fused.register_buffer("packed", torch.cat([m.packed for m in layers]))
+    if first.backend == "cpu":
+        fused.register_buffer("scale_zeros", torch.cat([m.scale_zeros for m in layers], dim=1))
+    else:
+        fused.register_buffer("scales", torch.cat([m.scales for m in layers]))
+        fused.register_buffer("zeros", torch.cat([m.zeros for m in layers]))
+    if first.bias is not None:
+        fused.bias = torch.cat([m.bias for m in layers])
+    start = 0
+    for m in layers:
+        m.packed = fused.packed[start:start + m.out_features]   # rows: a contiguous view
+        start += m.out_features
+    return fused
+
+
 def backend_of(model: nn.Module) -> str | None:
     """The backend of ``model``'s Int4Linear layers (None when it has none; one model uses one backend)."""
     return next((m.backend for m in model.modules() if isinstance(m, Int4Linear)), None)
