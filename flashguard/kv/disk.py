@@ -10,7 +10,7 @@ Contract:
   (``cryptography``), with the page key as associated data, so a file cannot be swapped for another page's file;
   or, with ``encrypt=False``, a BLAKE2b checksum. Written to ``name.tmp`` then renamed: a crash mid-write never
   leaves a file that looks complete. Files are created 0600.
-- ``read(key, path)`` returns the payload, or raises ``PageCorrupt`` for a missing, truncated, altered or
+- ``read(key, path)`` returns the payload, or raises ``PageLost`` for a missing, truncated, altered or
   foreign file. Nothing unverified is ever returned.
 """
 
@@ -30,8 +30,10 @@ PREFIX = "flashguard-l3-"
 _MAGIC_AEAD, _MAGIC_SUM = b"FGL3", b"FGL3C"
 
 
-class PageCorrupt(Exception):
-    """An L3 page failed verification (or is gone): drop it and recompute from its tokens."""
+class PageLost(RuntimeError):
+    """A page cannot be used: its L3 file is missing, truncated, altered or foreign, it does not decode, or the
+    store no longer has it. The one error for that failure, from the disk up: the store drops such a page, a
+    cache that needs it raises this too, and the engine recomputes the tokens (never uses the page)."""
 
 
 class L3Folder:
@@ -84,22 +86,22 @@ class L3Folder:
             with open(path, "rb") as fh:
                 blob = fh.read()
         except OSError as exc:
-            raise PageCorrupt(f"cannot read {path}: {exc.strerror}") from exc
+            raise PageLost(f"cannot read {path}: {exc.strerror}") from exc
         if self._aead is not None:
             from cryptography.exceptions import InvalidTag
 
             if not blob.startswith(_MAGIC_AEAD) or len(blob) < len(_MAGIC_AEAD) + 12 + 16:
-                raise PageCorrupt(f"{path} is not a sealed page")
+                raise PageLost(f"{path} is not a sealed page")
             nonce, sealed = blob[4:16], blob[16:]
             try:
                 return self._aead.decrypt(nonce, sealed, key)
             except InvalidTag:
-                raise PageCorrupt(f"{path} failed authentication (altered, truncated or foreign)") from None
+                raise PageLost(f"{path} failed authentication (altered, truncated or foreign)") from None
         if not blob.startswith(_MAGIC_SUM) or len(blob) < 5 + 32:
-            raise PageCorrupt(f"{path} is not a checksummed page")
+            raise PageLost(f"{path} is not a checksummed page")
         digest, payload = blob[5:37], blob[37:]
         if hashlib.blake2b(key + payload, digest_size=32).digest() != digest:
-            raise PageCorrupt(f"{path} failed its checksum")
+            raise PageLost(f"{path} failed its checksum")
         return payload
 
     def remove(self, path: str) -> None:

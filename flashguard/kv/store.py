@@ -33,7 +33,7 @@ import torch
 
 from ..config import CacheConfig
 from . import codecs
-from .disk import L3Folder, PageCorrupt
+from .disk import L3Folder, PageLost
 from .policy import TierPolicy
 
 log = logging.getLogger("flashguard")
@@ -314,7 +314,7 @@ class PageStore:
             return page.l2
         try:
             self._promote(key, page, protect)
-        except PageCorrupt as exc:
+        except PageLost as exc:
             self._drop_corrupt(key, page, exc)
             return None
         return page.l2
@@ -338,7 +338,7 @@ class PageStore:
         try:
             k, v = codecs.decode(codecs.from_bytes(blob), torch.float32)
         except (ValueError, KeyError, RuntimeError) as exc:
-            raise PageCorrupt(f"undecodable page: {exc}") from exc
+            raise PageLost(f"undecodable page: {exc}") from exc
         enc = codecs.encode(k, v, self.config.l2_codec)
         self.stats.codec_seconds += time.perf_counter() - t0
         page.l2 = self.arena.write(enc)
