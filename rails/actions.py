@@ -13,6 +13,8 @@ from typing import Optional
 from nemoguardrails.actions import action
 from nemoguardrails.actions.rail_outcome import RailOutcome
 
+from flashguard.errors import ConfigError
+
 from .moderation import ModerationSettings, moderate, moderate_input
 
 
@@ -69,8 +71,8 @@ def _engine_of(llm, name: str):
     if engine is None:  # NeMo's langchain framework wraps the model: ChatFlashguard is its raw_llm
         engine = getattr(getattr(llm, "raw_llm", None), "engine", None)
     if engine is None:
-        raise RuntimeError(f"{name} needs the main model to use `engine: flashguard` "
-                           "(models[main].engine in config.yml)")
+        raise ConfigError(f"{name} needs the main model to use `engine: flashguard` "
+                          "(models[main].engine in config.yml)")
     return engine
 
 
