@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from .probe import answer_log_odds
+from .state import rail_state
 
 log = logging.getLogger("flashguard")
 
@@ -135,7 +136,7 @@ class ModerationSettings:
 def moderation_suffix(engine, question: str) -> list[int]:
     """Token ids that close the assistant turn and ask ``question`` as the next user turn (memoised per engine:
     rendering the chat template costs milliseconds, more than the shared-page forward at short contexts)."""
-    memo = engine.__dict__.setdefault("_moderation_suffix", {})
+    memo = rail_state(engine).suffixes
     if question not in memo:
         memo[question] = _render_suffix(engine, question)
     return list(memo[question])
@@ -153,7 +154,7 @@ def _render_suffix(engine, question: str) -> list[int]:
 
 def answer_ids(engine, word: str) -> list[int]:
     """First token ids of ``word`` in its usual spellings (" No", "no", ...), memoised per engine."""
-    memo = engine.__dict__.setdefault("_moderation_answers", {})
+    memo = rail_state(engine).answers
     if word not in memo:
         memo[word] = sorted({engine.tokenizer(w, add_special_tokens=False)["input_ids"][0]
                              for w in _VARIANTS(word.strip())})
@@ -187,7 +188,7 @@ def moderate(engine, bot_message: str, user_message: Optional[str] = None,
     """
     with engine.lock:  # the streaming chunk check and the final check can arrive together
         turn = find_turn(engine, bot_message) if allow_shared else None
-        memo = engine.__dict__.setdefault("_moderation_memo", {})
+        memo = rail_state(engine).verdicts
         key = (turn, bot_message.strip(), user_message if turn is None else None, settings)
         if use_memo and allow_shared and key in memo:
             v = memo[key]
@@ -221,7 +222,7 @@ def choose_probe(engine, settings: ModerationSettings):
         probe, where = find_probe(engine, settings.prompt, settings.side)
         default = INPUT_THRESHOLD if settings.side == "input" else DEFAULT_THRESHOLD
         if probe is not None and settings.threshold != default:
-            warned = engine.__dict__.setdefault("_moderation_threshold_warned", set())
+            warned = rail_state(engine).threshold_warned
             if settings.threshold not in warned:
                 warned.add(settings.threshold)
                 log.warning("flashguard moderation: %s.threshold (%s) applies to the "
@@ -229,14 +230,14 @@ def choose_probe(engine, settings: ModerationSettings):
                             "probe: off to decide by the question and that threshold", settings.section,
                             settings.threshold, where, probe.threshold)
         if probe is None:
-            warned = engine.__dict__.setdefault("_moderation_probe_warned", set())
+            warned = rail_state(engine).probe_warned
             if settings.prompt not in warned:
                 warned.add(settings.prompt)
                 log.warning("flashguard moderation: %s; the rail uses the question's Yes/No verdict, which is much "
                             "less accurate (docs/moderation.md). Run `%s` to train a probe for this model",
                             where, hint(settings))
         return probe
-    memo = engine.__dict__.setdefault("_moderation_probe_file", {})
+    memo = rail_state(engine).probe_files
     if mode not in memo:
         from pathlib import Path
 

@@ -26,6 +26,8 @@ import torch
 
 from flashguard.errors import FlashguardError
 
+from .state import rail_state
+
 log = logging.getLogger("flashguard")
 
 FORMAT = "flashguard-probe/1"
@@ -158,7 +160,7 @@ def find_probe(engine, question: str, side: str = "output") -> tuple[Optional[Pr
     Returns ``(probe, where)``; ``(None, why)`` when there is none (the caller falls back to the question).
     A file that exists but is corrupt raises ``ProbeError`` (naming it). Memoised per engine and question.
     """
-    memo = engine.__dict__.setdefault("_moderation_probe", {})
+    memo = rail_state(engine).probes
     if question in memo:
         return memo[question]
     hint = CALIBRATE_HINT + (" --rail input" if side == "input" else "")

@@ -83,3 +83,15 @@ def server(tmp_path_factory):
     s = Server(FLASH, tmp_path_factory.mktemp("server") / "server.log").wait()
     yield s
     s.stop()
+
+
+@pytest.fixture
+def shipped_probes_only(engine, monkeypatch, tmp_path):
+    """The moderation rail sees no probe in the user cache folder: what a fresh install gets (the shipped probes)."""
+    from flashguard.rails import probe
+    from flashguard.rails.state import rail_state
+
+    monkeypatch.setattr(probe, "user_probe_path", lambda key, side="output": tmp_path / "none.json")
+    rail_state(engine).forget_probes()
+    yield tmp_path
+    rail_state(engine).forget_probes()

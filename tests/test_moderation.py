@@ -10,6 +10,7 @@ from flashguard.rails import probe as probe_mod
 from flashguard.rails.calibrate import TUNING_SET, read_rows, train
 from flashguard.rails.moderation import ModerationSettings, moderate, moderation_suffix
 from flashguard.rails.probe import Probe, ProbeError, find_probe
+from flashguard.rails.state import rail_state
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.slow
@@ -20,21 +21,6 @@ TUNE = read_rows(TUNING_SET)
 HARMFUL = {"violence", "weapons", "self-harm", "hate", "minors", "crime", "cyber", "drugs", "privacy"}
 BENIGN = {"war-history", "first-aid", "security-advice", "refusal", "fiction", "greeting", "fact", "code"}
 NEVER_BLOCK = {"greeting", "fact"}
-
-
-def forget_probes(engine):
-    """Drop the engine's memo of which probe file it uses (tests change where probes are looked for)."""
-    for key in ("_moderation_probe", "_moderation_probe_file", "_moderation_probe_warned", "_moderation_memo"):
-        engine.__dict__.pop(key, None)
-
-
-@pytest.fixture
-def shipped_probes_only(engine, monkeypatch, tmp_path):
-    """The rail sees no probe in the user cache folder: what a fresh install gets (the shipped probe)."""
-    monkeypatch.setattr(probe_mod, "user_probe_path", lambda key, side="output": tmp_path / "none.json")
-    forget_probes(engine)
-    yield tmp_path
-    forget_probes(engine)
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +84,7 @@ def test_test_set_accuracy_float(engine, capsys, shipped_probes_only):
 
 def test_test_set_accuracy_int4(int4_engine, capsys, monkeypatch, tmp_path):
     monkeypatch.setattr(probe_mod, "user_probe_path", lambda key, side="output": tmp_path / "none.json")
-    forget_probes(int4_engine)
+    rail_state(int4_engine).forget_probes()
     check_test_sets(int4_engine, capsys, "int4 probe")
     probe, where = find_probe(int4_engine, ModerationSettings().prompt)
     assert probe.weights == "int4" and "probes" in where
@@ -152,7 +138,7 @@ def test_settings_errors_name_the_key():
 def test_without_any_probe_the_question_verdict_is_used_with_one_warning(engine, monkeypatch, tmp_path, caplog):
     monkeypatch.setattr(probe_mod, "user_probe_path", lambda key, side="output": tmp_path / "none.json")
     monkeypatch.setattr(probe_mod, "SHIPPED_DIR", tmp_path / "no-shipped")
-    forget_probes(engine)
+    rail_state(engine).forget_probes()
     try:
         with caplog.at_level(logging.WARNING, logger="flashguard"):
             a = run_rail(engine, TEST[0])
@@ -161,7 +147,7 @@ def test_without_any_probe_the_question_verdict_is_used_with_one_warning(engine,
         warnings = [r for r in caplog.records if "flashguard calibrate" in r.getMessage()]
         assert len(warnings) == 1 and str(tmp_path / "none.json") in warnings[0].getMessage()
     finally:
-        forget_probes(engine)
+        rail_state(engine).forget_probes()
 
 
 def test_a_corrupt_probe_file_is_an_error_naming_it_and_the_command(engine, monkeypatch, tmp_path):
@@ -170,16 +156,16 @@ def test_a_corrupt_probe_file_is_an_error_naming_it_and_the_command(engine, monk
     try:
         for text in ("{not json", json.dumps({"format": probe_mod.FORMAT, "layer": 3})):
             bad.write_text(text)
-            forget_probes(engine)
+            rail_state(engine).forget_probes()
             with pytest.raises(ProbeError, match="flashguard calibrate") as exc:
                 run_rail(engine, TEST[0])
             assert str(bad) in str(exc.value)
-        forget_probes(engine)
+        rail_state(engine).forget_probes()
         with pytest.raises(ProbeError, match="flashguard calibrate") as exc:
             run_rail(engine, TEST[0], ModerationSettings(probe=str(tmp_path / "missing.json")))
         assert "missing.json" in str(exc.value)
     finally:
-        forget_probes(engine)
+        rail_state(engine).forget_probes()
 
 
 def test_calibrate_trains_a_probe_the_rail_then_finds(engine, monkeypatch, tmp_path):
@@ -193,13 +179,13 @@ def test_calibrate_trains_a_probe_the_rail_then_finds(engine, monkeypatch, tmp_p
     assert loaded.layer == probe.layer and loaded.bias == probe.bias
     assert max(abs(a - b) for a, b in zip(loaded.weight, probe.weight)) <= 1e-5 * max(map(abs, probe.weight))
     monkeypatch.setattr(probe_mod, "user_probe_path", lambda key, side="output": path)
-    forget_probes(engine)
+    rail_state(engine).forget_probes()
     try:
         found, where = find_probe(engine, ModerationSettings().prompt)
         assert found == loaded and where == str(path)
         assert run_rail(engine, TEST[0]).method == "probe"
     finally:
-        forget_probes(engine)
+        rail_state(engine).forget_probes()
 
 
 # ---- bad replies ---------------------------------------------------------------------------
