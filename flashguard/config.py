@@ -139,8 +139,9 @@ class EngineConfig:
     kv             CacheConfig for the tiered cache.
     vram_budget    bytes (or "4GiB") the engine may use on the GPU; "auto" (default) = the GPU's free memory at
                    start minus ``VRAM_MARGIN``; None = no cap. Ignored on the CPU.
-    weights        "float" (as stored) or "int4": a float model is AWQ-quantized once (group size 64) and
-                   cached in the user cache folder; an AWQ checkpoint is always loaded in int4.
+    weights        "float" (as stored) or "int4": a GGUF's Q4_0 / Q4_1 / Q4_K matrices load straight into
+                   Int4Linear (seconds; quant/gguf_load.py); a float model is AWQ-quantized once (group size 64)
+                   and cached in the user cache folder; an AWQ checkpoint is always loaded in int4.
     int4_kernel    "auto" (the fastest the device runs), "triton" (flashguard's Triton kernels, CUDA), "cuda"
                    (torch's tinygemm, compute capability >= 8.0), "cpu" (torch's CPU kernel) or "dequant" (any device).
     cuda_graphs    record one-token decode steps of Llama/Qwen2 models as CUDA graphs (engine/decode_step.py);
