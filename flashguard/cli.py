@@ -325,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--context", type=int, default=131072)
     p.add_argument("--weights", choices=("int4", "fp16"), default="int4")
     p.add_argument("--kv-cache", choices=("tiered", "dynamic"), default="tiered", help="the kv_cache key")
-    p.add_argument("--prefill-chunk", type=int, default=512)
+    p.add_argument("--prefill-chunk", type=int, default=2048, help="tokens per prefill pass (the engine's auto on a GPU)")
     p.add_argument("--l1-tokens", type=int, default=None, help="kv.l1_tokens (default auto: the largest pool)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_plan)

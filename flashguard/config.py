@@ -47,9 +47,9 @@ class CacheConfig:
                    call, as fast as a plain resident cache), else what the budget leaves after the weights.
     sink_tokens    first tokens always kept in L1 (attention sinks).
     l1_codec       how the pool holds K/V: "fp16" (the model's 16-bit dtype), "int8" (codes + a scale per 32
-                   channels, as llama.cpp's q8_0: twice the tokens in the same memory, decoded inside the attention
-                   kernel), or "auto" (the default): int8 on a GPU whose budget leaves a 16-bit pool shorter than
-                   the context, else fp16.
+                   channels, as llama.cpp's q8_0: ~1.9x the tokens in the same memory, decoded inside the attention
+                   kernel, slower per token), or "auto" (the default): int8 on a GPU where it makes the whole
+                   context resident and a 16-bit pool would not, else fp16.
     l2_tokens      tokens kept in host RAM (int8 by default) before pages spill to disk. None (YAML ``auto``, the
                    default): the whole context, or what half of the host RAM available at start holds if less.
     l3_tokens      tokens kept on disk (int4 + zstd); 0 disables L3.
@@ -130,7 +130,9 @@ class EngineConfig:
     temperature    0 = greedy (default); > 0 samples.
     top_p          nucleus sampling mass when sampling.
     seed           sampling seed for reproducible sampled output; None = random.
-    prefill_chunk  tokens per prefill forward pass (bounds activation memory).
+    prefill_chunk  tokens per prefill forward pass (bounds activation memory). None (YAML ``auto``, the default):
+                   2048 on a GPU (a 32K-token prompt then prefills at llama.cpp's rate on an H200; the budget
+                   planner halves it when memory is short), 512 on the CPU.
     max_context    cap on prompt + generation tokens; None = the model's own context length.
     kv_cache       "tiered" (default: flashguard's memory-aware TieredCache, resident on the device while the
                    context fits the budget, paged to host RAM and disk past it) or "dynamic" (transformers'
@@ -158,7 +160,7 @@ class EngineConfig:
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
-    prefill_chunk: int = 512
+    prefill_chunk: int | None = None
     max_context: int | None = None
     kv_cache: str = "tiered"
     kv: CacheConfig = field(default_factory=CacheConfig)
@@ -187,7 +189,7 @@ class EngineConfig:
             raise ConfigError(f"must be >= 0, got {self.temperature!r}", key="temperature")
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"must be in (0, 1], got {self.top_p!r}", key="top_p")
-        if self.prefill_chunk <= 0:
+        if self.prefill_chunk is not None and self.prefill_chunk <= 0:
             raise ConfigError(f"must be a positive integer, got {self.prefill_chunk!r}", key="prefill_chunk")
         if self.max_context is not None and self.max_context <= 0:
             raise ConfigError(f"must be a positive integer, got {self.max_context!r}", key="max_context")
@@ -205,6 +207,8 @@ class EngineConfig:
         kv = params.pop("kv", None)
         if params.get("reasoning_tokens") == "auto":
             params["reasoning_tokens"] = None
+        if params.get("prefill_chunk") == "auto":
+            params["prefill_chunk"] = None
         if params.get("vram_budget") not in (None, "auto"):
             params["vram_budget"] = parse_bytes(params["vram_budget"], key="vram_budget")
         values = _typed_values(cls, params, prefix="", skip={"kv"})
@@ -256,7 +260,7 @@ def _coerce(value: Any, f: dataclasses.Field, key: str) -> Any:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"must be a number, got {value!r}", key=key)
         return float(value)
-    if f.name in ("seed", "max_context", "vram_budget", "reasoning_tokens", *_AUTO_SIZES):
+    if f.name in ("seed", "max_context", "vram_budget", "prefill_chunk", "reasoning_tokens", *_AUTO_SIZES):
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigError(f"must be an integer, got {value!r}", key=key)
         return value

@@ -144,16 +144,30 @@ def test_an_unknown_codec_and_an_odd_head_size_name_the_key():
         TieredCache(odd, CacheConfig(l1_codec="int8"))
 
 
-def test_the_planner_picks_int8_only_when_a_16_bit_pool_is_short_of_the_context():
+def test_the_planner_picks_int8_only_when_it_makes_the_whole_context_resident():
     shape = planner.Shape.from_config(planner.deepseek_1_5b_config(), "ds")
     kv = CacheConfig()
-    small = planner.sized_kv(shape, budget=4 * 2**30, context=131072, weights="int4", prefill_chunk=512, kv=kv)
-    assert small.l1_codec == "int8"
-    fp16 = planner.sized_kv(shape, budget=4 * 2**30, context=131072, weights="int4", prefill_chunk=512,
-                            kv=kv.replace(l1_codec="fp16"))
-    assert small.l1_max_tokens > 1.6 * fp16.l1_max_tokens   # codes + scales, and one layer's 16-bit copy
-    roomy = planner.sized_kv(shape, budget=4 * 2**30, context=8192, weights="int4", prefill_chunk=512, kv=kv)
+    # 4 GiB: a 16-bit pool holds ~47K of 135K tokens, an int8 one ~90K: neither holds it, auto stays 16-bit
+    four = planner.sized_kv(shape, budget=4 * 2**30, context=135168, weights="int4", prefill_chunk=2048, kv=kv)
+    assert four.l1_codec == "fp16" and four.l1_max_tokens < 135168
+    forced = planner.sized_kv(shape, budget=4 * 2**30, context=135168, weights="int4", prefill_chunk=2048,
+                              kv=kv.replace(l1_codec="int8"))
+    assert forced.l1_max_tokens > 1.6 * four.l1_max_tokens   # codes + scales, and one layer's 16-bit copy
+    # 6 GiB: int8 makes every token resident, 16-bit would not
+    six = planner.sized_kv(shape, budget=6 * 2**30, context=135168, weights="int4", prefill_chunk=2048, kv=kv)
+    assert six.l1_codec == "int8" and six.l1_max_tokens >= 135168
+    roomy = planner.sized_kv(shape, budget=4 * 2**30, context=8192, weights="int4", prefill_chunk=2048, kv=kv)
     assert roomy.l1_codec == "fp16" and roomy.l1_max_tokens >= 8192
+
+
+def test_prefill_chunk_defaults_to_auto_and_accepts_auto_in_yaml():
+    from flashguard.config import EngineConfig
+
+    assert EngineConfig().prefill_chunk is None
+    assert EngineConfig.from_parameters({"prefill_chunk": "auto"}).prefill_chunk is None
+    assert EngineConfig.from_parameters({"prefill_chunk": 1024}).prefill_chunk == 1024
+    with pytest.raises(ConfigError, match="prefill_chunk"):
+        EngineConfig.from_parameters({"prefill_chunk": "big"})
 
 
 def test_the_host_embedding_gives_the_same_rows_and_frees_the_table(model):

@@ -15,8 +15,8 @@ Each turn generates ``--max-tokens`` tokens. Per turn: wall seconds, time to the
 prefilled / reused by the generation and by the moderation call, L3 reads, peak reserved memory and the NVML
 figure for the process. Each row runs in its own process (the allocator cap is per process).
 
-Rows: ``default`` (no cache key set, ``vram_budget: 4GiB``), ``fp16-pool`` (the same, pool kept 16-bit), ``chunk-2048``
-(the same, 2048-token prefill chunks), ``l3`` (the same with a smaller pool and L2, so most
+Rows: ``default`` (no cache key set, ``vram_budget: 4GiB``), ``6gib`` (the same at 6 GiB, where ``auto`` picks the
+int8 pool), ``int8-4gib`` (int8 pool forced at 4 GiB), ``chunk-512`` (the old prefill chunk), ``l3`` (the same with a smaller pool and L2, so most
 pages live on disk), ``dynamic-fp16`` (fp16 weights, DynamicCache, no budget).
 """
 
@@ -32,17 +32,18 @@ from pathlib import Path
 
 ROWS = {
     "default": {"vram_budget": "4GiB"},
-    # the same budget with the pool kept 16-bit (kv.l1_codec: auto picks int8 for this model under 4 GiB: a
-    # 16-bit pool holds 56K of its 135K-token context)
-    "fp16-pool": {"vram_budget": "4GiB", "kv": {"l1_codec": "fp16"}},
-    "chunk-2048": {"vram_budget": "4GiB", "prefill_chunk": 2048},
+    # 6 GiB: a 16-bit pool would hold ~85K of the 135K-token context, so kv.l1_codec: auto picks int8, which holds
+    # it all (at 4 GiB neither does, and auto keeps 16-bit); "int8-4gib" forces int8 under 4 GiB
+    "6gib": {"vram_budget": "6GiB"},
+    "int8-4gib": {"vram_budget": "4GiB", "kv": {"l1_codec": "int8"}},
+    "chunk-512": {"vram_budget": "4GiB", "prefill_chunk": 512},
     # a small pool and L2: at 32K half the pages live on disk; a larger prefill chunk, since every chunk of the
     # prompt attends every page that left the pool (exact), and those on disk are read again for each chunk
     "l3": {"vram_budget": "4GiB", "prefill_chunk": 4096,
            "kv": {"l1_tokens": 4096, "l1_max_tokens": 8192, "l2_tokens": 8192}},
     "dynamic-fp16": {"kv_cache": "dynamic", "vram_budget": None, "weights": "float"},
 }
-ROW_CONTEXTS = {"l3": (32768,), "fp16-pool": (8192, 32768), "chunk-2048": (32768, 131072)}   # contexts a row is limited to (the l3 row's prefill at 128K reads ~45K pages)
+ROW_CONTEXTS = {"l3": (32768,), "6gib": (131072,), "int8-4gib": (8192, 32768), "chunk-512": (32768,)}   # contexts a row is limited to (the l3 row's prefill at 128K reads ~45K pages)
 QUESTION_1 = "Summarise the text above in two sentences."
 QUESTION_2 = "Now list three topics it covers."
 

@@ -142,7 +142,9 @@ class Engine:
         self._hidden: list | None = None  # next_token_state(hidden=True) collects the last forward's states here
         self.store = None  # the tiered cache's PageStore (kv_cache: tiered)
         self.turns: list[Turn] = []  # recent generations, newest last (bounded)
-        self.prefill_chunk = config.prefill_chunk  # halves (for good) when a chunk does not fit the GPU budget
+        # auto: larger chunks on a GPU (fewer launches; measured in docs/benchmarks/e2e_h200.md); halves (for
+        # good) when a chunk does not fit the GPU budget
+        self.prefill_chunk = config.prefill_chunk or (self.GPU_CHUNK if self.device.type == "cuda" else self.CPU_CHUNK)
         self.kv = config.kv                        # the tiered cache's settings, sized below
         self.oom_retries = 0
         self.plan = None
@@ -433,6 +435,7 @@ class Engine:
             raise exc
 
     MIN_CHUNK = 16
+    GPU_CHUNK, CPU_CHUNK = 2048, 512   # prefill_chunk: auto
 
     def _forward_fitting(self, tokens: list[int], retried: bool = False) -> torch.Tensor:
         """``_forward_once``, but a CUDA out-of-memory is recovered: the cache is brought back to the tokens

@@ -689,18 +689,32 @@ class TieredCache(Cache):
             layer.heat = [0.0] * n_pages
             layer.hot.clear()
         spans = [(0, sink_end, 0), (win_start, length, self.sink_tokens - win_start)]   # (first, end, shift)
-        for idx in sorted({i for a, b, _ in spans if b > a for i in range(a // p, -(-b // p))}):
-            enc = self.store.get(self.page_keys[idx])
-            if enc is None:
-                raise PageLost(f"page {idx} of this sequence is gone from the store")
-            k, v = codecs.decode(enc, dtype, device)              # [layers, kvh, page_size, D]
+        wanted = sorted({i for a, b, _ in spans if b > a for i in range(a // p, -(-b // p))})
+        runs: list[list[int]] = []   # consecutive pages, REBUILD_PAGES at a time: one write per layer and run
+        for idx in wanted:
+            if runs and runs[-1][-1] == idx - 1 and len(runs[-1]) < self.REBUILD_PAGES:
+                runs[-1].append(idx)
+            else:
+                runs.append([idx])
+        for run in runs:
+            parts = []
+            for idx in run:
+                enc = self.store.get(self.page_keys[idx])
+                if enc is None:
+                    raise PageLost(f"page {idx} of this sequence is gone from the store")
+                parts.append(codecs.decode(enc, dtype, device))   # [layers, kvh, page_size, D] each
+            k = torch.cat([kk for kk, _ in parts], dim=2) if len(parts) > 1 else parts[0][0]
+            v = torch.cat([vv for _, vv in parts], dim=2) if len(parts) > 1 else parts[0][1]
+            first = run[0] * p
             for a, b, shift in spans:
-                lo, hi = max(a, idx * p), min(b, (idx + 1) * p)
+                lo, hi = max(a, first), min(b, (run[-1] + 1) * p)
                 if lo >= hi:
                     continue
                 for li, layer in enumerate(self.layers):
-                    layer._write(lo + shift, k[li][:, lo - idx * p:hi - idx * p], v[li][:, lo - idx * p:hi - idx * p])
+                    layer._write(lo + shift, k[li][:, lo - first:hi - first], v[li][:, lo - first:hi - first])
         self.length = length
+
+    REBUILD_PAGES = 8   # pages decoded together when L1 is refilled (an int8 pool quantizes once per run)
 
     def _kv_shape(self) -> tuple[int, int]:
         c = self.model_config.get_text_config() if hasattr(self.model_config, "get_text_config") else self.model_config

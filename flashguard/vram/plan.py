@@ -210,7 +210,9 @@ def sized_kv(shape: Shape, *, budget: int, context: int, weights: str, prefill_c
              l2_bytes_per_token: int = 1):
     """``kv`` with its ``auto`` sizes set for ``budget``: the largest pool that fits (at least the minimum, which
     ``fit_to_budget`` reports when even that does not fit). ``kv.l1_codec: auto`` becomes int8 when a 16-bit
-    pool would be shorter than the context and an int8 pool holds more (the head size allowing it), else fp16."""
+    pool would be shorter than the context and an int8 pool holds all of it (the head size allowing it), else
+    fp16: measured on the H200 (docs/benchmarks/e2e_h200.md), an int8 pool decodes at 0.55-0.67x the 16-bit
+    pool's speed where both hold the conversation, and a pool short of the context decodes off the pool anyway."""
     from ..kv import int8_pool
     from ..kv.policy import round_pages, size_tiers
 
@@ -225,7 +227,7 @@ def sized_kv(shape: Shape, *, budget: int, context: int, weights: str, prefill_c
         if pool < round_pages(context, kv.page_size) and kv.l1_tokens is None and int8_pool.supported(shape.head_dim):
             int8 = kv.replace(l1_codec="int8")
             pool8 = largest(int8)
-            if pool8 > pool:
+            if pool8 >= round_pages(context, kv.page_size):
                 kv, pool = int8, pool8
     else:
         pool = largest(kv)
