@@ -149,6 +149,8 @@ class EngineConfig:
     cuda_graphs    record one-token decode steps of Llama/Qwen2 models as CUDA graphs (engine/decode_step.py);
                    false runs the same steps eagerly.
     system_prompt  system message used when the conversation has none; None = the template's default.
+    lora_path      a PEFT LoRA adapter folder (adapter_config.json + adapter_model.safetensors) applied on top of the
+                   float or int4 linears (engine/lora.py); None = the base model alone. Its content keys the KV pages.
     """
 
     model_path: str | None = None
@@ -169,10 +171,13 @@ class EngineConfig:
     int4_kernel: str = "auto"
     cuda_graphs: bool = True
     system_prompt: str | None = None
+    lora_path: str | None = None
 
     def __post_init__(self) -> None:
         if self.model_path is not None:
             object.__setattr__(self, "model_path", os.path.expanduser(str(self.model_path)))
+        if self.lora_path is not None:
+            object.__setattr__(self, "lora_path", os.path.expanduser(str(self.lora_path)))
         _check_choice(self.dtype, ("auto", "float32", "float16", "bfloat16"), "dtype")
         _check_choice(self.kv_cache, KV_CACHES, "kv_cache")
         if isinstance(self.vram_budget, str) and self.vram_budget != "auto":

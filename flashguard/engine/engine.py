@@ -123,6 +123,12 @@ class Engine:
                                                      config.int4_kernel)
         log.info("flashguard: loaded %s on %s (%s) in %.1fs", self.source.label, self.device,
                  str(self.dtype).replace("torch.", ""), time.perf_counter() - t0)
+        self.adapter = None   # lora_path: on this one engine, so the moderation rail runs with it too
+        if config.lora_path is not None:
+            from . import lora
+
+            self.adapter = lora.read_adapter(config.lora_path, self.model)
+            lora.apply_adapter(self.model, self.adapter, self.dtype)
         self.lock = threading.RLock()
         self.stats = EngineStats()
         self.context_length = self._context_length()
@@ -350,9 +356,15 @@ class Engine:
 
             if self.store is None:  # one store per engine: sessions share pages by content hash
                 self.store = PageStore(self.kv, pin_memory=self.device.type == "cuda")
-            return TieredSession(self.model, self.kv, self.store, self.source.identity,
+            return TieredSession(self.model, self.kv, self.store, self.model_identity,
                                  preallocate=self.device.type == "cuda")
         return DynamicSession(self.model.config)
+
+    @property
+    def model_identity(self) -> str:
+        """What the KV pages' namespace is keyed by (kv/store.py ``namespace_for``): the weights' file and the
+        adapter's content, whose keys and values differ from the base model's."""
+        return self.source.identity + (f"|lora:{self.adapter.digest}" if self.adapter is not None else "")
 
     def _drop_session(self, keep_pages: bool) -> None:
         """The one place a session ends: its page references go back to the store."""
@@ -511,7 +523,9 @@ class Engine:
                "weights": self.weights_kind, "int4_kernel": kernels[0] if len(kernels) == 1 else kernels or None,
                "cache": self.config.kv_cache, "vram_budget": self.vram_budget, "context": self.context_length,
                "prefill_chunk": self.prefill_chunk,
-               "embedding": "host" if self.embedding_on_host else str(self.device)}
+               "embedding": "host" if self.embedding_on_host else str(self.device),
+               "lora": None if self.adapter is None else {"path": self.adapter.path, "rank": self.adapter.rank,
+                                                          "modules": len(self.adapter.layers)}}
         with self.lock:
             session = self.session.stats() if self.session is not None else {}
         if self.config.kv_cache == "tiered":
