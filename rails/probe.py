@@ -47,15 +47,18 @@ class ModelKey:
     identity: str
     file: str
     bytes: int
-    weights: str  # "float" or "int4"
+    weights: str  # "float" or "int4", with "+lora-<digest>" under an adapter (lora_path)
 
     @classmethod
     def of(cls, engine) -> "ModelKey":
         src = engine.source
         target = os.path.join(src.folder, src.gguf_file) if src.gguf_file else src.folder
         size = os.path.getsize(target) if os.path.isfile(target) else 0
+        # lora_path: the adapter changes the hidden states a probe reads, so a base model's probe is not its probe
+        adapter = getattr(engine, "adapter", None)
+        lora = f"+lora-{adapter.digest[:12]}" if adapter is not None else ""
         return cls(identity=src.identity, file=os.path.basename(target.rstrip("/\\")), bytes=size,
-                   weights=engine_weights(engine))
+                   weights=engine_weights(engine) + lora)
 
     @property
     def digest(self) -> str:
