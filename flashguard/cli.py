@@ -320,7 +320,8 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=cmd_quantize)
     p = sub.add_parser("plan", help="will a model, cache and context fit a GPU; what to change if not")
     p.add_argument("--model", default="deepseek-r1-distill-qwen-1.5b",
-                   help="deepseek-r1-distill-qwen-1.5b, embedded, an HF folder or a .gguf file")
+                   help="deepseek-r1-distill-qwen-1.5b, deepseek-r1-distill-qwen-7b, embedded, an HF folder or a .gguf "
+                   "file (never downloaded)")
     p.add_argument("--gpu-mem", default="4GiB")
     p.add_argument("--context", type=int, default=131072)
     p.add_argument("--weights", choices=("int4", "fp16"), default="int4")

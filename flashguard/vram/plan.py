@@ -42,6 +42,16 @@ def deepseek_1_5b_config(vocab: int = 151936):
                        rope_theta=10000.0, tie_word_embeddings=False)
 
 
+def deepseek_7b_config(vocab: int = 152064):
+    """The transformers config of DeepSeek-R1-Distill-Qwen-7B (Qwen2: 28 layers, hidden 3584, 28 heads, 4 KV heads,
+    head_dim 128, intermediate 18944, untied lm_head), for planning and random-weight runs."""
+    from transformers import Qwen2Config
+
+    return Qwen2Config(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                       num_key_value_heads=4, head_dim=128, vocab_size=vocab, max_position_embeddings=131072,
+                       rope_theta=10000.0, tie_word_embeddings=False)
+
+
 @dataclass(frozen=True)
 class Shape:
     name: str
@@ -266,16 +276,22 @@ def suggest(shape: Shape, *, gpu_mem: int, context: int, weights: str, cache: st
                                             "prefill chunk and a 1024-token window; use a smaller model"}
 
 
-NAMED_SHAPES = ("deepseek-r1-distill-qwen-1.5b", "embedded")
+NAMED_SHAPES = ("deepseek-r1-distill-qwen-1.5b", "deepseek-r1-distill-qwen-7b", "embedded")
 
 
 def resolve_shape(model: str) -> Shape:
-    """A named shape, an HF folder, a .gguf file (header only), or ``embedded``."""
+    """A named shape (``NAMED_SHAPES``, any case), an HF folder, a .gguf file (header only), or ``embedded``; never
+    a network request: anything else is a ModelLoadError listing the names."""
     import os
 
-    if model == "deepseek-r1-distill-qwen-1.5b":
-        return Shape.from_config(deepseek_1_5b_config(), model)
-    if model == "embedded":
+    from ..errors import ModelLoadError
+
+    name = model.lower()
+    if name == "deepseek-r1-distill-qwen-1.5b":
+        return Shape.from_config(deepseek_1_5b_config(), name)
+    if name == "deepseek-r1-distill-qwen-7b":
+        return Shape.from_config(deepseek_7b_config(), name)
+    if name == "embedded":
         from transformers import AutoConfig
 
         from ..engine import loader
@@ -287,9 +303,13 @@ def resolve_shape(model: str) -> Shape:
 
         return Shape.from_config(gguf_header.config_from_header(gguf_header.read_header(model)),
                                  os.path.basename(model))
+    if not os.path.isfile(os.path.join(model, "config.json")):
+        raise ModelLoadError(f"unknown model {model!r}: the known names are {', '.join(NAMED_SHAPES)}; an HF model "
+                             "folder (with its config.json) or a .gguf file path works too")
     from transformers import AutoConfig
 
-    return Shape.from_config(AutoConfig.from_pretrained(model), os.path.basename(model.rstrip("/\\")))
+    return Shape.from_config(AutoConfig.from_pretrained(model, local_files_only=True),
+                             os.path.basename(model.rstrip("/\\")))
 
 
 def fit_to_budget(shape: Shape, *, budget: int, context: int, weights: str, cache: str, prefill_chunk: int,
