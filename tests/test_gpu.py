@@ -66,7 +66,11 @@ def test_graph_steps_match_eager_steps(policy):
             tok = int(row.argmax())
         outs.append(torch.stack(logits))
         cache.check_integrity()
-    assert graphs.graphs is not None and eager.graphs is None
+    assert eager.graphs is None and not eager.wholes
+    if policy == "sparse":   # off the window, the whole sparse step is one graph (kv/sparse_step.py)
+        assert any(key[0] == "sparse" for key in graphs.wholes)
+    else:                    # exact: graphs between the attention calls
+        assert graphs.graphs is not None
     torch.testing.assert_close(outs[0], outs[1], atol=2e-2, rtol=2e-2)
     dyn = DynamicCache(config=cfg)
     with torch.inference_mode():
@@ -153,6 +157,22 @@ def test_prefix_attention_reads_only_the_used_keys():
                                               v[:, :used].float(), 128 ** -0.5)
         torch.testing.assert_close(got.float(), want.reshape(12, 128), atol=3e-3, rtol=3e-3)
     assert attention._PREFIX_KERNEL[(q.device.index, q.dtype)] == "flash"
+
+
+def test_prefix_segment_gives_the_output_and_log_sum_exp_of_the_used_keys():
+    """The sparse step's L1 part: flash's varlen kernel with a device-side key count, its log-sum-exp included
+    (what the merge with the pages' part needs), = the einsum path over the used prefix."""
+    g = torch.Generator(device="cuda").manual_seed(5)
+    k = torch.randn(2, 9000, 128, device="cuda", generator=g, dtype=torch.float16)
+    v = torch.randn(2, 9000, 128, device="cuda", generator=g, dtype=torch.float16)
+    q = torch.randn(2, 6, 1, 128, device="cuda", generator=g, dtype=torch.float16)
+    for used in (1, 4097, 9000):
+        n = torch.tensor([used], dtype=torch.int32, device="cuda")
+        o, lse = attention.prefix_segment(q, k, v, n, 128 ** -0.5)
+        want_o, want_lse = attention.partial_attention(q.float(), k[:, :used].float(), v[:, :used].float(),
+                                                       128 ** -0.5)
+        torch.testing.assert_close(o.float(), want_o, atol=3e-3, rtol=3e-3)
+        torch.testing.assert_close(lse.float(), want_lse, atol=3e-3, rtol=3e-3)
 
 
 def test_static_kv_one_graph_step_matches_the_models_forward():

@@ -172,7 +172,9 @@ class DecodeStep:
         """Write this token's k, v at ``position``; attend over every position written so far."""
         if i == 0:
             self.used = (self.position[0] + 1).to(torch.int32)
-        if kv.scales is None:
+        if hasattr(kv, "attend"):   # a SparseKV: it writes and attends the tiers itself
+            out = kv.attend(i, q[0, :, 0], k[0], v[0], self.scaling)
+        elif kv.scales is None:
             kv.keys[i].index_copy_(1, self.position[0], k[0])          # [kvh, capacity, D] <- [kvh, 1, D]
             kv.values[i].index_copy_(1, self.position[0], v[0])
             out = attention.prefix_attention(q[0, :, 0], kv.keys[i], kv.values[i], self.used, self.scaling)
@@ -206,7 +208,9 @@ class DecodeStep:
                 raise ValueError(f"the StaticKV is full ({cache.length} tokens)")
             return self._whole_step(cache)
         view = cache.static_view() if self.whole_step and hasattr(cache, "static_view") else None
-        if view is not None:   # a TieredCache whose every token is resident: the whole step is one graph
+        if view is None and self.whole_step and hasattr(cache, "sparse_view"):
+            view = cache.sparse_view()   # off the pool: the sparse step as fixed-shape kernels (kv/sparse_step.py)
+        if view is not None:   # a TieredCache's whole step, attention included, as one graph
             logits = self._whole_step(view)
             cache.advance(1)
             return logits

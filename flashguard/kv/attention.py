@@ -127,6 +127,34 @@ def prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, used: to
     return out.reshape(-1, d)
 
 
+def prefix_segment(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, used: torch.Tensor,
+                   scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``segment`` of one query token ``qg [kvh, g, 1, D]`` over the first ``used`` keys of ``k``/``v``
+    ``[kvh, capacity, D]`` (``used`` an int32 device tensor ``[1]``): ``(o [kvh, g, 1, D], lse [kvh, g, 1])``, no
+    host value (a sparse step's L1 part inside a CUDA graph, merged with its pages' part). On a GPU, flash's
+    variable-length kernel with ``seqused_k``; elsewhere (or where it is missing) the einsum path with a mask."""
+    kvh, g, _, d = qg.shape
+    cap = k.shape[1]
+    key = (qg.device.index, qg.dtype)
+    if qg.is_cuda and qg.dtype in (torch.float16, torch.bfloat16) and _PREFIX_KERNEL.get(key) != "sdpa":
+        at = (qg.device.index, cap)
+        if at not in _OFFSETS:
+            _OFFSETS[at] = tuple(torch.tensor([0, n], dtype=torch.int32, device=qg.device) for n in (1, cap))
+        cum_q, cum_k = _OFFSETS[at]
+        try:
+            out, lse = torch.ops.aten._flash_attention_forward(
+                qg.reshape(1, kvh * g, d), k.transpose(0, 1), v.transpose(0, 1), cum_q, cum_k, 1, cap, 0.0, False,
+                False, scale=scale, seqused_k=used)[:2]
+            _PREFIX_KERNEL[key] = "flash"
+            return out.reshape(kvh, g, 1, d), lse.reshape(-1)[:kvh * g].reshape(kvh, g, 1).float()
+        except torch.cuda.OutOfMemoryError:
+            raise
+        except (RuntimeError, TypeError):
+            _PREFIX_KERNEL[key] = "sdpa"
+    visible = (torch.arange(cap, device=qg.device) < used).unsqueeze(0)     # [1, capacity]
+    return partial_attention(qg, k, v, scale, visible)
+
+
 def _partial(q, k, v, scale, mask):
     # One score matrix in the accumulation dtype, updated in place (scale, mask, shift, exp): the peak is that
     # matrix plus its 16-bit copy for the second einsum, not five fp32 temporaries.

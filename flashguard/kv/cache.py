@@ -452,6 +452,8 @@ class TieredCache(Cache):
         self._slot_epoch = -1
         self._copy_stream = None
         self._dev_slots, self._dev_slots_key = None, None
+        self.sparse_state = None                # sparse_step.SparseState, made at the first one-graph sparse step
+        self._adapted_at = -1                   # the length at which the window last adapted
         super().__init__(layers=[TieredLayer(self, i) for i in range(self.num_layers)])
 
     # ---- wiring ----------------------------------------------------------------------------
@@ -554,9 +556,11 @@ class TieredCache(Cache):
             layer._trim()
 
     def _adapt_window(self) -> None:
-        """Grow L1 while sparse queries keep reaching just behind it; shrink back when they stop."""
-        if self.config.policy != "sparse" or not self.config.adaptive_l1:
+        """Grow L1 while sparse queries keep reaching just behind it; shrink back when they stop. Once per step
+        (a step may settle twice: ``sparse_view`` settles, and when it declines, the layers' ``update`` again)."""
+        if self.config.policy != "sparse" or not self.config.adaptive_l1 or self._adapted_at == self.length:
             return
+        self._adapted_at = self.length
         reach = float(sum(layer.last_reach for layer in self.layers)) / max(1, self.num_layers)  # one sync
         if reach >= self.adapt_pages / 2 and self.window + self.page_size <= self.config.l1_max_tokens:
             self.window += self.page_size
@@ -584,13 +588,53 @@ class TieredCache(Cache):
 
     STATIC_MIN = 4096   # the smallest capacity a whole-step graph attends over
 
+    def sparse_view(self):
+        """A ``SparseKV`` (``sparse_step.py``) when a decode step off the pool can run as one CUDA graph: sparse
+        policy, a 16-bit pool with room for one more token, more off-window pages than one selection takes, and
+        every page readable by a kernel (zero-copy from pinned L2 on a GPU; the host arena on a CPU, where no
+        page is in L3). Fills the step's device scalars; ``advance`` does the bookkeeping after it. None
+        otherwise (the layer-by-layer path)."""
+        l0 = self.layers[0]
+        if self.config.policy != "sparse" or not l0.is_initialized or l0.resident or self.int8 or self.store is None:
+            return None
+        self._settle()   # what the first layer's ``update`` does before a step: pages keyed, the window adapted
+        if l0.l1_k.shape[1] <= l0.l1_len:
+            return None
+        p, kvh = self.page_size, l0.l1_k.shape[0]
+        first, last = self.sink_tokens // p, l0.win_start // p
+        budget = max(1, self.config.budget_tokens // p)
+        if last - first <= kvh * budget:
+            return None
+        dev = l0.device
+        if not (self.zero_copy(dev) if dev.type == "cuda" else self.store.l3_pages == 0):
+            return None
+        from .sparse_step import SparseKV, SparseState
+
+        if self.sparse_state is None:
+            self.sparse_state = SparseState(dev)
+        st = self.sparse_state
+        if st.slots_key != (self.store.epoch, last):
+            if st.slots.shape[0] < last:   # grown by doubling: a new buffer (and graph) only now and then
+                st.slots = torch.zeros(max(last, 2 * st.slots.shape[0], 256), dtype=torch.long, device=dev)
+            st.slots[:last].copy_(self.device_slots(dev, last))
+            st.slots_key = (self.store.epoch, last)
+        for t, value in ((st.l1_pos, l0.l1_len), (st.used, l0.l1_len + 1), (st.first, first), (st.last, last),
+                         (st.edge, last - self.adapt_pages)):
+            t.fill_(value)
+        self.page_reads += kvh * budget * self.num_layers
+        key = ("sparse", tuple((layer.l1_k.data_ptr(), layer.l1_v.data_ptr(), layer.bounds.data_ptr(),
+                                layer.bounds.shape[2]) for layer in self.layers),
+               self.store.arena.data.data_ptr(), st.slots.data_ptr(), budget, l0.l1_k.shape[1])
+        return SparseKV(self, key, self.length, budget)
+
     def advance(self, n: int = 1) -> None:
         """``n`` tokens were written into every layer's L1 buffer outside ``update`` (a whole-step graph): count
         them, and complete the pages they filled."""
         for layer in self.layers:
             layer.length += n
         self.length += n
-        if self.length // self.page_size > len(self.page_keys):
+        # off the pool (a sparse step), the next step's ``sparse_view`` or ``update`` settles, as after ``update``
+        if self.length // self.page_size > len(self.page_keys) and self.layers[0].resident:
             self._settle()
 
     def zero_copy(self, device: torch.device) -> bool:
@@ -733,6 +777,7 @@ class TieredCache(Cache):
     def _crop_to(self, length: int) -> None:
         if length >= self.length:
             return
+        self._adapted_at = -1
         if self.layers[0].is_initialized:
             self._settle()
         length = max(0, length)

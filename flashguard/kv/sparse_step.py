@@ -1,0 +1,76 @@
+"""One sparse decode step off the pool as fixed-shape kernels with no host decisions: so ``DecodeStep`` records the
+whole step, attention included, as one CUDA graph when the context is longer than the pool.
+
+The layer-by-layer sparse path (``TieredLayer._sparse``) decides on the host, per layer, which pages to read; its
+~30 small launches a layer bound a step by the host (28 tok/s at 128K on an H200 where the resident step runs
+~290). Here every decision is a device tensor: the new token's K/V go to L1 at ``l1_pos``; L1 (sinks + window) is
+attended up to ``used`` keys (flash's variable-length kernel, with its log-sum-exp); the off-window pages
+[``first``, ``last``) are ranked by their Quest bound against the whole ``bounds`` buffer with the others masked,
+each KV head's top ``budget`` pages plus the best of the rest make a fixed ``kv_heads x budget`` selection (as
+``TieredLayer._pick``), their L2 slots come from a device slot table, their rows are read straight from pinned
+host RAM (``uva.gather_rows``; a host ``index_select`` on a CPU), decoded and attended, and the two parts merged.
+The host fills five scalars before each replay (``TieredCache.sparse_view``) and does the page bookkeeping
+after it (``TieredCache.advance``), as for a resident step.
+
+Contract: ``SparseKV.attend(i, q [Hq, D], k [kvh, 1, D], v, scale) -> [Hq, D]`` for layer ``i``, with the same
+result as ``TieredLayer.attend`` on the sparse zero-copy path (the same pages; attention over a set of pages does
+not depend on their order). ``key`` names every buffer a recorded graph reads: a new key means record again.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import attention, codecs, uva
+
+
+class SparseState:
+    """The device scalars and the slot table one cache's sparse steps read (allocated once per cache)."""
+
+    def __init__(self, device: torch.device):
+        def scalar(dtype):
+            return torch.zeros(1, dtype=dtype, device=device)
+
+        self.l1_pos, self.first, self.last, self.edge = (scalar(torch.long) for _ in range(4))
+        self.used = scalar(torch.int32)
+        self.slots = torch.zeros(0, dtype=torch.long, device=device)   # L2 slot of page i, i < len
+        self.slots_key = None
+
+
+class SparseKV:
+    def __init__(self, cache, key: tuple, length: int, budget_pages: int):
+        self.cache, self.owner, self.key, self.length = cache, cache, key, length
+        self.budget_pages = budget_pages
+
+    @property
+    def capacity(self) -> int:
+        return self.cache.layers[0].l1_k.shape[1]
+
+    def attend(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        cache = self.cache
+        layer, st = cache.layers[i], cache.sparse_state
+        layer.l1_k.index_copy_(1, st.l1_pos, k)
+        layer.l1_v.index_copy_(1, st.l1_pos, v)
+        kvh = layer.l1_k.shape[0]
+        hq, d = q.shape
+        qg = q.reshape(kvh, hq // kvh, 1, d)
+        acc = attention.prefix_segment(qg, layer.l1_k, layer.l1_v, st.used, scale)
+        # Quest over every column of the bounds buffer, the pages outside [first, last) masked out
+        cols = layer.bounds.shape[2]
+        qq = qg[:, :, 0]
+        bound = torch.bmm(torch.cat([qq.clamp(min=0), qq.clamp(max=0)], dim=-1), layer.bounds).amax(dim=1).float()
+        page = torch.arange(cols, device=q.device)
+        bound = bound.masked_fill((page < st.first) | (page >= st.last), float("-inf"))
+        top = bound.topk(self.budget_pages, dim=-1).indices                    # [kvh, budget]
+        score = bound.amax(dim=0).scatter(0, top.flatten(), float("inf"))
+        pages = score.topk(kvh * self.budget_pages).indices                     # absolute page indices
+        slots = st.slots[pages]
+        arena = cache.store.arena
+        if q.is_cuda:
+            rows = uva.gather_rows(arena.data[i], slots, q.device)
+        else:
+            rows = arena.data[i].index_select(0, slots)
+        kp, vp = layer._as_kv(*codecs.decode(arena.fields_of(rows), layer.dtype))
+        acc = attention.merge_into(acc, attention.segment(qg, kp, vp, scale))
+        layer.last_reach = (pages >= st.edge).sum()
+        return acc[0].reshape(hq, d).to(q.dtype)

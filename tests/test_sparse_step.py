@@ -1,0 +1,73 @@
+"""The one-graph sparse step (kv/sparse_step.py) against the layer-by-layer sparse path, on a tiny random Qwen2
+whose context is longer than its pool (fast: run eagerly here, the same kernels a CUDA graph records)."""
+
+import pytest
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from flashguard import CacheConfig
+from flashguard.engine.decode_step import DecodeStep
+from flashguard.kv.cache import TieredCache
+from flashguard.kv.sparse_step import SparseKV
+
+TIERS = dict(page_size=16, sink_tokens=16, l1_tokens=64, l1_max_tokens=128, l2_tokens=4096, budget_tokens=32,
+             policy="sparse", l1_codec="fp16")
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    cfg = Qwen2Config(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=64, vocab_size=300, max_position_embeddings=4096,
+                      tie_word_embeddings=False)
+    with torch.no_grad():
+        m = Qwen2ForCausalLM(cfg).eval()
+        m.lm_head.weight.mul_(8)   # peaked choices: greedy paths do not split on near-ties
+    return m
+
+
+def _run(model, whole: bool, steps: int, ids: list[int]):
+    cache = TieredCache(model.config, CacheConfig(**TIERS)).attach(model)
+    step = DecodeStep(model, graphs=False, whole_step=whole)
+    used_sparse = 0
+    with torch.inference_mode():
+        for a in range(0, len(ids), 100):
+            cache.feed(ids[a:a + 100])
+            logits = model(input_ids=torch.tensor([ids[a:a + 100]]), past_key_values=cache).logits[0, -1]
+        out, tokens = [], []
+        for _ in range(steps):
+            token = int(logits.argmax())
+            tokens.append(token)
+            cache.feed([token])
+            used_sparse += isinstance(cache.sparse_view(), SparseKV) if whole else 0
+            logits = step.step(token, cache).float()
+            out.append(logits)
+    return torch.stack(out), tokens, cache, used_sparse
+
+
+def test_the_one_graph_sparse_step_equals_the_layer_by_layer_sparse_step(model):
+    ids = torch.randint(0, 300, (400,), generator=torch.Generator().manual_seed(1)).tolist()
+    a, tok_a, cache_a, sparse_steps = _run(model, True, 40, ids)   # 40 steps: pages leave the window meanwhile
+    b, tok_b, cache_b, _ = _run(model, False, 40, ids)
+    assert sparse_steps >= 35   # the others: the L1 buffer full just before a page left it (it grows, then shifts)
+    assert not cache_a.layers[0].resident and cache_a.page_reads > 0
+    assert tok_a == tok_b
+    torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    assert cache_a.length == cache_b.length and cache_a.layers[0].win_start == cache_b.layers[0].win_start
+    cache_a.check_integrity()
+
+
+def test_no_sparse_view_while_resident_or_with_too_few_pages(model):
+    cache = TieredCache(model.config, CacheConfig(**TIERS)).attach(model)
+    ids = list(range(1, 60))
+    cache.feed(ids)
+    with torch.inference_mode():
+        model(input_ids=torch.tensor([ids]), past_key_values=cache)
+    assert cache.layers[0].resident and cache.sparse_view() is None
+    exact = TieredCache(model.config, CacheConfig(**(TIERS | {"policy": "exact"}))).attach(model)
+    ids = list(range(1, 300))
+    exact.feed(ids)
+    with torch.inference_mode():
+        model(input_ids=torch.tensor([ids]), past_key_values=exact)
+    exact.stats()   # settles: the pages past the window leave it
+    assert not exact.layers[0].resident and exact.sparse_view() is None
