@@ -18,7 +18,9 @@ Contract:
   resident model, bit for bit (the same kernels on the same values). Install it before building a ``DecodeStep``
   (its fused int4 projections would keep a resident copy; a streamed layer is marked so it is not fused).
 - On CUDA, while a CUDA graph is being captured, a hook copies its layer's weights on the capturing stream (the
-  graph replays the copy; no prefetch), so captured steps stay correct, without the overlap.
+  graph replays the copy; no prefetch), so captured steps stay correct, without the overlap; from then on eager
+  calls copy every layer on the current stream as well (a replay refills the slots without this object knowing).
+  The CUDA paths are written to this contract but, so far, tested on the CPU only.
 - ``layers_to_stream(layers, layer_bytes, room)``: which layers a budget streams (the last ones).
 - ``stats()``: the layers streamed, the bytes per layer, the slots' bytes and the copies made.
 """
@@ -98,6 +100,7 @@ class LayerStream:
         self.ready: list = [None] * len(self.slots)              # CUDA: the event of each slot's last copy
         self.side = torch.cuda.Stream(self.device) if cuda else None
         self.copies = 0
+        self.captured = False   # a CUDA graph has recorded the copies (see _arrive)
         self.layer_bytes = sum(t.numel() * t.element_size() for t in self.host[self.order[0]])
 
     def _hook(self, j: int):
@@ -121,9 +124,11 @@ class LayerStream:
     def _arrive(self, j: int) -> None:
         """Before layer ``order[j]`` runs: its weights in its slot, the next streamed layer's copy under way."""
         s = j % len(self.slots)
-        if self.side is not None and torch.cuda.is_current_stream_capturing():
-            self._copy(j, capturing=True)   # recorded into the graph: every replay copies, in order
-            self.held = [None] * len(self.slots)
+        if self.side is not None and (self.captured or torch.cuda.is_current_stream_capturing()):
+            # recorded into the graph: every replay copies, in order. Once a graph exists its replays refill the
+            # slots unseen, so eager calls copy each layer on the current stream too (no skip, no prefetch)
+            self.captured = True
+            self._copy(j, capturing=True)
             return
         if self.held[s] != self.order[j]:
             self._copy(j, self.side)
