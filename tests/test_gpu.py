@@ -115,6 +115,31 @@ def test_sparse_zero_copy_equals_host_path():
     cache.check_integrity()
 
 
+def test_prefill_streams_the_same_pages_zero_copy_as_through_the_host():
+    """A prefill chunk past the pool attends every page that left it: read on the GPU straight from pinned L2,
+    the blocks are the very K/V the host gather brings."""
+    from flashguard.kv.cache import TieredCache
+
+    cfg, model = small_qwen2(2)
+    ids = torch.randint(0, 1000, (1, 3000), device="cuda", generator=torch.Generator("cuda").manual_seed(4))
+    cache = TieredCache(cfg, CacheConfig(page_size=64, l1_tokens=256, sink_tokens=64, l1_max_tokens=512,
+                                         l3_tokens=0, policy="exact")).attach(model)
+    with torch.inference_mode():
+        for a in range(0, 3000, 1000):
+            cache.feed(ids[0, a:a + 1000].tolist())
+            model(input_ids=ids[:, a:a + 1000], past_key_values=cache)
+    cache.stats()
+    layer = cache.layers[1]
+    pages = list(range(1, layer.win_start // 64))
+    assert cache.zero_copy(torch.device("cuda")) and len(pages) > 20
+    direct = [tuple(t.clone() for t in kv) for kv in layer._stream_pages(pages, 16)]
+    cache.zero_copy = lambda device: False
+    hosted = [tuple(t.clone() for t in kv) for kv in layer._stream_pages(pages, 16)]
+    assert len(direct) == len(hosted) == -(-len(pages) // 16)
+    for (k1, v1), (k2, v2) in zip(direct, hosted):
+        assert torch.equal(k1, k2) and torch.equal(v1, v2)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("tokens", [1, 7])
 def test_triton_int4_linear_matches_the_reference(dtype, tokens):

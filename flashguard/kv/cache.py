@@ -340,8 +340,17 @@ class TieredLayer(CacheLayerMixin):
     def _stream_pages(self, pages: list[int], block: int):
         """K/V of ``pages`` from the store, ``block`` pages at a time. The next block's host rows are gathered
         before the current one is decoded and attended; on a GPU their copy runs on a side stream meanwhile
-        (double buffering)."""
+        (double buffering). With zero-copy reads (every page in pinned L2), the GPU reads each block's rows
+        straight from host RAM instead: no host gather, no staging copy (the prefill of a prompt longer than the
+        pool streams every page that left it for every chunk)."""
         arena, stream = self.owner.store.arena, self.owner.copy_stream(self.device)
+        if self.owner.zero_copy(self.device) and pages == list(range(pages[0], pages[-1] + 1)):
+            slots = self.owner.device_slots(self.device, pages[-1] + 1)
+            for a in range(0, len(pages), block):
+                rows = uva.gather_rows(arena.data[self.index], slots[pages[a]:pages[min(a + block, len(pages)) - 1] + 1],
+                                       self.device)
+                yield self._as_kv(*codecs.decode(arena.fields_of(rows), self.dtype))
+            return
         main = torch.cuda.current_stream(self.device) if stream is not None else None
 
         def issue(b):
