@@ -67,11 +67,14 @@ def test_graph_steps_match_eager_steps(policy):
         outs.append(torch.stack(logits))
         cache.check_integrity()
     assert eager.graphs is None and not eager.wholes
-    if policy == "sparse":   # off the window, the whole sparse step is one graph (kv/sparse_step.py)
+    if policy == "sparse":   # off the window, the whole sparse step is one graph (kv/sparse_step.py), which
+        # merges two fp16 partial outputs where the eager path attends one concatenated segment: rounding (the
+        # two paths agree to 1e-6 in fp32, tests/test_sparse_step.py)
         assert any(key[0] == "sparse" for key in graphs.wholes)
-    else:                    # exact: graphs between the attention calls
+        torch.testing.assert_close(outs[0], outs[1], atol=6e-2, rtol=2e-2)
+    else:                    # exact: graphs between the attention calls, the very same kernels
         assert graphs.graphs is not None
-    torch.testing.assert_close(outs[0], outs[1], atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(outs[0], outs[1], atol=2e-2, rtol=2e-2)
     dyn = DynamicCache(config=cfg)
     with torch.inference_mode():
         model(input_ids=ids[:, :2000], past_key_values=dyn)

@@ -127,6 +127,10 @@ def write_config(folder: Path, model_path: Path, row: dict, max_tokens: int, roo
     params = {"model_path": str(model_path), "max_tokens": max_tokens, "temperature": 0.0, "max_context": 135168}
     params.update(row)
     cfg["models"][0]["parameters"] = params
+    # random weights: both rails run (their cost is what is measured), deciding by the question with a threshold
+    # no random verdict reaches, so a turn is never cut short by a meaningless refusal
+    for section in ("flashguard_moderation", "flashguard_input_moderation"):
+        cfg.setdefault("custom_data", {}).setdefault(section, {}).update(probe=False, threshold=0.999)
     (folder / "config.yml").write_text(yaml.safe_dump(cfg, sort_keys=False))
     return folder
 
@@ -179,6 +183,7 @@ def _two_turns(args, rails, engine, tok, context: int, out: list):
         wall = time.perf_counter() - t0
         engine = engine or all_engines()[0]
         gen, mod = engine.stats.last.get("generation", {}), engine.stats.last.get("moderation", {})
+        inp = engine.stats.last.get("input_moderation", {})
         decode_s = gen["seconds"] - gen["first_token_s"]
         result = {
             "row": args.row, "context": context, "turn": turn, "wall_s": wall, "ttft_s": gen["first_token_s"],
@@ -186,7 +191,8 @@ def _two_turns(args, rails, engine, tok, context: int, out: list):
             "decode_tok_s": (gen["generated"] - 1) / decode_s if gen["generated"] > 1 and decode_s > 0 else None,
             "gen_prefilled": gen["prefilled"], "gen_reused": gen["reused"],
             "mod_prefilled": mod.get("prefilled"), "mod_reused": mod.get("reused"), "mod_s": mod.get("seconds"),
-            "l3_reads": gen["l3_reads"] + (mod.get("l3_reads") or 0),
+            "input_prefilled": inp.get("prefilled"), "input_reused": inp.get("reused"), "input_s": inp.get("seconds"),
+            "l3_reads": gen["l3_reads"] + (mod.get("l3_reads") or 0) + (inp.get("l3_reads") or 0),
             "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30 if cuda else 0.0,
             "nvml_gib": (nvml_process_bytes(torch.cuda.current_device(), os.getpid()) or 0) / 2**30 if cuda else 0.0,
         }
@@ -204,18 +210,19 @@ def _two_turns(args, rails, engine, tok, context: int, out: list):
 
 
 def render(rows: list[dict]) -> str:
-    lines = ["| row | context | turn | wall s | TTFT s | decode tok/s | gen prefilled / reused | moderation prefilled / "
-             "reused | L3 reads | pool tokens | L3 pages / pages | peak reserved GiB | NVML GiB |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| row | context | turn | wall s | TTFT s | decode tok/s | gen prefilled / reused | input rail prefilled / "
+             "reused | output rail prefilled / reused | L3 reads | pool tokens | L3 pages / pages | peak reserved GiB | "
+             "NVML GiB |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['row']} | {r.get('context', '')} | | {r['error']} |" + " |" * 9)
+            lines.append(f"| {r['row']} | {r.get('context', '')} | | {r['error']} |" + " |" * 10)
             continue
         dec = f"{r['decode_tok_s']:.1f}" if r.get("decode_tok_s") else "-"
         pool = f"{r['pool_tokens']} {r.get('pool_codec') or ''}".strip() if "pool_tokens" in r else "-"
         pages = f"{r.get('l3_pages', '-')} / {r.get('pages', '-')}" if "pages" in r else "-"
         lines.append(f"| {r['row']} | {r['context']} | {r['turn']} | {r['wall_s']:.2f} | {r['ttft_s']:.3f} | {dec} | "
-                     f"{r['gen_prefilled']} / {r['gen_reused']} | {r['mod_prefilled']} / {r['mod_reused']} | "
+                     f"{r['gen_prefilled']} / {r['gen_reused']} | {r.get('input_prefilled')} / {r.get('input_reused')} | "
+                     f"{r['mod_prefilled']} / {r['mod_reused']} | "
                      f"{r['l3_reads']} | {pool} | {pages} | {r['peak_reserved_gib']:.2f} | {r['nvml_gib']:.2f} |")
     return "\n".join(lines) + "\n"
 
