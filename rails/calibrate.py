@@ -9,8 +9,10 @@ suffix's last token, chooses the layer, the L2 strength and whether to add the q
 folder, where the rail finds it for that model (and those weights). The test set (tests/data) is never read.
 
 ``--rail input`` trains the input rail's probe the same way on ``rails/data/moderation_input_tune.jsonl`` (user
-messages: harmful requests, jailbreaks, prompt injections and benign look-alikes), with the ids the input rail
-runs (the message, then its question as the next user turn).
+messages: harmful requests, jailbreaks, prompt injections and benign look-alikes), on the hidden state of the last
+token of the generation's own prompt (the conversation up to the message, and the template's generation prompt):
+no question, so the check is the generation's own prefill. Every other message follows one benign exchange
+(``earlier_exchange``), as a message in a conversation does.
 """
 
 from __future__ import annotations
@@ -59,14 +61,37 @@ def moderation_ids(engine, user: str, bot: str, question: str) -> list[int]:
     return list(prompt) + list(reply) + moderation_suffix(engine, question)
 
 
-def input_moderation_ids(engine, user: str, question: str) -> list[int]:
-    """The ids the input rail runs for a one-message conversation: the message, then the question."""
-    return engine.encode_messages([{"role": "user", "content": user}, {"role": "user", "content": question}])
+def input_moderation_ids(engine, user: str, question: str, history: Sequence[dict] = ()) -> list[int]:
+    """The ids the input rail runs for ``history`` + the message: the conversation, then the question."""
+    return engine.encode_messages(list(history) + [{"role": "user", "content": user},
+                                                   {"role": "user", "content": question}])
+
+
+def earlier_exchange(i: int) -> list[dict]:
+    """The conversation before input tuning row ``i``: none for even rows; for odd rows one benign exchange from
+    the output tuning set (its allowed replies, in turn), so the input probe learns messages that come after a
+    conversation as well as first messages."""
+    if i % 2 == 0:
+        return []
+    benign = _benign_exchanges()
+    user, bot = benign[(i // 2) % len(benign)]
+    return [{"role": "user", "content": user}, {"role": "assistant", "content": bot}]
+
+
+_BENIGN: list = []
+
+
+def _benign_exchanges() -> list:
+    if not _BENIGN:
+        _BENIGN.extend((r["user"], r["bot"]) for r in read_rows(TUNING_SET) if not r["block"])
+    return _BENIGN
 
 
 def collect(engine, rows: Sequence[dict], settings: ModerationSettings = ModerationSettings(),
             progress: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(hidden[n, layers + 1, hidden_size], log_odds[n])`` of the suffix's last token for every row."""
+    """``(hidden[n, layers + 1, hidden_size], log_odds[n])`` for every row: output rail, of the suffix's last token;
+    input rail, the hidden states of the generation prompt's last token (what an input probe reads) and the
+    question's Yes/No log-odds on its branch (only to report the question verdict's accuracy beside the probe's)."""
     bad, good = answer_ids(engine, settings.unsafe_answer), answer_ids(engine, settings.safe_answer)
     states, odds = [], []
     it = rows
@@ -74,10 +99,15 @@ def collect(engine, rows: Sequence[dict], settings: ModerationSettings = Moderat
         from tqdm import tqdm
 
         it = tqdm(rows, desc="calibrate", unit="reply")
-    for row in it:
-        ids = input_moderation_ids(engine, row["user"], settings.prompt) if settings.side == "input" else \
-            moderation_ids(engine, row["user"], row["bot"], settings.prompt)
-        logprobs, hidden, _ = engine.next_token_state(ids, task="calibration", hidden=True)
+    for i, row in enumerate(it):
+        if settings.side == "input":
+            history = earlier_exchange(i) + [{"role": "user", "content": row["user"]}]
+            _, hidden, _ = engine.next_token_state(engine.encode_messages(history), task="calibration", hidden=True)
+            logprobs, _, _ = engine.next_token_state(
+                input_moderation_ids(engine, row["user"], settings.prompt, history[:-1]), task="calibration")
+        else:
+            ids = moderation_ids(engine, row["user"], row["bot"], settings.prompt)
+            logprobs, hidden, _ = engine.next_token_state(ids, task="calibration", hidden=True)
         states.append(hidden)
         odds.append(answer_log_odds(logprobs, bad, good))
     return torch.stack(states), torch.tensor(odds, dtype=torch.float64)
@@ -93,7 +123,9 @@ def train(engine, rows: Sequence[dict], settings: ModerationSettings = Moderatio
     t0 = time.perf_counter()
     hidden, odds = features if features is not None else collect(engine, rows, settings, progress)
     labels = [int(r["block"]) for r in rows]
-    table = cross_validate(hidden, odds, labels, layers=layers or range(1, hidden.shape[1]), l2s=L2_GRID, k=FOLDS)
+    answers = (False,) if settings.side == "input" else (False, True)   # the input probe's position asks nothing
+    table = cross_validate(hidden, odds, labels, layers=layers or range(1, hidden.shape[1]), l2s=L2_GRID, k=FOLDS,
+                           answer_options=answers)
     best = table[0]
     x = design(hidden, odds, best["layer"], best["use_answer"])
     w, b = fit_logistic(x, torch.tensor(labels), best["l2"])
@@ -105,7 +137,7 @@ def train(engine, rows: Sequence[dict], settings: ModerationSettings = Moderatio
                            == torch.tensor(labels)).double().mean())
     probe = Probe(layer=best["layer"], weight=tuple(float(v) for v in weight), bias=b, answer_weight=answer_weight,
                   threshold=0.5, question=settings.prompt, model_file=key.file, model_bytes=key.bytes,
-                  model_identity=key.identity, weights=key.weights,
+                  model_identity=key.identity, weights=key.weights, rail=settings.side,
                   metrics={"tuning_rows": len(rows), "cv_folds": FOLDS, "cv_accuracy": round(best["cv_accuracy"], 4),
                            "l2": best["l2"], "train_accuracy": round(train_acc, 4),
                            "question_only_accuracy": round(question_only, 4),

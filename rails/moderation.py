@@ -1,8 +1,9 @@
 """The moderation rails: ask the same model about the same conversation.
 
 Output rail (``moderate``): judges the bot's reply. Input rail (``moderate_input``, below): judges the user's
-last message; the question branches off the conversation's own ids and is cropped away after the verdict, so
-the generation that follows reuses every page the check used (it prefills only the generation prompt's tail).
+last message; its probe reads the generation's own prompt (the check is the generation's prefill), and without a
+probe the Yes/No question branches off the conversation's own ids and is cropped away after the verdict; either
+way the generation that follows reuses every page the check used.
 
 The moderation input is the token ids the engine actually ran for the turn (prompt ids + the ids
 it generated, never re-tokenised text) followed by a short suffix: the chat template's end of the
@@ -327,9 +328,13 @@ def _moderate_windows(engine, bot_message, settings, probe, total, t0, role: str
                           "and a piece of the reply; raise models[main].parameters.max_context")
     worst, threshold, method, prefilled = 0.0, settings.threshold, "question", 0
     for a in range(0, len(reply), size):
-        ids = engine.encode_messages([{"role": role, "content": tok.decode(reply[a:a + size])},
-                                      {"role": "user", "content": settings.prompt}])
-        p, threshold, method, reused, _ = _score(engine, ids, settings, probe)
+        window = [{"role": role, "content": tok.decode(reply[a:a + size])}]
+        if probe is not None and probe.rail == "input":   # the input probe reads the window's own prompt
+            ids = engine.encode_messages(window)
+            (p, reused), threshold, method = _score_prompt(engine, ids, probe), probe.threshold, "probe"
+        else:
+            ids = engine.encode_messages(window + [{"role": "user", "content": settings.prompt}])
+            p, threshold, method, reused, _ = _score(engine, ids, settings, probe)
         worst, prefilled = max(worst, p), prefilled + len(ids) - reused
     log.warning("flashguard moderation: the %s (%d tokens with the question) is longer than the model's context "
                 "(%d); judged in %d windows, p_unsafe=%.3f", "reply" if role == "assistant" else "user's message",
@@ -345,32 +350,49 @@ def moderate_input(engine, messages: list[dict], settings: Optional[ModerationSe
     """Score the user's last message of ``messages`` (the conversation as the generation will send it) with one
     forward pass on the conversation's own pages.
 
-    The ids are the chat template of ``messages`` followed by the question as one more user turn; they share
-    every token with the generation's prompt up to the end of the user's message (``branch``), so the engine
-    reuses what it holds of the conversation and prefills the new message plus the question's few tokens. After
-    the verdict the session is cropped back to ``branch``: the question's K/V is gone, and the generation that
-    follows prefills only the generation prompt's tail. ``path`` is ``"branch"`` (``"windows"`` for a message
-    longer than the context, judged alone in windows; the generation then refuses the prompt as too long).
+    With the model's input probe (``path="prompt"``, the default where one exists): the pass is the generation's
+    own prefill (the chat template of ``messages`` with its generation prompt: the engine reuses what it holds of
+    the conversation and prefills the new message), and the probe reads the hidden state of its last token, where
+    the model is about to answer. Nothing is added, so the generation that follows prefills one token.
+
+    Without a probe (``probe: off``, or none for the model: ``path="branch"``): the question is asked as one more
+    user turn after the message; its ids share every token with the generation's prompt up to the end of the
+    message (``branch``), and after the verdict the session is cropped back there, so the generation prefills only
+    its prompt's tail. A message longer than the context is judged alone in windows (``path="windows"``; the
+    generation then refuses the prompt as too long).
     """
     settings = settings or ModerationSettings.input_defaults()
     with engine.lock:
         t0 = time.perf_counter()
         probe = choose_probe(engine, settings)
         conv = engine.encode_messages(messages)
-        ids = engine.encode_messages(list(messages) + [{"role": "user", "content": settings.prompt}])
+        ids = conv if probe is not None else \
+            engine.encode_messages(list(messages) + [{"role": "user", "content": settings.prompt}])
         if len(ids) >= engine.context_length:
             last = next((m for m in reversed(messages) if m.get("role") == "user"), messages[-1])
             return _moderate_windows(engine, str(last.get("content") or ""), settings, probe, len(ids), t0,
                                      role="user")
-        branch = 0
-        while branch < min(len(conv), len(ids)) and conv[branch] == ids[branch]:
-            branch += 1
-        p_unsafe, threshold, method, reused, p_question = _score(engine, ids, settings, probe, task="input_moderation")
-        if engine.session is not None and len(engine.session_ids) > branch > 0:
-            engine.session.crop(branch)   # the question branched off here; the generation continues from here
-    v = Verdict(allowed=p_unsafe < threshold, p_unsafe=p_unsafe, path="branch", prompt_tokens=len(ids),
+        if probe is not None:
+            p_unsafe, reused = _score_prompt(engine, ids, probe)
+            threshold, method, p_question, path = probe.threshold, "probe", float("nan"), "prompt"
+        else:
+            branch = 0
+            while branch < min(len(conv), len(ids)) and conv[branch] == ids[branch]:
+                branch += 1
+            p_unsafe, threshold, method, reused, p_question = _score(engine, ids, settings, None,
+                                                                     task="input_moderation")
+            if engine.session is not None and len(engine.session_ids) > branch > 0:
+                engine.session.crop(branch)   # the question branched off here; the generation continues from here
+            path = "branch"
+    v = Verdict(allowed=p_unsafe < threshold, p_unsafe=p_unsafe, path=path, prompt_tokens=len(ids),
                 prefilled_tokens=len(ids) - reused, reused_tokens=reused, seconds=time.perf_counter() - t0,
                 method=method, threshold=threshold, p_question=p_question)
     log.info("flashguard input moderation: %s (p_unsafe=%.3f, threshold=%.2f, %s) prefilled=%d reused=%d in %.3fs",
              "allow" if v.allowed else "BLOCK", p_unsafe, threshold, method, v.prefilled_tokens, reused, v.seconds)
     return v
+
+
+def _score_prompt(engine, ids, probe) -> tuple[float, int]:
+    """An input probe on the last token of ``ids`` (a generation prompt): ``(p_unsafe, reused)``."""
+    _, hidden, reused = engine.next_token_state(ids, task="input_moderation", hidden=True)
+    return probe.p_unsafe(hidden, 0.0), reused

@@ -1,7 +1,8 @@
 """A linear probe on the moderation suffix's hidden state: the output rail's calibrated verdict.
 
-The rail's forward pass over the turn's own cached tokens plus the moderation suffix ends on the token where
-the model would answer the question. A logistic regression on that token's hidden state after one decoder
+The output rail's forward pass over the turn's own cached tokens plus the moderation suffix ends on the token where
+the model would answer the question (an input rail probe, ``rail: input``, reads the last token of the generation's
+own prompt instead: where the model is about to answer the user). A logistic regression on that token's hidden state after one decoder
 layer (optionally with the question's Yes/No log-odds as one more feature) reads the verdict from what the
 model represents there, instead of from the two answer words a small model ranks badly.
 
@@ -89,6 +90,7 @@ class Probe:
     model_identity: str
     weights: str
     metrics: dict = field(default_factory=dict, compare=False)
+    rail: str = "output"   # "output": the moderation suffix's last token; "input": the generation prompt's last token
 
     def p_unsafe(self, hidden: torch.Tensor, answer_log_odds: float) -> float:
         """``hidden``: ``[layers + 1, hidden_size]`` from ``Engine.next_token_state``."""
@@ -109,7 +111,7 @@ class Probe:
     # ---- file ---------------------------------------------------------------------------
     def to_json(self) -> dict:
         return {"format": FORMAT, "layer": self.layer, "bias": self.bias, "answer_weight": self.answer_weight,
-                "threshold": self.threshold, "question": self.question,
+                "threshold": self.threshold, "question": self.question, "rail": self.rail,
                 "model": {"file": self.model_file, "bytes": self.model_bytes, "identity": self.model_identity,
                           "weights": self.weights},
                 "metrics": self.metrics, "weight": [float(f"{w:.6g}") for w in self.weight]}
@@ -136,7 +138,10 @@ class Probe:
                         bias=float(data["bias"]), answer_weight=float(data["answer_weight"]),
                         threshold=float(data["threshold"]), question=str(data["question"]),
                         model_file=str(m["file"]), model_bytes=int(m["bytes"]), model_identity=str(m["identity"]),
-                        weights=str(m["weights"]), metrics=dict(data.get("metrics") or {}))
+                        weights=str(m["weights"]), metrics=dict(data.get("metrics") or {}),
+                        rail=str(data.get("rail", "output")))
+            if probe.rail not in ("output", "input"):
+                raise ValueError(f"rail is {probe.rail!r}, expected output or input")
             numbers = probe.weight + (probe.bias, probe.answer_weight, probe.threshold)
             if not probe.weight or not all(math.isfinite(x) for x in numbers) or not 0 < probe.threshold < 1 \
                     or probe.layer < 0:
@@ -164,8 +169,8 @@ def find_probe(engine, question: str, side: str = "output") -> tuple[Optional[Pr
     A file that exists but is corrupt raises ``ProbeError`` (naming it). Memoised per engine and question.
     """
     memo = rail_state(engine).probes
-    if question in memo:
-        return memo[question]
+    if (side, question) in memo:
+        return memo[(side, question)]
     hint = CALIBRATE_HINT + (" --rail input" if side == "input" else "")
     key = ModelKey.of(engine)
     mine = user_probe_path(key, side)
@@ -181,13 +186,15 @@ def find_probe(engine, question: str, side: str = "output") -> tuple[Optional[Pr
                 raise ProbeError(f"moderation probe {path} was trained for another model ({probe.model_file}, "
                                  f"{probe.weights}); run `{hint}` again")
             continue
-        if probe.question != question:
+        if probe.rail != side:
+            continue
+        if side == "output" and probe.question != question:   # an input probe reads the prompt: no question
             found = (None, f"probe {path} was trained with the question {probe.question!r}, not {question!r}; "
                            f"run `{hint}` for this question")
             continue
         found = (probe, str(path))
         break
-    memo[question] = found
+    memo[(side, question)] = found
     return found
 
 

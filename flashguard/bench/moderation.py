@@ -8,7 +8,10 @@ The model is random-weight with the DeepSeek-R1-Distill-Qwen-1.5B shape and the 
 multi-turn conversation of about that many tokens, then one generated reply (32 tokens), then
 (a) ``moderate()`` on that reply (finds the turn, prefills the suffix only),
 (b) the same moderation ids on a cold cache (what the rail costs without page sharing),
-(c) NeMo's default self-check-output prompt for the last exchange, prefilled cold, 3 greedy tokens.
+(c) NeMo's default self-check-output prompt for the last exchange, prefilled cold, 3 greedy tokens;
+then the next user message arrives and
+(d) ``moderate_input()`` judges it on the conversation's pages (prefills the new turn and the question),
+(e) NeMo's documented self-check-input prompt for that message, prefilled cold, 3 greedy tokens.
 Peak allocated memory of the generation phase and of each moderation call are reported separately.
 """
 
@@ -76,9 +79,10 @@ def main(argv=None) -> int:
     from flashguard.engine.loader import ModelSource
     from flashguard.engine.sampling import SamplingParams
     try:
-        from flashguard.rails.moderation import ModerationSettings, moderate, moderation_suffix
+        from flashguard.rails.moderation import ModerationSettings, moderate, moderate_input, moderation_suffix
     except ImportError:  # a source checkout on PYTHONPATH, not installed: rails/ is a top-level folder there
-        from rails.moderation import ModerationSettings, moderate, moderation_suffix
+        from rails.moderation import ModerationSettings, moderate, moderate_input, moderation_suffix
+    from flashguard.bench.rails_turn import SELF_CHECK_INPUT
 
     tok = AutoTokenizer.from_pretrained(args.tokenizer)
     torch.manual_seed(0)
@@ -103,10 +107,20 @@ def main(argv=None) -> int:
         nemo_ids = engine.encode_messages([{"role": "user", "content": SELF_CHECK_OUTPUT.format(bot=turn.text)}])
         engine.reset_session()
         (_, c_s, c_peak) = timed(lambda: engine.generate(nemo_ids, SamplingParams(max_tokens=3)))
+        nxt = msgs + [{"role": "assistant", "content": turn.text},
+                      {"role": "user", "content": "Thanks. And what should I read next?"}]
+        engine.reset_session()
+        engine.teacher_force(turn.prompt_ids, turn.output_ids, turn.text)   # back to the turn's pages
+        (d, d_s, d_peak) = timed(lambda: moderate_input(engine, nxt, ModerationSettings.input_defaults()))
+        nemo_in = engine.encode_messages([{"role": "user", "content": SELF_CHECK_INPUT.format(user=nxt[-1]["content"])}])
+        engine.reset_session()
+        (_, e_s, e_peak) = timed(lambda: engine.generate(nemo_in, SamplingParams(max_tokens=3)))
         row = {"context": len(ids), "generation_s": gen_s, "generation_peak_reserved": gen_peak,
                "a_shared_s": a_s, "a_path": a.path, "a_prefilled": a.prefilled_tokens, "a_reused": a.reused_tokens,
                "a_peak_reserved": a_peak, "b_fresh_s": b_s, "b_prefilled": len(mod_ids), "b_peak_reserved": b_peak,
-               "c_nemo_s": c_s, "c_prefilled": len(nemo_ids), "c_peak_reserved": c_peak}
+               "c_nemo_s": c_s, "c_prefilled": len(nemo_ids), "c_peak_reserved": c_peak,
+               "d_input_s": d_s, "d_prefilled": d.prefilled_tokens, "d_reused": d.reused_tokens,
+               "d_peak_reserved": d_peak, "e_nemo_input_s": e_s, "e_prefilled": len(nemo_in), "e_peak_reserved": e_peak}
         rows.append(row)
         print(json.dumps(row), flush=True)
         if args.profile and len(rows) == len(args.contexts) + 1:
@@ -137,6 +151,13 @@ def render(rows) -> str:
             f"{r['a_shared_s'] / r['c_nemo_s']:.2f}x | {r['generation_peak_reserved'] / g:.2f} / "
             f"{r['a_peak_reserved'] / g:.2f} / {r['b_peak_reserved'] / g:.2f} / {r['c_peak_reserved'] / g:.2f} | "
             f"{100 * (r['a_peak_reserved'] / r['generation_peak_reserved'] - 1):+.1f}% |")
+    lines += ["", "| conversation tokens | (d) input rail ms | prefilled / reused | (e) NeMo self check input ms | "
+              "d / e | peak allocated GiB: (d) / (e) |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        if "d_input_s" in r:
+            lines.append(f"| {r['context']} | {1e3 * r['d_input_s']:.1f} | {r['d_prefilled']} / {r['d_reused']} | "
+                         f"{1e3 * r['e_nemo_input_s']:.1f} | {r['d_input_s'] / r['e_nemo_input_s']:.2f}x | "
+                         f"{r['d_peak_reserved'] / g:.2f} / {r['e_peak_reserved'] / g:.2f} |")
     return "\n".join(lines) + "\n"
 
 
