@@ -186,10 +186,11 @@ def gguf_tokenizer(source: ModelSource):
 
     from . import gguf_header
 
+    from ..quant.gguf_load import read_gguf
+
     path = os.path.join(source.folder, source.gguf_file)
-    header = gguf_header.read_header(path)
-    if gguf_header.uses_qwen2_bpe(header):
-        return gguf_header.tokenizer_from_header(header)
+    if gguf_header.uses_qwen2_bpe(read_gguf(path)[0]):   # the check needs strings only: no token list read
+        return gguf_header.tokenizer_from_header(gguf_header.read_header(path))
     return AutoTokenizer.from_pretrained(source.folder, gguf_file=source.gguf_file)
 
 
@@ -230,14 +231,17 @@ def gguf_meta_folder(source: ModelSource) -> str:
     target = _cached_folder("gguf-meta", source)
     if (target / "flashguard-complete.json").is_file():
         return str(target)
+    from ..quant.gguf_load import read_gguf
+
     path = os.path.join(source.folder, source.gguf_file)
     try:
-        header = gguf_header.read_header(path)
-        if header.get("general.architecture") == "qwen2" and gguf_header.uses_qwen2_bpe(header):
-            config = gguf_header.config_from_header(header)
+        meta, _ = read_gguf(path)   # strings and numbers only: milliseconds, where a full header read takes seconds
+        if meta.get("general.architecture") == "qwen2" and gguf_header.uses_qwen2_bpe(meta):
+            header = gguf_header.read_header(path)
+            config, tok = gguf_header.config_from_header(header), gguf_header.tokenizer_from_header(header)
         else:
             config = AutoConfig.from_pretrained(source.folder, gguf_file=source.gguf_file)
-        tok = gguf_tokenizer(source)
+            tok = gguf_tokenizer(source)
     except (ValueError, OSError, KeyError, RuntimeError) as exc:
         raise ModelLoadError(f"cannot load {source.label}: {exc}", key="model_path") from exc
 

@@ -13,7 +13,8 @@ permutation is undone here on the codes, zeros and scales (it moves whole rows, 
 GGUF loader does on the float weights.
 
 Contract:
-- ``read_tensors(path) -> (architecture, [GgufTensor])``: the tensor table, data memory-mapped, in ~0.1 s.
+- ``read_tensors(path) -> (architecture, [GgufTensor])``: the tensor table, data memory-mapped, in ~0.1 s;
+  ``read_gguf(path)`` also returns the metadata's numbers and strings.
 - ``int4_arch(path)`` is the file's ``general.architecture`` when it is one of ``ARCHS`` and the file holds at least
   one 4-bit matrix, else None (the caller then loads it as a float model).
 - ``load_int4(path, config, device, dtype, backend, label)`` returns the model in eval mode on ``device``: every
@@ -53,7 +54,14 @@ class GgufTensor:
 
 
 def read_tensors(path: str) -> tuple[str, list[GgufTensor]]:
-    """``(general.architecture, tensors)`` of a GGUF file (versions 2 and 3). Reads the header with ``struct``,
+    """``(general.architecture, tensors)`` of a GGUF file: ``read_gguf`` without the metadata."""
+    meta, tensors = read_gguf(path)
+    return str(meta.get("general.architecture") or ""), tensors
+
+
+def read_gguf(path: str) -> tuple[dict, list[GgufTensor]]:
+    """``(metadata, tensors)`` of a GGUF file (versions 2 and 3): metadata numbers and strings (arrays, such as the
+    token list, are skipped and read as None). Reads the header with ``struct``,
     skipping metadata values (gguf-py's reader decodes every token string, which takes seconds on a 49K vocabulary);
     tensor data stays memory-mapped. A truncated or malformed file is a ``ValueError`` naming it."""
     import struct
@@ -120,7 +128,7 @@ def read_tensors(path: str) -> tuple[str, list[GgufTensor]]:
             raise ValueError(f"{path}: tensor {name} ends past the end of the file ({size} bytes); it is truncated")
         data = np.memmap(path, np.uint8, "r", offset=start + offset, shape=(rows, row_bytes))
         tensors.append(GgufTensor(name, shape, qtype, data))
-    return str(meta.get("general.architecture") or ""), tensors
+    return meta, tensors
 
 
 def int4_arch(path: str) -> str | None:
