@@ -251,12 +251,22 @@ def main(argv=None) -> int:
                "--contexts", *map(str, args.contexts)]
         if args.tokenizer:
             cmd += ["--tokenizer", args.tokenizer]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        sys.stderr.write(proc.stderr[-4000:])
-        found = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{"row"')]
-        results += found      # the turns a row finished, even when it broke later
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        err: list[str] = []
+        import threading
+
+        drain = threading.Thread(target=lambda: err.extend(proc.stderr), daemon=True)
+        drain.start()
+        for line in proc.stdout:   # each turn as it ends (a run cut short by a time limit keeps what it printed)
+            if line.startswith('{"row"'):
+                results.append(json.loads(line))   # the turns a row finished, even when it broke later
+                print(line.rstrip(), flush=True)
+        proc.wait()
+        drain.join()
+        stderr = "".join(err)
+        sys.stderr.write(stderr[-4000:])
         if proc.returncode != 0:
-            results.append({"row": name, "error": f"exit {proc.returncode}: {proc.stderr.strip()[-150:]}"})
+            results.append({"row": name, "error": f"exit {proc.returncode}: {stderr.strip()[-150:]}"})
     from . import emit
 
     emit(render(results), {"rows": results}, args.out, args.json)

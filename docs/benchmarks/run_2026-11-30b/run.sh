@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The H200 runs behind docs/benchmarks/e2e_h200.md's int8-pool section, one device call each (repo root; carry
 # .whl and .devcarry, where .devcarry/src.tar is `git archive HEAD` of the commit measured):
-#   ROWS="default fp16-pool" LLAMA=1 bash docs/benchmarks/run_2026-11-30b/run.sh "$OUT" [contexts...]
+#   ROWS="default" LLAMA=1 LLAMA_KV=q8_0 SKIP_TESTS=1 bash docs/benchmarks/run_2026-11-30b/run.sh "$OUT" [contexts...]
 # 1. with LLAMA=1, llama.cpp builds on cores 0-11 in the background (../shared/anchors/llamacpp/bench.sh's build
 #    steps; bench.sh copied to .devcarry/llamacpp_bench.sh, prepare.sh made .devcarry/llamacpp.tgz);
 # 2. meanwhile, on cores 12-15: the GPU tests, the random-weight DeepSeek-R1-Distill-Qwen-1.5B-shape checkpoints
@@ -31,17 +31,19 @@ if [ -n "${LLAMA:-}" ]; then
     >> $L/build.log 2>&1; touch $W/llama.built" &
 fi
 t0=$(date +%s)
-(cd $S && taskset -c 12-15 python3 -m pytest -q tests/test_gpu.py -p no:cacheprovider -x 2>&1 | tail -15) \
-  | tee "$OUT/gpu_tests.txt"
+[ -z "${SKIP_TESTS:-}" ] && (cd $S && taskset -c 12-15 python3 -m pytest -q tests/test_gpu.py -p no:cacheprovider \
+  -x 2>&1 | tail -15) | tee "$OUT/gpu_tests.txt"
 echo "gpu tests took $(( $(date +%s) - t0 )) s"
 (cd /tmp && python3 -c "from flashguard.bench.e2e import make_checkpoints; from pathlib import Path; \
   print(make_checkpoints(Path('$W'), '$R/.devcarry/ds-tokenizer'))" 2>&1 | tail -2)
 (cd /tmp && taskset -c 12-15 python3 -m flashguard.bench.e2e --workdir "$W" --tokenizer $R/.devcarry/ds-tokenizer \
   --config $S/configs/flash --rows $ROWS --contexts $CONTEXTS --out "$OUT/e2e.md" --json "$OUT/e2e.json" \
-  2> "$OUT/e2e.err" | tail -40)
+  2> "$OUT/e2e.err" | tee "$OUT/e2e.jsonl" | grep -v '^{"row"' | tail -40)
 echo "our rows took $(( $(date +%s) - t0 )) s"
 if [ -n "${LLAMA:-}" ]; then
   while [ ! -f "$W/llama.built" ]; do sleep 2; done; tail -3 $L/build.log
   echo "llama.cpp built after $(( $(date +%s) - t0 )) s"
-  bash .devcarry/llamacpp_bench.sh $W/ds15b-fp16 "$OUT" 2>&1 | tail -12   # alone on the GPU: $OUT/llamacpp.md
+  # LLAMA_KV="q8_0" runs the q8_0 rows only (the issue's anchor), to fit one call
+  sed "s/for kv in q8_0 f16/for kv in ${LLAMA_KV:-q8_0 f16}/" .devcarry/llamacpp_bench.sh > /tmp/llamacpp_bench.sh
+  bash /tmp/llamacpp_bench.sh $W/ds15b-fp16 "$OUT" 2>&1 | tail -12   # alone on the GPU: $OUT/llamacpp.md
 fi
