@@ -16,6 +16,7 @@ Contract:
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -65,10 +66,30 @@ OUT_OF_MEMORY = getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemo
 VRAM_MARGIN = 512 * 2**20   # vram_budget auto: the GPU's free memory at start less this (other programs, the desktop)
 
 
-def resolve_vram_budget(budget: int | str | None, device: torch.device) -> int | None:
+KERNEL_MODULES = 192 * 2**20   # CUDA context growth after start, as kernels load lazily (flash, cuBLAS, Triton)
+
+
+def measure_cuda_context(device: torch.device) -> int:
+    """The GPU memory this process holds outside torch's allocator (the CUDA context), measured at start through
+    NVML plus ``KERNEL_MODULES`` for what loads later; ``vram/plan.py``'s ``CUDA_CONTEXT`` where NVML cannot say.
+    (An H200 process measured 0.68 GiB at the end of a run, where the planner assumed 0.39.)"""
+    from ..vram.accounting import nvml_process_bytes
+    from ..vram.plan import CUDA_CONTEXT
+
+    if device.type != "cuda":
+        return 0
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    torch.cuda.mem_get_info(index)   # creates the context
+    held = nvml_process_bytes(index, os.getpid())
+    if held is None:
+        return CUDA_CONTEXT
+    return max(CUDA_CONTEXT, held - torch.cuda.memory_reserved(index) + KERNEL_MODULES)
+
+
+def resolve_vram_budget(budget: int | str | None, device: torch.device, context: int | None = None) -> int | None:
     """``vram_budget`` in bytes: the process's whole GPU memory, CUDA context included (what NVML and the task
-    manager show). ``auto`` = the GPU's free memory at start (with this process's CUDA context counted back in)
-    less ``VRAM_MARGIN``; None off CUDA or uncapped."""
+    manager show). ``auto`` = the GPU's free memory at start (with this process's CUDA context, ``context``,
+    counted back in) less ``VRAM_MARGIN``; None off CUDA or uncapped."""
     from ..vram.plan import CUDA_CONTEXT
 
     if budget is None or device.type != "cuda":
@@ -76,7 +97,7 @@ def resolve_vram_budget(budget: int | str | None, device: torch.device) -> int |
     if budget == "auto":
         index = device.index if device.index is not None else torch.cuda.current_device()
         free, _ = torch.cuda.mem_get_info(index)   # creates the context: it is no longer free
-        return max(0, free + CUDA_CONTEXT - VRAM_MARGIN)
+        return max(0, free + (CUDA_CONTEXT if context is None else context) - VRAM_MARGIN)
     return int(budget)
 
 
@@ -109,11 +130,11 @@ class Engine:
         self.source = source or loader.resolve_model(config.model_path, config.gguf_file)
         self.device = loader.resolve_device(config.device)
         self.dtype = loader.resolve_dtype(config.dtype, self.device)
-        self.vram_budget = resolve_vram_budget(config.vram_budget, self.device)   # bytes, or None
-        from ..vram.plan import CUDA_CONTEXT
-
+        # the CUDA context is measured, not assumed (it differs by GPU and driver), and left out of the allocator's cap
+        self.cuda_context = measure_cuda_context(self.device) if config.vram_budget is not None else 0
+        self.vram_budget = resolve_vram_budget(config.vram_budget, self.device, self.cuda_context)   # bytes, or None
         self.budget_fraction = apply_vram_budget(
-            None if self.vram_budget is None else max(0, self.vram_budget - CUDA_CONTEXT), self.device)
+            None if self.vram_budget is None else max(0, self.vram_budget - self.cuda_context), self.device)
         t0 = time.perf_counter()
         if model is not None:
             self.model, self.tokenizer = model, tokenizer
@@ -309,7 +330,7 @@ class Engine:
             return
         self.kv, self.prefill_chunk, self.plan, notes = planner.fit_to_budget(
             shape, budget=self.vram_budget, context=self.context_length, weights=self.weights_kind,
-            cache=self.config.kv_cache, prefill_chunk=self.prefill_chunk, kv=self.kv,
+            cache=self.config.kv_cache, prefill_chunk=self.prefill_chunk, kv=self.kv, cuda_context=self.cuda_context,
             host_available=policy.host_available(), l2_bytes_per_token=l2_per_token, group=self._int4_group())
         gib = self.vram_budget / 2**30
         if not self.plan.fits:
