@@ -1,0 +1,125 @@
+"""Float against int4 weights on the CPU, through the engine, on the embedded model, beside llama.cpp on its GGUF.
+
+    python -m flashguard.bench.cpu_decode --threads 2 --llamacpp llamacpp.md --out docs/benchmarks/cpu_decode.md
+
+``llamacpp.md`` is the output of ``../shared/anchors/llamacpp/bench_cpu.sh`` (llama-bench pp512 / tg128 on the same
+GGUF and threads). Each row is an Engine with the default cache (``kv_cache: tiered``): ``float`` (the GGUF
+dequantized to fp32) and ``int4`` (``weights: int4``: the file's Q4_1 codes in Int4Linear, the Q8_0 lm_head as an
+int4 pair). Prefill: a ``--prompt-tokens`` prompt from a fresh session (every token prefilled, llama-bench's pp512).
+Decode: ``--decode`` greedy tokens after a short prompt, as the engine streams them (sampling and detokenization
+included, which llama-bench's tg128 does not have). Medians of ``--repeats`` runs, rows alternating.
+
+``--breakdown`` adds, for the int4 row, the decode step's milliseconds with its int4 layers skipped (each returns
+zeros of its output shape; an ablation for this line only, the model is restored after): what the step spends
+outside the int4 kernels.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import statistics
+import time
+
+PROMPT = "Write a long story about a cat who travels around the world, one country after another."
+
+
+def llamacpp_numbers(path: str) -> dict:
+    """``{"pp512": tok/s, "tg128": tok/s}`` from llama-bench's markdown table."""
+    out = {}
+    for line in open(path, encoding="utf-8"):
+        m = re.search(r"\|\s*(pp\d+|tg\d+)\s*\|\s*([\d.]+)", line)
+        if m:
+            out[m.group(1)] = float(m.group(2))
+    return out
+
+
+def measure(engine, prompt_ids, story_ids, decode: int) -> tuple[float, float, int]:
+    """(prefill tok/s of ``prompt_ids`` from nothing, decode tok/s after ``story_ids``, tokens decoded)."""
+    from ..engine.sampling import SamplingParams
+
+    engine.reset_session()
+    engine.store = None   # nothing of an earlier run may be adopted
+    engine.generate(prompt_ids, SamplingParams(max_tokens=1))
+    prefill = len(prompt_ids) / engine.stats.last["generation"]["first_token_s"]
+    engine.reset_session()
+    engine.store = None
+    engine.generate(story_ids, SamplingParams(max_tokens=decode + 1))
+    last = engine.stats.last["generation"]
+    steps = max(1, last["generated"] - 1)
+    return prefill, steps / max(1e-9, last["seconds"] - last["first_token_s"]), steps
+
+
+def main(argv=None) -> int:
+    import pydoc_data.topics as topics
+    import torch
+
+    from ..config import EngineConfig
+    from ..engine.engine import Engine
+    from . import emit
+
+    p = argparse.ArgumentParser(prog="python -m flashguard.bench.cpu_decode", description=__doc__.split("\n\n")[0])
+    p.add_argument("--prompt-tokens", type=int, default=512)
+    p.add_argument("--decode", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--weights", nargs="+", default=["float", "int4"])
+    p.add_argument("--breakdown", action="store_true", help="int4: the step's ms with its int4 layers skipped")
+    p.add_argument("--llamacpp", help="llama-bench's markdown output (bench_cpu.sh) on the same GGUF and threads")
+    p.add_argument("--out")
+    p.add_argument("--json")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    engines = {}
+    for w in args.weights:
+        t0 = time.perf_counter()
+        engines[w] = Engine(EngineConfig(device="cpu", weights=w))
+        engines[w].load_seconds = time.perf_counter() - t0
+    first = next(iter(engines.values()))
+    text = "\n".join(topics.topics[k] for k in sorted(topics.topics))
+    prompt_ids = first.tokenizer(text)["input_ids"][:args.prompt_tokens]
+    story_ids = first.encode_messages([{"role": "user", "content": PROMPT}])
+    got: dict = {w: [] for w in engines}
+    for e in engines.values():
+        measure(e, prompt_ids[:64], story_ids, 8)   # warm-up
+    for _ in range(args.repeats):
+        for w, e in engines.items():
+            got[w].append(measure(e, prompt_ids, story_ids, args.decode))
+    ref = llamacpp_numbers(args.llamacpp) if args.llamacpp else {}
+    pp, tg = ref.get(f"pp{args.prompt_tokens}"), ref.get(f"tg{args.decode}")
+    lines = [f"torch threads: {torch.get_num_threads()}, model: {first.source.label}, medians of {args.repeats}, "
+             f"prompt {len(prompt_ids)} tokens, decode {args.decode} tokens after a {len(story_ids)}-token prompt", "",
+             "| weights | load s | prefill tok/s | decode tok/s | tokens decoded | prefill / llama.cpp | "
+             "decode / llama.cpp |", "|---|---|---|---|---|---|---|"]
+    rows = []
+    for w, runs in got.items():
+        prefill, decode = statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)
+        steps = min(r[2] for r in runs)
+        rows.append({"weights": w, "load_s": engines[w].load_seconds, "prefill_tok_s": prefill,
+                     "decode_tok_s": decode, "decoded": steps, "runs": runs})
+        lines.append(f"| {w} | {engines[w].load_seconds:.1f} | {prefill:.0f} | {decode:.1f} | {steps} | "
+                     f"{prefill / pp:.2f}x | {decode / tg:.2f}x |" if pp and tg else
+                     f"| {w} | {engines[w].load_seconds:.1f} | {prefill:.0f} | {decode:.1f} | {steps} | | |")
+    if pp and tg:
+        lines.append(f"| llama.cpp (llama-bench) | | {pp:.0f} | {tg:.1f} | {args.decode} | 1.00x | 1.00x |")
+    if args.breakdown and "int4" in engines:
+        from ..quant.int4_linear import Int4Linear
+
+        real = 1e3 / statistics.median(r[1] for r in got["int4"])
+        forward = Int4Linear.forward
+        Int4Linear.forward = lambda self, x: x.new_zeros(*x.shape[:-1], self.out_features)
+        try:
+            skipped = statistics.median(1e3 / measure(engines["int4"], prompt_ids[:64], story_ids, args.decode)[1]
+                                        for _ in range(args.repeats))
+        finally:
+            Int4Linear.forward = forward
+        lines += ["", f"int4 decode step: {real:.1f} ms a token; with the int4 layers skipped {skipped:.1f} ms "
+                      f"(outside the int4 kernels); the int4 layers {real - skipped:.1f} ms"]
+        rows.append({"int4_step_ms": real, "without_int4_layers_ms": skipped})
+    emit("\n".join(lines) + "\n", rows, args.out, args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
