@@ -234,6 +234,7 @@ def test_the_embedded_model_starts_in_int4_from_its_q4_1_weights(tmp_path, monke
     assert "paris" in engine.generate(ids, SamplingParams(max_tokens=16)).text.lower()
 
 
+@pytest.mark.slow   # a real AWQ search (of a tiny model: ~8 s)
 def test_int4_on_a_float_model_says_how_long_the_awq_search_takes_first(tmp_path, monkeypatch, caplog):
     """An HF float folder has no int4 codes to take: ``weights: int4`` runs AWQ, after a warning with the estimate."""
     from transformers import LlamaConfig, LlamaForCausalLM
