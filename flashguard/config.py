@@ -65,6 +65,10 @@ class CacheConfig:
     l3_encrypt     seal L3 files with AES-256-GCM under a key held only in memory (else a BLAKE2b checksum).
     zero_copy      on CUDA, sparse decoding picks its pages on the GPU and reads them straight from pinned host
                    RAM (kv/uva.py, needs Triton); false uses the host gather and the hot set.
+    peer_gpus      the peer-GPU tier (kv/peer.py): other GPUs of this host that hold the conversation's off-window
+                   pages and attend them (exact policy, merged by log-sum-exp): a list of GPU indices (``[1]``) or a
+                   count (the next GPUs after the engine's). None (the default): no peers. Checked against the host
+                   at engine start.
     """
 
     page_size: int = 64
@@ -83,8 +87,11 @@ class CacheConfig:
     isolation_salt: str = ""
     l3_encrypt: bool = True
     zero_copy: bool = True
+    peer_gpus: int | tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
+        if self.peer_gpus is not None:
+            object.__setattr__(self, "peer_gpus", _peer_gpus(self.peer_gpus))
         _check_choice(self.policy, POLICIES, "kv.policy")
         _check_choice(self.l1_codec, L1_CODECS, "kv.l1_codec")
         _check_choice(self.l2_codec, L2_CODECS, "kv.l2_codec")
@@ -233,6 +240,20 @@ def _check_choice(value: Any, choices: tuple, key: str) -> None:
         raise ConfigError(f"must be one of {', '.join(map(str, choices))}; got {value!r}", key=key)
 
 
+def _peer_gpus(value: Any, key: str = "kv.peer_gpus") -> int | tuple[int, ...]:
+    """A count (a positive integer) or GPU indices (a non-empty list of distinct integers >= 0), as a tuple."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value <= 0:
+            raise ConfigError(f"must be a positive count or a list of GPU indices, got {value!r}", key=key)
+        return value
+    if isinstance(value, (list, tuple)) and value and \
+            all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in value):
+        if len(set(value)) != len(value):
+            raise ConfigError(f"lists a GPU twice: {list(value)}", key=key)
+        return tuple(value)
+    raise ConfigError(f"must be a count or a list of GPU indices like [1], got {value!r}", key=key)
+
+
 def _typed_values(cls: type, params: Mapping[str, Any], *, prefix: str, skip: frozenset | set = frozenset()) -> dict:
     known = {f.name: f for f in fields(cls) if not f.name.startswith("_") and f.name not in skip}
     out: dict[str, Any] = {}
@@ -253,6 +274,8 @@ def _coerce(value: Any, f: dataclasses.Field, key: str) -> Any:
         if default is None:
             return None
         raise ConfigError("must not be empty", key=key)
+    if f.name == "peer_gpus":
+        return _peer_gpus(value, key)
     if isinstance(default, bool):
         if isinstance(value, bool):
             return value

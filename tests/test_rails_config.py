@@ -21,7 +21,7 @@ EVERY_KEY = {
     "kv": {"page_size": 32, "l1_tokens": 512, "sink_tokens": 32, "l2_tokens": 2048, "l3_tokens": 65536,
            "l3_dir": None, "policy": "sparse", "budget_tokens": 256, "adaptive_l1": True, "l1_max_tokens": 1024,
            "l1_codec": "fp16", "l2_codec": "int8", "l3_codec": "int4-zstd", "isolation_salt": "tenant-a", "l3_encrypt": True,
-           "zero_copy": True},
+           "zero_copy": True, "peer_gpus": None},
 }
 
 

@@ -25,6 +25,7 @@ prefix (``adopt_prefix``); without them (plain ``generate``) pages are private t
 
 from __future__ import annotations
 
+import logging
 import os
 from collections import OrderedDict
 
@@ -34,6 +35,9 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from ..config import CacheConfig
 from . import FETCH_BLOCK_TOKENS, FETCH_BLOCK_TOKENS_CPU, attention, codecs, int8_pool, uva
 from .disk import PageLost  # the engine catches it from here
+from .peer import PeerLostError
+
+log = logging.getLogger("flashguard")
 from .store import PageStore, namespace_for, page_key
 
 
@@ -330,6 +334,13 @@ class TieredLayer(CacheLayerMixin):
                               torch.arange(self.win_start, max(self.win_start, self.length), device=q.device)])
             qpos = torch.arange(self.length - lq, self.length, device=q.device)
             acc = attention.partial_attention(qg, l1_k, l1_v, scale, kpos.unsqueeze(0) <= qpos.unsqueeze(1))
+        peers = self.owner.peers
+        if last_page > first_page and peers is not None and peers.covers(first_page, last_page):
+            try:   # the peer GPUs attend the pages they hold; the store keeps them too (the fallback below)
+                acc = attention.merge_into(acc, peers.attend(self.index, qg, scale, first_page, last_page))
+                return acc[0].reshape(hq, lq, d)
+            except PeerLostError as err:
+                log.warning("flashguard: %s; attending the pages from the store instead", err)
         if last_page > first_page:  # every page (exact policy, prefill chunks), streamed in blocks
             pages = list(range(first_page, last_page))
             self.owner.page_reads += len(pages)
@@ -461,11 +472,20 @@ class TieredCache(Cache):
         self._slot_epoch = -1
         self._copy_stream = None
         self._dev_slots, self._dev_slots_key = None, None
+        self.peers = None                       # kv/peer.PeerTier holding off-window pages on other GPUs, if any
         self.sparse_state = None                # sparse_step.SparseState, made at the first one-graph sparse step
         self._adapted_at = -1                   # the length at which the window last adapted
         super().__init__(layers=[TieredLayer(self, i) for i in range(self.num_layers)])
 
     # ---- wiring ----------------------------------------------------------------------------
+    def use_peers(self, tier) -> "TieredCache":
+        """Put this sequence's off-window pages on ``tier`` (a ``kv.peer.PeerTier``) as they leave L1 (the store
+        keeps them too) and attend them there under the exact policy and for prefill chunks. The tier serves one
+        sequence: it forgets what it held."""
+        tier.reset()
+        self.peers = tier
+        return self
+
     def attach(self, model) -> "TieredCache":
         """Switch ``model`` to the tiered attention (which finds this cache through its ``update`` calls)."""
         attention.register()
@@ -540,6 +560,13 @@ class TieredCache(Cache):
                 vs.append(v)
                 summ.append(torch.stack([k.amin(dim=2), k.amax(dim=2)], dim=2).transpose(0, 1))
             self.store.put_many(self.page_keys[lo:hi], torch.stack(ks), torch.stack(vs), torch.stack(summ, dim=1))
+            sinks = self.sink_tokens // p
+            if self.peers is not None and hi > sinks and self.peers.lost is None:   # off-window pages: on the peers too
+                at = max(lo, sinks) - lo
+                try:
+                    self.peers.put(lo + at, torch.stack(ks)[:, :, at:], torch.stack(vs)[:, :, at:])
+                except PeerLostError as err:
+                    log.warning("flashguard: %s; its pages stay in the store", err)
             for i in range(lo, hi):
                 self.stored[i] = True
 
@@ -816,6 +843,8 @@ class TieredCache(Cache):
         self.page_keys, self.stored = self.page_keys[:keep], self.stored[:keep]
         # page indices from ``keep`` on will name other pages: their remembered L2 slots are stale
         self._slot_table = {i: slot for i, slot in self._slot_table.items() if i < keep}
+        if self.peers is not None:
+            self.peers.forget_from(keep)    # those page indices will name other pages on the peers too
         self._dev_slots = None
         for key in dropped:
             self.store.release(key)

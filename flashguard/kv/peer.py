@@ -1,0 +1,347 @@
+"""The peer tier: one conversation's off-window pages spread over the other GPUs of one host (``kv.peer_gpus``).
+
+Rank 0 is the engine; ranks 1..N-1 are page servers (``serve``), one process per peer GPU. All traffic goes through
+``torch.distributed`` (NCCL between GPUs, gloo on the CPU): no hand-written transport.
+
+Contract
+--------
+* Placement. Page ``p`` (an index into the sequence's pages) lives on rank ``1 + p % peers``: round robin, so any
+  range of pages is split evenly, and on each rank the pages of a range are one contiguous run of its buffer
+  (local position ``p // peers``), attended in place by one kernel call (``attention.segment``).
+* ``PeerTier.put(first, k, v)``: pages ``[first, first + n)`` of every layer, ``k``/``v`` ``[layers, kvh, n, P, D]``;
+  each rank receives only its share. Putting a page again overwrites it (after a crop the new pages replace the
+  old ones). ``covers(first, last)`` says whether every page of the range was put (rank 0 keeps the book).
+* ``PeerTier.attend(layer, qg, scale, first, last)``: the partial ``(o [kvh, g, Lq, D], lse [kvh, g, Lq])``, fp32,
+  of the queries ``qg`` over the pages ``[first, last)`` of ``layer``; each rank attends its own pages with
+  ``attention.segment`` and the partials (one ``all_gather`` of o and lse per call) are merged exactly (``merge``).
+  A range with no page gives ``lse = -inf`` and ``o = 0`` (``merge`` and ``attention.merge_into`` accept that as
+  long as some other segment shows every query a key).
+* Failure. A collective that fails or runs past the process group's timeout (a peer process died) raises
+  ``PeerLostError`` (a 503 naming ``kv.peer_gpus``) and marks the tier ``lost``: later calls raise at once and
+  ``covers`` is False, so a caller that keeps the pages elsewhere (the L2 store) attends them there instead.
+  Never a hang: the timeout bounds every wait.
+* Lifetime. ``close()`` stops the servers and destroys the process group; ``reset()`` forgets the pages (a new
+  conversation). One PeerTier per process (it owns the default process group).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from ..errors import ConfigError, FlashguardError
+from . import attention
+
+KEY = "kv.peer_gpus"
+OP_STOP, OP_PUT, OP_ATTEND, OP_RESET = 0, 1, 2, 3
+HEADER = 12     # float64 words of a command: op, then PUT: layers, first, n, kvh, D, dtype; ATTEND: layer, first,
+                # last, Lq, g, kvh, D, dtype, scale (float64 holds page indices exactly up to 2**53)
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+DEFAULT_TIMEOUT_S = 30.0
+
+
+class PeerLostError(FlashguardError):
+    """A peer rank stopped answering (its process died, or its GPU failed): the request fails with a 503 unless the
+    caller attends the pages from another tier."""
+
+    status_code = 503
+
+
+def resolve_devices(peer_gpus, engine_device: torch.device, device_count: int | None = None) -> list[int]:
+    """The peer GPU indices of ``kv.peer_gpus`` (a list of indices, or a count: the next GPUs after the engine's),
+    checked against this host: ConfigErrors naming ``kv.peer_gpus`` for a CPU engine, a host with one GPU, an index
+    that does not exist, the engine's own GPU, or a repeated index. ``device_count`` defaults to this host's."""
+    if peer_gpus is None:
+        return []
+    if engine_device.type != "cuda":
+        raise ConfigError(f"peer GPUs need the engine on a GPU (device: cuda); it runs on {engine_device.type}",
+                          key=KEY)
+    n = torch.cuda.device_count() if device_count is None else device_count
+    if n < 2:
+        raise ConfigError(f"this host has {n} GPU{'s' if n != 1 else ''}; peer GPUs need at least two", key=KEY)
+    own = engine_device.index if engine_device.index is not None else 0
+    if isinstance(peer_gpus, int):
+        others = [i for i in range(n) if i != own]
+        if peer_gpus > len(others):
+            raise ConfigError(f"asks for {peer_gpus} peer GPUs; this host has {len(others)} besides the engine's "
+                              f"(cuda:{own})", key=KEY)
+        return others[:peer_gpus]
+    out = list(peer_gpus)
+    for i in out:
+        if i >= n:
+            raise ConfigError(f"GPU {i} does not exist; this host has GPUs 0..{n - 1}", key=KEY)
+        if i == own:
+            raise ConfigError(f"GPU {i} is the engine's own device; list the other GPUs", key=KEY)
+    if len(set(out)) != len(out):
+        raise ConfigError(f"lists a GPU twice: {out}", key=KEY)
+    return out
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_group(rank: int, world: int, init_method: str, backend: str, timeout_s: float) -> None:
+    """Join the default process group (``timeout_s`` bounds every collective on gloo, and on NCCL with blocking
+    waits, which this turns on so that a dead peer raises instead of aborting the process)."""
+    if backend == "nccl":
+        os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
+                            timeout=timedelta(seconds=timeout_s))
+
+
+def merge(o: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact log-sum-exp merge of stacked partials ``o [R, ...tail, D]``, ``lse [R, ...tail]`` (what folding
+    ``attention.merge_into`` over R gives), where a partial may see no key (``lse = -inf``); a query that no
+    partial shows a key gets ``o = 0``, ``lse = -inf``."""
+    m = lse.amax(dim=0)
+    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+    w = torch.exp(lse - m)                                   # exp(-inf) = 0: empty partials weigh nothing
+    total = w.sum(dim=0)
+    out = (w.unsqueeze(-1) * o).sum(dim=0) / total.clamp_min(1e-30).unsqueeze(-1)
+    return out, torch.where(total > 0, m + torch.log(total.clamp_min(1e-30)), torch.full_like(m, float("-inf")))
+
+
+def local_range(first: int, last: int, slot: int, peers: int) -> tuple[int, int]:
+    """Local page positions ``[lo, hi)`` on peer ``slot`` (0-based: rank ``slot + 1``) of the pages
+    ``[first, last)``: the pages ``p`` with ``p % peers == slot`` sit at ``p // peers``."""
+    return (max(0, first - slot) + peers - 1) // peers, (max(0, last - slot) + peers - 1) // peers
+
+
+class _Shard:
+    """One rank's pages: ``k``/``v`` ``[layers, kvh, capacity_pages * P, D]`` in local page order."""
+
+    def __init__(self):
+        self.k = self.v = None
+        self.pages = 0            # local positions in use (the highest put + 1)
+
+    def put(self, at: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """``k``/``v`` ``[layers, kvh, m, P, D]`` at local positions ``[at, at + m)``."""
+        layers, kvh, m, p, d = k.shape
+        end = at + m
+        if self.k is None or self.k.shape[2] < end * p or self.k.dtype != k.dtype or self.k.shape[1] != kvh:
+            cap = max(end, 2 * (self.k.shape[2] // p if self.k is not None else 0), 16)
+            grown_k, grown_v = (k.new_zeros((layers, kvh, cap * p, d)) for _ in range(2))
+            if self.k is not None and self.k.dtype == k.dtype and self.k.shape[1] == kvh:
+                n = self.pages * p
+                grown_k[:, :, :n] = self.k[:, :, :n]
+                grown_v[:, :, :n] = self.v[:, :, :n]
+            self.k, self.v = grown_k, grown_v
+        self.k[:, :, at * p:end * p] = k.reshape(layers, kvh, m * p, d)
+        self.v[:, :, at * p:end * p] = v.reshape(layers, kvh, m * p, d)
+        self.pages = max(self.pages, end)
+
+    def attend(self, layer: int, qg: torch.Tensor, scale: float, lo: int, hi: int, page: int):
+        kvh, g, lq, d = qg.shape
+        if hi <= lo or self.k is None:
+            return qg.new_zeros((kvh, g, lq, d), dtype=torch.float32), \
+                torch.full((kvh, g, lq), float("-inf"), device=qg.device)
+        k, v = self.k[layer, :, lo * page:hi * page], self.v[layer, :, lo * page:hi * page]
+        o, lse = attention.segment(qg, k, v, scale)
+        return o.float(), lse.float()
+
+
+def _pack(o: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    return torch.cat([o.float().flatten(), lse.float().flatten()])
+
+
+class PeerTier:
+    """Rank 0's side: see the module docstring. ``device`` is where the engine's tensors live (its GPU, or the CPU
+    with gloo); ``comm`` the device collectives run on (the same GPU for NCCL, the CPU for gloo)."""
+
+    def __init__(self, world: int, page_size: int, device: torch.device, devices: list | None = None):
+        if world < 2:
+            raise ConfigError("the peer tier needs at least one peer rank", key=KEY)
+        self.world, self.peers, self.page_size = world, world - 1, page_size
+        self.device = torch.device(device)
+        self.comm = torch.device("cpu") if dist.get_backend() == "gloo" else self.device
+        self.devices = devices or [f"rank {r}" for r in range(1, world)]   # what engine_info shows
+        self.put_pages: set[int] = set()
+        self.lost: str | None = None   # why the tier stopped working, once it did
+        self.bytes_sent = 0
+        self.processes: list = []      # the peer processes ``start`` spawned (joined by ``close``)
+
+    def owner(self, page: int) -> int:
+        return 1 + page % self.peers
+
+    def covers(self, first: int, last: int) -> bool:
+        return self.lost is None and all(p in self.put_pages for p in range(first, last))
+
+    def _send_header(self, op: int, *words: int) -> None:
+        h = torch.zeros(HEADER, dtype=torch.float64)
+        h[0] = op
+        for i, w in enumerate(words):
+            h[1 + i] = float(w)
+        dist.broadcast(h.to(self.comm), src=0)
+
+    def _guard(self, what: str):
+        tier = self
+
+        class _G:
+            def __enter__(self):
+                if tier.lost is not None:
+                    raise PeerLostError(f"the peer tier is gone ({tier.lost}); the request cannot use it", key=KEY)
+
+            def __exit__(self, kind, err, tb):
+                if err is not None and isinstance(err, RuntimeError) and not isinstance(err, FlashguardError):
+                    tier.lost = f"{what} failed: {str(err).splitlines()[0][:200]}"
+                    raise PeerLostError(f"a peer rank stopped answering during {what} ({tier.lost}); its pages "
+                                        "are lost on that GPU", key=KEY) from err
+                return False
+        return _G()
+
+    @torch.inference_mode()
+    def put(self, first: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Pages ``[first, first + n)``, ``k``/``v`` ``[layers, kvh, n, P, D]`` (every layer at once)."""
+        n = k.shape[2]
+        with self._guard("put"):
+            layers, kvh, _, _, d = k.shape
+            self._send_header(OP_PUT, layers, first, n, kvh, d, _DTYPES.index(k.dtype))
+            for slot in range(self.peers):
+                idx = [i for i in range(n) if (first + i) % self.peers == slot]
+                if not idx:
+                    continue
+                pick = torch.tensor(idx, device=k.device)
+                for t in (k, v):
+                    part = t.index_select(2, pick).to(self.comm).contiguous()
+                    dist.send(part, dst=slot + 1)
+                    self.bytes_sent += part.numel() * part.element_size()
+        self.put_pages.update(range(first, first + n))
+
+    @torch.inference_mode()
+    def attend(self, layer: int, qg: torch.Tensor, scale: float, first: int, last: int):
+        """Merged partial of ``qg [kvh, g, Lq, D]`` over pages ``[first, last)`` of ``layer``: ``(o, lse)`` fp32 on
+        ``qg``'s device."""
+        kvh, g, lq, d = qg.shape
+        with self._guard("attend"):
+            self._send_header(OP_ATTEND, layer, first, last, lq, g, kvh, d, _DTYPES.index(qg.dtype), scale)
+            q = qg.to(self.comm).contiguous()
+            dist.broadcast(q, src=0)
+            own = _pack(torch.zeros((kvh, g, lq, d), device=self.comm),
+                        torch.full((kvh, g, lq), float("-inf"), device=self.comm))   # rank 0 holds no page
+            parts = [torch.empty_like(own) for _ in range(self.world)]
+            dist.gather(own, parts, dst=0)
+        stacked = torch.stack(parts).to(qg.device)
+        split = kvh * g * lq * d
+        o = stacked[:, :split].reshape(self.world, kvh, g, lq, d)
+        lse = stacked[:, split:].reshape(self.world, kvh, g, lq)
+        return merge(o, lse)
+
+    def forget_from(self, page: int) -> None:
+        """Pages from ``page`` on no longer count as put (the sequence was cropped; they are put again when they
+        leave L1 anew, overwriting the old ones)."""
+        self.put_pages = {p for p in self.put_pages if p < page}
+
+    def reset(self) -> None:
+        """Forget every page (the next conversation puts its own)."""
+        if self.lost is None:
+            with self._guard("reset"):
+                self._send_header(OP_RESET)
+        self.put_pages.clear()
+
+    def close(self) -> None:
+        """Stop the servers and leave the process group (best effort once a peer is lost)."""
+        if self.lost is None:
+            try:
+                self._send_header(OP_STOP)
+            except RuntimeError:
+                pass
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except RuntimeError:
+                pass
+        self.lost = self.lost or "closed"
+        for p in self.processes:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+
+    def info(self) -> dict:
+        return {"devices": self.devices, "ranks": self.world, "pages": len(self.put_pages),
+                "bytes_sent": self.bytes_sent, "lost": self.lost}
+
+
+@torch.inference_mode()
+def serve(page_size: int, device: torch.device) -> None:
+    """A peer rank's loop (the process group is joined): store the pages it is sent, answer attention queries with
+    its partials, until rank 0 says stop. A failed collective (rank 0 died) raises out of it: its pages are of no
+    use alone."""
+    device = torch.device(device)
+    comm = torch.device("cpu") if dist.get_backend() == "gloo" else device
+    rank, world = dist.get_rank(), dist.get_world_size()
+    slot, peers = rank - 1, world - 1
+    shard = _Shard()
+    while True:
+        h = torch.zeros(HEADER, dtype=torch.float64, device=comm)
+        dist.broadcast(h, src=0)
+        words = h.tolist()
+        op = int(words[0])
+        if op == OP_STOP:
+            return
+        if op == OP_RESET:
+            shard = _Shard()
+        elif op == OP_PUT:
+            layers, first, n, kvh, d, dt = (int(w) for w in words[1:7])
+            mine = [p for p in range(first, first + n) if p % peers == slot]
+            if mine:
+                kv = []
+                for _ in range(2):
+                    t = torch.empty((layers, kvh, len(mine), page_size, d), dtype=_DTYPES[dt], device=comm)
+                    dist.recv(t, src=0)
+                    kv.append(t.to(device))
+                shard.put(mine[0] // peers, *kv)
+        elif op == OP_ATTEND:
+            layer, first, last, lq, g, kvh, d, dt = (int(w) for w in words[1:9])
+            q = torch.empty((kvh, g, lq, d), dtype=_DTYPES[dt], device=comm)
+            dist.broadcast(q, src=0)
+            lo, hi = local_range(first, last, slot, peers)
+            o, lse = shard.attend(layer, q.to(device), words[9], lo, hi, page_size)
+            dist.gather(_pack(o, lse).to(comm), None, dst=0)
+
+
+def _peer_main(rank: int, world: int, init_method: str, backend: str, timeout_s: float, page_size: int,
+               device: str) -> None:
+    """Entry point of a peer process (spawned by ``start``)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.set_device(torch.device(device))
+    else:
+        torch.set_num_threads(1)   # the CPU tests run beside other work
+    init_group(rank, world, init_method, backend, timeout_s)
+    try:
+        serve(page_size, torch.device(device))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def start(devices: list, engine_device, page_size: int, timeout_s: float = DEFAULT_TIMEOUT_S) -> PeerTier:
+    """Spawn one page server per entry of ``devices`` (``"cuda:1"``, or ``"cpu"`` for a gloo test), join them as
+    rank 0 and return the tier. NCCL when the engine is on a GPU, gloo otherwise; the rendezvous is a TCP store on
+    127.0.0.1 at a free port (works on Linux and Windows). The peer processes are daemons: they end with this one
+    and after ``close()``."""
+    engine_device = torch.device(engine_device)
+    backend = "nccl" if engine_device.type == "cuda" else "gloo"
+    world = len(devices) + 1
+    init_method = f"tcp://127.0.0.1:{free_port()}"
+    ctx = torch.multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_peer_main, daemon=True,
+                         args=(r, world, init_method, backend, timeout_s, page_size, str(dev)))
+             for r, dev in enumerate(devices, start=1)]
+    for p in procs:
+        p.start()
+    try:
+        init_group(0, world, init_method, backend, timeout_s)
+    except Exception as err:
+        for p in procs:
+            p.kill()
+        raise PeerLostError(f"the peer ranks did not join within {timeout_s:.0f} s: {err}", key=KEY) from err
+    tier = PeerTier(world, page_size, engine_device, [str(d) for d in devices])
+    tier.processes = procs
+    return tier
