@@ -51,7 +51,7 @@ def _random_kv(peers: int) -> dict:
     layers, kvh, n, p, d, group = 2, 2, 11, 4, 16, 3
     k = torch.randn(layers, kvh, n, p, d, generator=g)
     v = torch.randn(layers, kvh, n, p, d, generator=g)
-    tier = peer.start(["cpu"] * peers, "cpu", page_size=p, timeout_s=GLOO_TIMEOUT_S)
+    tier = peer.start(["cpu"] * peers, "cpu", page_size=p, timeout_s=GLOO_TIMEOUT_S, block_pages=2)  # blocks too
     errors, covers = [], []
     try:
         for a, b in ((0, 3), (3, 8), (8, 11)):             # pages arrive in runs, as they leave the window
@@ -91,7 +91,9 @@ def test_sharded_attention_equals_one_device(tmp_path, peers):
     assert len(out["errors"]) == 11
     for err_o, err_lse in out["errors"]:
         assert err_o < 1e-5 and err_lse < 1e-5
-    assert out["info"]["ranks"] == peers + 1 and out["info"]["lost"] is None and out["info"]["pages"] == 11
+    info = out["info"]
+    assert info["ranks"] == peers + 1 and info["lost"] is None and info["pages"] == 11
+    assert info["bytes_held"] == 11 * 2 * 2 * 2 * 4 * 16 * 4     # pages * (K, V) * layers * kvh * P * D * fp32
 
 
 def test_merge_of_partials_equals_one_segment_and_skips_empty_ones():

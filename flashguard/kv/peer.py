@@ -7,7 +7,8 @@ Contract
 --------
 * Placement. Page ``p`` (an index into the sequence's pages) lives on rank ``1 + p % peers``: round robin, so any
   range of pages is split evenly, and on each rank the pages of a range are one contiguous run of its buffer
-  (local position ``p // peers``), attended in place by one kernel call (``attention.segment``).
+  (local position ``p // peers``), attended in place, one ``attention.segment`` call per block of ``block_pages``
+  pages (the buffer grows a block at a time: no copy to grow, no 2x peak).
 * ``PeerTier.put(first, k, v)``: pages ``[first, first + n)`` of every layer, ``k``/``v`` ``[layers, kvh, n, P, D]``;
   each rank receives only its share. Putting a page again overwrites it (after a crop the new pages replace the
   old ones). ``covers(first, last)`` says whether every page of the range was put (rank 0 keeps the book).
@@ -42,6 +43,7 @@ HEADER = 12     # float64 words of a command: op, then PUT: layers, first, n, kv
                 # last, Lq, g, kvh, D, dtype, scale (float64 holds page indices exactly up to 2**53)
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 DEFAULT_TIMEOUT_S = 30.0
+BLOCK_PAGES = 256  # pages per block of a peer's buffer (16K tokens at 64-token pages)
 
 
 class PeerLostError(FlashguardError):
@@ -115,36 +117,51 @@ def local_range(first: int, last: int, slot: int, peers: int) -> tuple[int, int]
 
 
 class _Shard:
-    """One rank's pages: ``k``/``v`` ``[layers, kvh, capacity_pages * P, D]`` in local page order."""
+    """One rank's pages in local page order, in blocks of ``block_pages`` pages (``k``/``v`` ``[layers, kvh,
+    block_pages * P, D]`` each, allocated as pages arrive: memory grows a block at a time and nothing is copied to
+    grow). A range of pages is attended one block at a time with ``attention.segment``, merged by log-sum-exp."""
 
-    def __init__(self):
-        self.k = self.v = None
-        self.pages = 0            # local positions in use (the highest put + 1)
+    def __init__(self, block_pages: int):
+        self.block_pages = block_pages
+        self.blocks: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def put(self, at: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """``k``/``v`` ``[layers, kvh, m, P, D]`` at local positions ``[at, at + m)``."""
         layers, kvh, m, p, d = k.shape
-        end = at + m
-        if self.k is None or self.k.shape[2] < end * p or self.k.dtype != k.dtype or self.k.shape[1] != kvh:
-            cap = max(end, 2 * (self.k.shape[2] // p if self.k is not None else 0), 16)
-            grown_k, grown_v = (k.new_zeros((layers, kvh, cap * p, d)) for _ in range(2))
-            if self.k is not None and self.k.dtype == k.dtype and self.k.shape[1] == kvh:
-                n = self.pages * p
-                grown_k[:, :, :n] = self.k[:, :, :n]
-                grown_v[:, :, :n] = self.v[:, :, :n]
-            self.k, self.v = grown_k, grown_v
-        self.k[:, :, at * p:end * p] = k.reshape(layers, kvh, m * p, d)
-        self.v[:, :, at * p:end * p] = v.reshape(layers, kvh, m * p, d)
-        self.pages = max(self.pages, end)
+        b = self.block_pages
+        if self.blocks and (self.blocks[0][0].dtype != k.dtype or self.blocks[0][0].shape[1] != kvh):
+            self.blocks = []              # another model's pages: start over
+        while len(self.blocks) * b < at + m:
+            self.blocks.append((k.new_zeros((layers, kvh, b * p, d)), v.new_zeros((layers, kvh, b * p, d))))
+        for j in range(at, at + m):       # runs within one block are written in one copy
+            if j != at and j % b:
+                continue
+            end = min(at + m, (j // b + 1) * b)
+            bk, bv = self.blocks[j // b]
+            lo = (j % b) * p
+            bk[:, :, lo:lo + (end - j) * p] = k[:, :, j - at:end - at].reshape(layers, kvh, -1, d)
+            bv[:, :, lo:lo + (end - j) * p] = v[:, :, j - at:end - at].reshape(layers, kvh, -1, d)
+
+    def bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for kv in self.blocks for t in kv)
 
     def attend(self, layer: int, qg: torch.Tensor, scale: float, lo: int, hi: int, page: int):
+        """``(o, lse)`` fp32 of ``qg`` over local pages ``[lo, hi)`` of ``layer`` (o = 0, lse = -inf if none)."""
         kvh, g, lq, d = qg.shape
-        if hi <= lo or self.k is None:
+        acc = None
+        b = self.block_pages
+        for j in range(lo, hi):
+            if j != lo and j % b:
+                continue
+            end = min(hi, (j // b + 1) * b)
+            bk, bv = self.blocks[j // b]
+            a, z = (j % b) * page, (end - (j // b) * b) * page
+            part = attention.segment(qg, bk[layer, :, a:z], bv[layer, :, a:z], scale)
+            acc = attention.merge_into(acc, (part[0].float(), part[1].float()))
+        if acc is None:
             return qg.new_zeros((kvh, g, lq, d), dtype=torch.float32), \
                 torch.full((kvh, g, lq), float("-inf"), device=qg.device)
-        k, v = self.k[layer, :, lo * page:hi * page], self.v[layer, :, lo * page:hi * page]
-        o, lse = attention.segment(qg, k, v, scale)
-        return o.float(), lse.float()
+        return acc
 
 
 def _pack(o: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
@@ -165,6 +182,7 @@ class PeerTier:
         self.put_pages: set[int] = set()
         self.lost: str | None = None   # why the tier stopped working, once it did
         self.bytes_sent = 0
+        self.page_bytes = 0            # K and V of one page, every layer (as last put)
         self.processes: list = []      # the peer processes ``start`` spawned (joined by ``close``)
 
     def owner(self, page: int) -> int:
@@ -213,6 +231,7 @@ class PeerTier:
                     dist.send(part, dst=slot + 1)
                     self.bytes_sent += part.numel() * part.element_size()
         self.put_pages.update(range(first, first + n))
+        self.page_bytes = 2 * k[:, :, :1].numel() * k.element_size()
 
     @torch.inference_mode()
     def attend(self, layer: int, qg: torch.Tensor, scale: float, first: int, last: int):
@@ -264,12 +283,13 @@ class PeerTier:
                 p.kill()
 
     def info(self) -> dict:
+        """What ``engine_info()`` shows under ``tiers.peers``."""
         return {"devices": self.devices, "ranks": self.world, "pages": len(self.put_pages),
-                "bytes_sent": self.bytes_sent, "lost": self.lost}
+                "bytes_held": len(self.put_pages) * self.page_bytes, "bytes_sent": self.bytes_sent, "lost": self.lost}
 
 
 @torch.inference_mode()
-def serve(page_size: int, device: torch.device) -> None:
+def serve(page_size: int, device: torch.device, block_pages: int = BLOCK_PAGES) -> None:
     """A peer rank's loop (the process group is joined): store the pages it is sent, answer attention queries with
     its partials, until rank 0 says stop. A failed collective (rank 0 died) raises out of it: its pages are of no
     use alone."""
@@ -277,7 +297,7 @@ def serve(page_size: int, device: torch.device) -> None:
     comm = torch.device("cpu") if dist.get_backend() == "gloo" else device
     rank, world = dist.get_rank(), dist.get_world_size()
     slot, peers = rank - 1, world - 1
-    shard = _Shard()
+    shard = _Shard(block_pages)
     while True:
         h = torch.zeros(HEADER, dtype=torch.float64, device=comm)
         dist.broadcast(h, src=0)
@@ -286,7 +306,7 @@ def serve(page_size: int, device: torch.device) -> None:
         if op == OP_STOP:
             return
         if op == OP_RESET:
-            shard = _Shard()
+            shard = _Shard(block_pages)
         elif op == OP_PUT:
             layers, first, n, kvh, d, dt = (int(w) for w in words[1:7])
             mine = [p for p in range(first, first + n) if p % peers == slot]
@@ -307,7 +327,7 @@ def serve(page_size: int, device: torch.device) -> None:
 
 
 def _peer_main(rank: int, world: int, init_method: str, backend: str, timeout_s: float, page_size: int,
-               device: str) -> None:
+               device: str, block_pages: int) -> None:
     """Entry point of a peer process (spawned by ``start``)."""
     if torch.device(device).type == "cuda":
         torch.cuda.set_device(torch.device(device))
@@ -315,13 +335,14 @@ def _peer_main(rank: int, world: int, init_method: str, backend: str, timeout_s:
         torch.set_num_threads(1)   # the CPU tests run beside other work
     init_group(rank, world, init_method, backend, timeout_s)
     try:
-        serve(page_size, torch.device(device))
+        serve(page_size, torch.device(device), block_pages)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
-def start(devices: list, engine_device, page_size: int, timeout_s: float = DEFAULT_TIMEOUT_S) -> PeerTier:
+def start(devices: list, engine_device, page_size: int, timeout_s: float = DEFAULT_TIMEOUT_S,
+          block_pages: int = BLOCK_PAGES) -> PeerTier:
     """Spawn one page server per entry of ``devices`` (``"cuda:1"``, or ``"cpu"`` for a gloo test), join them as
     rank 0 and return the tier. NCCL when the engine is on a GPU, gloo otherwise; the rendezvous is a TCP store on
     127.0.0.1 at a free port (works on Linux and Windows). The peer processes are daemons: they end with this one
@@ -332,7 +353,7 @@ def start(devices: list, engine_device, page_size: int, timeout_s: float = DEFAU
     init_method = f"tcp://127.0.0.1:{free_port()}"
     ctx = torch.multiprocessing.get_context("spawn")
     procs = [ctx.Process(target=_peer_main, daemon=True,
-                         args=(r, world, init_method, backend, timeout_s, page_size, str(dev)))
+                         args=(r, world, init_method, backend, timeout_s, page_size, str(dev), block_pages))
              for r, dev in enumerate(devices, start=1)]
     for p in procs:
         p.start()
