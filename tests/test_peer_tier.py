@@ -212,6 +212,55 @@ def test_killed_peer_fails_fast_with_a_typed_error_and_the_cache_falls_back_to_t
     torch.testing.assert_close(out["peers"][n:], out["ref"][n:], atol=1e-4, rtol=1e-4)
 
 
+# ---- the engine: sessions put their pages on the peers, adopted ones included --------------------------------------
+def _engine(folder: str) -> dict:
+    from flashguard.engine.sampling import SamplingParams
+    from tests import tiny
+
+    net = tiny.model("qwen2", seed=3, layers=2)   # a seed whose greedy replies vary (some repeat one token)
+    kv = {**KV, "l2_codec": "fp16"}       # lossless here: the same text whichever tier serves a page
+    turns = [[{"role": "user", "content": tiny.text(90, seed=1)}]]
+    out = {}
+    for name in ("plain", "peers"):
+        eng = tiny.engine(f"{folder}/{name}", net=net, kv=kv, prefill_chunk=24)
+        if name == "peers":   # what Engine.__init__ does for kv.peer_gpus on a GPU host, here on the CPU (gloo)
+            eng.peers = peer.start(["cpu"], "cpu", page_size=KV["page_size"], timeout_s=GLOO_TIMEOUT_S)
+        texts, reads = [], []
+        try:
+            msgs = list(turns[0])
+            for turn in range(2):             # a conversation of two turns, the second extends the first
+                reply = eng.generate(eng.encode_messages(msgs), SamplingParams(max_tokens=12)).text
+                texts.append(reply)
+                msgs += [{"role": "assistant", "content": reply}, {"role": "user", "content": tiny.text(40, seed=9)}]
+            reads.append(eng.session.stats()["page_reads"])
+            eng.reset_session()               # the next prefill adopts the stored pages (not put on peers yet)
+            texts.append(eng.generate(eng.encode_messages(msgs), SamplingParams(max_tokens=12)).text)
+            reads.append(eng.session.stats()["page_reads"])
+            out[name] = {"texts": texts, "reads": reads, "info": eng.info()["tiers"]["peers"]}
+        finally:
+            if eng.peers is not None:
+                eng.peers.close()
+    return out
+
+
+@pytest.mark.slow
+def test_engine_sessions_with_pages_on_a_peer_give_the_same_text(tmp_path):
+    out = _spawn(_engine, tmp_path / "out.pt", str(tmp_path))
+    assert out["peers"]["texts"] == out["plain"]["texts"]
+    assert all(len(set(t)) > 3 for t in out["plain"]["texts"])   # real replies, not one token repeated
+    assert out["plain"]["info"] is None
+    info = out["peers"]["info"]
+    assert info["devices"] == ["cpu"] and info["pages"] > 4 and info["lost"] is None
+    assert min(out["plain"]["reads"]) > 0 and out["peers"]["reads"] == [0, 0]   # the peer served every page
+
+
+def test_engine_refuses_peer_gpus_on_the_cpu(tmp_path):
+    from tests import tiny
+
+    with pytest.raises(ConfigError, match=r"kv\.peer_gpus.*on a GPU"):
+        tiny.engine(tmp_path, "qwen2", kv={"peer_gpus": [1]})
+
+
 # ---- configuration -------------------------------------------------------------------------------------------------
 def test_peer_gpus_config_values():
     assert EngineConfig.from_parameters({"kv": {"peer_gpus": [1, 3]}}).kv.peer_gpus == (1, 3)

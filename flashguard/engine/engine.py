@@ -25,7 +25,8 @@ from typing import Iterator, Sequence
 import torch
 
 from ..config import EngineConfig
-from ..errors import GpuMemoryError, PromptError
+from ..errors import ConfigError, GpuMemoryError, PromptError
+from ..kv import peer
 from . import loader
 from .decode_step import DecodeStep
 from .sampling import SamplingParams, StopMatcher, choose
@@ -130,6 +131,11 @@ class Engine:
         self.source = source or loader.resolve_model(config.model_path, config.gguf_file)
         self.device = loader.resolve_device(config.device)
         self.dtype = loader.resolve_dtype(config.dtype, self.device)
+        # kv.peer_gpus: checked against this host before anything loads (a ConfigError naming the key)
+        self.peer_devices = peer.resolve_devices(config.kv.peer_gpus, self.device)
+        if self.peer_devices and config.kv_cache != "tiered":
+            raise ConfigError(f"peer GPUs hold the tiered cache's pages; kv_cache is {config.kv_cache}",
+                              key="kv.peer_gpus")
         # the CUDA context is measured, not assumed (it differs by GPU and driver), and left out of the allocator's cap
         self.cuda_context = measure_cuda_context(self.device) if config.vram_budget is not None else 0
         self.vram_budget = resolve_vram_budget(config.vram_budget, self.device, self.cuda_context)   # bytes, or None
@@ -176,6 +182,9 @@ class Engine:
         self.oom_retries = 0
         self.plan = None
         self._fit_to_budget()
+        self.peers = None   # kv/peer.PeerTier: the conversation's off-window pages on the peer GPUs (kv.peer_gpus)
+        if self.peer_devices:
+            self.peers = peer.start([f"cuda:{i}" for i in self.peer_devices], self.device, self.kv.page_size)
 
     # ---- prompts -------------------------------------------------------------------------
     def encode_messages(self, messages: Sequence[dict]) -> list[int]:
@@ -377,8 +386,14 @@ class Engine:
 
             if self.store is None:  # one store per engine: sessions share pages by content hash
                 self.store = PageStore(self.kv, pin_memory=self.device.type == "cuda")
-            return TieredSession(self.model, self.kv, self.store, self.model_identity,
-                                 preallocate=self.device.type == "cuda")
+            session = TieredSession(self.model, self.kv, self.store, self.model_identity,
+                                    preallocate=self.device.type == "cuda")
+            if self.peers is not None and self.peers.lost is None:
+                try:
+                    session.cache.use_peers(self.peers)
+                except peer.PeerLostError as err:   # the pages stay in the store alone
+                    log.warning("flashguard: %s; serving from the store", err)
+            return session
         return DynamicSession(self.model.config)
 
     @property
@@ -560,6 +575,7 @@ class Engine:
                        "bytes_now": store.get("l2_bytes", 0)},
                 "l3": {"tokens": k.l3_tokens, "codec": k.l3_codec, "pages_now": store.get("l3_pages", 0),
                        "dir": self.store.l3_dir if self.store is not None else None},
+                "peers": self.peers.info() if self.peers is not None else None,
             }
         out["session"] = session
         return out

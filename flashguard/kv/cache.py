@@ -335,8 +335,10 @@ class TieredLayer(CacheLayerMixin):
             qpos = torch.arange(self.length - lq, self.length, device=q.device)
             acc = attention.partial_attention(qg, l1_k, l1_v, scale, kpos.unsqueeze(0) <= qpos.unsqueeze(1))
         peers = self.owner.peers
-        if last_page > first_page and peers is not None and peers.covers(first_page, last_page):
+        if last_page > first_page and peers is not None and peers.lost is None:
             try:   # the peer GPUs attend the pages they hold; the store keeps them too (the fallback below)
+                if not peers.covers(first_page, last_page):
+                    self.owner._pages_to_peers(first_page, last_page)   # adopted pages: from the store, once
                 acc = attention.merge_into(acc, peers.attend(self.index, qg, scale, first_page, last_page))
                 return acc[0].reshape(hq, lq, d)
             except PeerLostError as err:
@@ -569,6 +571,29 @@ class TieredCache(Cache):
                     log.warning("flashguard: %s; its pages stay in the store", err)
             for i in range(lo, hi):
                 self.stored[i] = True
+
+    @torch.inference_mode()
+    def _pages_to_peers(self, first: int, last: int) -> None:
+        """Put the pages of [first, last) that the peers lack (pages adopted from the store never left this L1)
+        on them, read back from the store, every layer at once, ``SETTLE_PAGES`` at a time."""
+        missing = [i for i in range(first, last) if i not in self.peers.put_pages]
+        l0 = self.layers[0]
+        for a in range(0, len(missing), self.SETTLE_PAGES):
+            run = missing[a:a + self.SETTLE_PAGES]
+            parts = []
+            for idx in run:
+                enc = self.store.get(self.page_keys[idx])
+                if enc is None:
+                    raise PageLost(f"page {idx} of this sequence is gone from the store")
+                parts.append(codecs.decode(enc, l0.dtype, l0.device))   # [layers, kvh, page_size, D] each
+            for i, idx in enumerate(run):   # consecutive pages go in one put
+                if i and run[i - 1] == idx - 1:
+                    continue
+                j = i
+                while j + 1 < len(run) and run[j + 1] == run[j] + 1:
+                    j += 1
+                self.peers.put(idx, torch.stack([k for k, _ in parts[i:j + 1]], dim=2),
+                               torch.stack([v for _, v in parts[i:j + 1]], dim=2))
 
     def _evict_window(self) -> None:
         """Pages leave the window when it is longer than ``window`` + a page: stored first, then dropped from L1."""
