@@ -210,7 +210,8 @@ def cmd_plan(args) -> int:
     from .vram import plan as planner
 
     shape = planner.resolve_shape(args.model)
-    kv = CacheConfig(l1_tokens=args.l1_tokens)   # auto (None): the largest pool that fits, as the engine sizes it
+    # auto (None): the largest pool that fits, as the engine sizes it
+    kv = CacheConfig(l1_tokens=args.l1_tokens, peer_gpus=args.peer_gpus)
     gpu = parse_bytes(args.gpu_mem, key="--gpu-mem")
     p = planner.plan(shape, gpu_mem=gpu, context=args.context, weights=args.weights, cache=args.kv_cache,
                      prefill_chunk=args.prefill_chunk, kv=kv)
@@ -222,7 +223,7 @@ def cmd_plan(args) -> int:
         print(f"kv.l1_tokens (the pool on the GPU): {sized.l1_tokens} tokens, {where}\n")
     if args.json:
         print(json.dumps({"fits": p.fits, "gpu": p.parts, "host": p.host, "peak_reserved": p.peak_reserved,
-                          "total": p.total}, indent=1))
+                          "total": p.total, "peers": p.peers}, indent=1))
         return 0 if p.fits else 1
     print(p.table())
     if not p.fits:
@@ -328,6 +329,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-cache", choices=("tiered", "dynamic"), default="tiered", help="the kv_cache key")
     p.add_argument("--prefill-chunk", type=int, default=2048, help="tokens per prefill pass (the engine's auto on a GPU)")
     p.add_argument("--l1-tokens", type=int, default=None, help="kv.l1_tokens (default auto: the largest pool)")
+    p.add_argument("--peer-gpus", type=int, default=None,
+                   help="kv.peer_gpus as a count: GPUs beside the first that hold the off-pool pages")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_plan)
     p = sub.add_parser("smi", help="GPU and host memory by category (of a running flashguard server if any)")

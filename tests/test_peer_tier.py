@@ -285,3 +285,20 @@ def test_peer_gpus_checked_against_the_host():
         with pytest.raises(ConfigError, match=r"kv\.peer_gpus") as err:
             peer.resolve_devices(value, device, device_count=count)
         assert words in str(err.value)
+
+
+def test_plan_counts_each_peer_gpus_share_of_the_off_pool_pages():
+    from flashguard.vram import plan as planner
+
+    shape = planner.Shape.from_config(planner.deepseek_7b_config(), "7b")
+    base = dict(gpu_mem=6 * 2**30, context=131072, weights="int4", prefill_chunk=256)
+    none = planner.plan(shape, **base)
+    one = planner.plan(shape, **base, kv=CacheConfig(peer_gpus=1))
+    two = planner.plan(shape, **base, kv=CacheConfig(peer_gpus=(1, 2)))
+    assert none.peers == {} and one.parts == none.parts and one.host == none.host   # GPU 0 and the host unchanged
+    per_token = 28 * 2 * 4 * 128 * 2                                                 # layers, K/V, kv heads, D, fp16
+    pool = none.parts["kv cache"] // per_token                                        # more than the pool's tokens
+    off = one.peers["pages (16-bit, in blocks)"]
+    assert (131072 - pool) * per_token <= off <= 131072 * per_token                  # ~7 GiB: the number
+    assert two.peers["pages (16-bit, in blocks)"] * 2 - off <= 2 * peer.BLOCK_PAGES * 64 * per_token
+    assert "each peer GPU (kv.peer_gpus)" in one.table() and "peer" not in none.table()

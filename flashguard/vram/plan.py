@@ -15,6 +15,9 @@ All numbers are computed from the model shape and the flashguard config, the way
                boolean mask against the whole cache) and the MLP of one chunk.
 - slack        the caching allocator's reserved-but-unallocated share (estimated as a fixed fraction).
 - context      the CUDA context and kernels, outside torch's allocator (not capped by vram_budget).
+- peers        with ``kv.peer_gpus`` (kv/peer.py), on each peer GPU: its share of the off-pool pages in 16-bit,
+               allocated in blocks of ``BLOCK_PAGES`` pages, and its own CUDA context. The store keeps those pages
+               too, so the host rows stay as they are; GPU 0's parts do not change.
 
 Contract: ``plan(shape, ...)`` returns a frozen ``Plan``; ``Plan.table()`` renders it; ``suggest(...)`` returns the
 config changes (YAML keys) that make a plan fit, or an empty dict when it already fits.
@@ -85,6 +88,7 @@ class Plan:
     prefill_chunk: int
     parts: dict  # category -> bytes on the GPU
     host: dict   # category -> bytes in RAM / on disk
+    peers: dict = dataclasses.field(default_factory=dict)   # category -> bytes on each peer GPU (kv.peer_gpus)
 
     @property
     def peak_reserved(self) -> int:
@@ -108,6 +112,9 @@ class Plan:
                   f"| **total with CUDA context** | **{self.total / g:.3f}** |", "", "| host category | GiB |",
                   "|---|---|"]
         lines += [f"| {k} | {v / g:.3f} |" for k, v in self.host.items()]
+        if self.peers:
+            lines += ["", "| each peer GPU (kv.peer_gpus) | GiB |", "|---|---|"]
+            lines += [f"| {k} | {v / g:.3f} |" for k, v in self.peers.items()]
         lines += ["", "fits" if self.fits else f"does NOT fit: {(self.total - self.gpu_mem) / g:.2f} GiB over"]
         return "\n".join(lines) + "\n"
 
@@ -176,7 +183,16 @@ def plan(shape: Shape, *, gpu_mem: int, context: int, weights: str = "int4", cac
     parts["allocator slack"] = int(SLACK * sum(parts.values()))
     parts["cuda context"] = cuda_context
     host = {"L2 (host RAM)": l2, "L3 (disk, before zstd)": l3}
-    return Plan(s, gpu_mem, context, weights, cache, prefill_chunk, parts, host)
+    peers = {}
+    if cache == "tiered" and kv.peer_gpus is not None:
+        from ..kv.peer import BLOCK_PAGES
+
+        n = kv.peer_gpus if isinstance(kv.peer_gpus, int) else len(kv.peer_gpus)
+        share = -(-(-(-off // kv.page_size)) // n)                 # off-pool pages per peer (round robin)
+        blocks = -(-share // BLOCK_PAGES)
+        peers = {"pages (16-bit, in blocks)": blocks * BLOCK_PAGES * kv.page_size * per_token_kv,
+                 "cuda context": cuda_context}
+    return Plan(s, gpu_mem, context, weights, cache, prefill_chunk, parts, host, peers)
 
 
 MIN_POOL_PAGES = 8   # the smallest pool worth running: sinks, a few window pages and a hot set
