@@ -34,7 +34,7 @@ def test_fused_segment_matches_the_einsum_path(causal, lq):
     mask = torch.ones(lq, n, dtype=torch.bool, device="cuda").tril_(n - lq) if causal else None
     o_ref, lse_ref = attention.partial_attention(q.float(), k.float(), v.float(), d ** -0.5, mask)
     o, lse = attention.segment(q, k, v, d ** -0.5, causal=causal)
-    assert attention._FUSED[(q.device.index, q.dtype)] in ("flash", "efficient")
+    assert attention.KERNELS.get("segment", q.device.index, q.dtype) in ("flash", "efficient")
     torch.testing.assert_close(o.float(), o_ref, atol=3e-3, rtol=3e-3)
     torch.testing.assert_close(lse, lse_ref, atol=3e-3, rtol=3e-3)
 
@@ -66,11 +66,11 @@ def test_graph_steps_match_eager_steps(policy):
             tok = int(row.argmax())
         outs.append(torch.stack(logits))
         cache.check_integrity()
-    assert eager.graphs is None and not eager.wholes
+    assert eager.graphs is None and not eager.step_graphs
     if policy == "sparse":   # off the window, the whole sparse step is one graph (kv/sparse_step.py), which
         # merges two fp16 partial outputs where the eager path attends one concatenated segment: rounding (the
         # two paths agree to 1e-6 in fp32, tests/test_sparse_step.py)
-        assert any(key[0] == "sparse" for key in graphs.wholes)
+        assert any(key[0] == "sparse" for key in graphs.step_graphs)
         torch.testing.assert_close(outs[0], outs[1], atol=6e-2, rtol=2e-2)
     else:                    # exact: graphs between the attention calls, the very same kernels
         assert graphs.graphs is not None
@@ -184,7 +184,7 @@ def test_prefix_attention_reads_only_the_used_keys():
         want, _ = attention.partial_attention(q.float().view(2, 6, 1, 128), k[:, :used].float(),
                                               v[:, :used].float(), 128 ** -0.5)
         torch.testing.assert_close(got.float(), want.reshape(12, 128), atol=3e-3, rtol=3e-3)
-    assert attention._PREFIX_KERNEL[(q.device.index, q.dtype)] == "flash"
+    assert attention.KERNELS.get("prefix", q.device.index, q.dtype) == "flash"
 
 
 def test_prefix_segment_gives_the_output_and_log_sum_exp_of_the_used_keys():
@@ -220,7 +220,7 @@ def test_static_kv_one_graph_step_matches_the_models_forward():
             tok = torch.tensor([[token]], device="cuda")
             theirs.append(model(input_ids=tok, past_key_values=cache).logits[0, -1].float())
         token = int(theirs[-1].argmax())
-    assert step.wholes and kv.length == 1024
+    assert step.step_graphs and kv.length == 1024
     torch.testing.assert_close(torch.stack(ours), torch.stack(theirs), atol=2e-2, rtol=2e-2)
 
 
@@ -297,6 +297,6 @@ def test_int4_engine_decodes_what_the_models_forward_predicts(cache, tmp_path):
     if cache == "tiered":
         assert engine.session.cache.layers[0].win_start > 64   # pages had left the window
     if cache in ("default", "int8-pool"):   # every token resident, the whole step one CUDA graph
-        assert engine.session.cache.layers[0].resident and engine._step.wholes
+        assert engine.session.cache.layers[0].resident and engine._step.step_graphs
     if cache == "int8-pool":
         assert engine.session.cache.layers[0].l1_k.dtype == torch.int8

@@ -71,3 +71,21 @@ def test_no_sparse_view_while_resident_or_with_too_few_pages(model):
         model(input_ids=torch.tensor([ids]), past_key_values=exact)
     exact.stats()   # settles: the pages past the window leave it
     assert not exact.layers[0].resident and exact.sparse_view() is None
+
+
+def test_a_kernel_is_given_up_only_when_the_gpu_lacks_it():
+    """kv/attention.py's KernelChoice: an 'unsupported' error moves a use to its next kernel for good; any other
+    error propagates and changes nothing."""
+    from flashguard.kv.attention import KernelChoice
+
+    choice = KernelChoice()
+    assert choice.get("segment", 0, torch.float16) == "flash"
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        choice.downgrade("segment", 0, torch.float16, RuntimeError("CUDA error: an illegal memory access"))
+    assert choice.get("segment", 0, torch.float16) == "flash"
+    nxt = choice.downgrade("segment", 0, torch.float16,
+                           RuntimeError("FlashAttention only supports Ampere GPUs or newer."))
+    assert nxt == choice.get("segment", 0, torch.float16) == "efficient"
+    assert choice.downgrade("segment", 0, torch.float16, RuntimeError("No available kernel. Aborting")) is None
+    assert choice.get("segment", 1, torch.float16) == "flash"       # another device keeps its own choice
+    assert choice.downgrade("prefix", 0, torch.float16, TypeError("unexpected keyword 'seqused_k'")) == "sdpa"

@@ -3,10 +3,10 @@
 Why: a decode step of a small model in eager PyTorch is bound by the host, not the GPU. Each layer launches ~30
 small kernels from Python; for the DeepSeek-R1-Distill-Qwen-1.5B shape on an H200 host that is 60-110 ms a step
 against a few ms of GPU work (docs/benchmarks/kv_h200.md). ``DecodeStep`` runs the model's own modules (norms,
-projections, MLP, ``lm_head``) but records everything *between two attention calls* as one CUDA graph segment
+projections, MLP, ``lm_head``) but records everything *between two attention calls* as one CUDA graph part
 (layers + 1 graphs a step) and calls the cache's attention eagerly in between: a TieredCache decides on the host,
 step by step, which pages to bring, which a replayed graph cannot do. On a CPU, or when capture fails, the same
-segments run eagerly (the tests compare them with the model's forward).
+parts run eagerly (the tests compare them with the model's forward).
 
 Contract:
 - ``DecodeStep.supports(model)``: a plain causal Llama / Qwen2 decoder (``attention.plain_causal``) whose modules
@@ -17,7 +17,7 @@ Contract:
 - With a ``StaticKV`` (a fixed-capacity cache on the device), the *whole* step, attention included, is one CUDA
   graph: no host work between layers, so the step costs what the GPU needs. Captured again when the StaticKV
   changes. This is the loop the int4 benchmark compares weights in (bench/int4.py); the engine's caches grow or
-  page, so it keeps the per-segment graphs.
+  page, so it keeps the per-part graphs.
 - Batch size 1. The graphs hold a few MB of activations; they are made at the first step.
 """
 
@@ -101,9 +101,10 @@ class DecodeStep:
         self.position = torch.zeros((1, 1), dtype=torch.long, device=self.device)
         self.attn_out = [torch.zeros((1, 1, hq * self.head_dim), dtype=self.dtype, device=self.device)
                          for _ in range(n)]
+        self.used = None   # the one-graph step's key count (a device tensor made at its first layer)
         self.graphs: list | None = None
         self.outputs: list | None = None
-        self.wholes: dict = {}   # StaticKV.key -> (graph, logits): the one-graph steps recorded
+        self.step_graphs: dict = {}   # StaticKV.key -> (graph, logits): the one-graph steps recorded
         # On the CPU, where each call costs host time, int4 q/k/v and gate/up run as one kernel call each
         self.fused = [_fuse(layer) for layer in self.layers] if not self.use_graphs else [None] * n
 
@@ -119,9 +120,9 @@ class DecodeStep:
         return all(hasattr(layer.self_attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")) and not \
             hasattr(layer.self_attn, "q_norm")
 
-    # ---- the segments ----------------------------------------------------------------------
-    def _segment(self, i: int, inputs: tuple) -> tuple:
-        """Work between attention ``i - 1`` and attention ``i``. Segment 0 embeds the token and computes the
+    # ---- the parts between attention calls (a "segment" is a span of K/V in kv/attention.py) ----
+    def _between(self, i: int, inputs: tuple) -> tuple:
+        """Work between attention ``i - 1`` and attention ``i``. Part 0 embeds the token and computes the
         rotary angles; the last one (``i == layers``) ends with the final norm and ``lm_head``."""
         if i == 0:
             h = self.embedded.clone() if self.host_embed else self.embed(self.token)
@@ -188,12 +189,12 @@ class DecodeStep:
         self.attn_out[i].copy_(out.reshape(1, 1, -1))
 
     def _layers(self, attend, cache) -> torch.Tensor:
-        """Every segment with ``attend(i, cache, q, k, v)`` between them: the eager step, or (with
+        """Every part with ``attend(i, cache, q, k, v)`` between them: the eager step, or (with
         ``_attend_static``) the one-graph step's kernels."""
-        out = self._segment(0, ())
+        out = self._between(0, ())
         for i in range(len(self.layers)):
             attend(i, cache, *out[3:])
-            out = self._segment(i + 1, out[:3])
+            out = self._between(i + 1, out[:3])
         return out[0]
 
     # ---- running -------------------------------------------------------------------------
@@ -216,7 +217,7 @@ class DecodeStep:
             return logits
         if self.use_graphs and self.graphs is None:
             self._capture()
-        if self.graphs is None:  # eager: the same segments
+        if self.graphs is None:  # eager: the same parts
             return self._layers(self._attend, cache)
         n = len(self.layers)
         for i in range(n):
@@ -225,13 +226,13 @@ class DecodeStep:
         self.graphs[n].replay()
         return self.outputs[n][0].clone()  # the graph's own output changes at the next replay
 
-    MAX_WHOLE_GRAPHS = 8   # one per StaticKV key (buffers and visible capacity) in use; the oldest goes first
+    MAX_STEP_GRAPHS = 8   # one per StaticKV key (buffers and visible capacity) in use; the oldest goes first
 
     def _whole_step(self, kv: StaticKV) -> torch.Tensor:
         """One step over ``kv`` as one graph (recorded once per ``kv.key``), or eagerly without graphs."""
-        entry = self.wholes.get(kv.key)
+        entry = self.step_graphs.get(kv.key)
         if self.use_graphs and entry is None:
-            entry = self._capture_whole(kv)
+            entry = self._capture_step(kv)
         if entry is None:
             logits = self._layers(self._attend_static, kv)
         else:
@@ -257,7 +258,7 @@ class DecodeStep:
             self.use_graphs = False
             return None
 
-    def _capture_whole(self, kv: StaticKV):
+    def _capture_step(self, kv: StaticKV):
         """The whole step over ``kv`` as one graph (its warm-up writes what the replay writes again); returns
         ``(graph, logits)``, kept under ``kv.key``, or None where capture failed."""
         def record():
@@ -266,19 +267,19 @@ class DecodeStep:
                 logits = self._layers(self._attend_static, kv)
             return graph, logits
 
-        while len(self.wholes) >= self.MAX_WHOLE_GRAPHS:
-            self.wholes.pop(next(iter(self.wholes)))
+        while len(self.step_graphs) >= self.MAX_STEP_GRAPHS:
+            self.step_graphs.pop(next(iter(self.step_graphs)))
         entry = self._record(lambda: self._layers(self._attend_static, kv), record)
         if entry is not None:
-            self.wholes[kv.key] = entry
+            self.step_graphs[kv.key] = entry
         return entry
 
     def _capture(self) -> None:
-        """The layers + 1 segments, each reading the previous one's outputs, as graphs in one memory pool."""
+        """The layers + 1 parts, each reading the previous one's outputs, as graphs in one memory pool."""
         def warm_up():
-            out = self._segment(0, ())
+            out = self._between(0, ())
             for i in range(1, len(self.layers) + 1):
-                out = self._segment(i, out[:3])
+                out = self._between(i, out[:3])
 
         def record():
             pool = torch.cuda.graph_pool_handle()
@@ -286,7 +287,7 @@ class DecodeStep:
             for i in range(len(self.layers) + 1):
                 g = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(g, pool=pool):
-                    out = self._segment(i, prev)
+                    out = self._between(i, prev)
                 graphs.append(g)
                 outputs.append(out)
                 prev = out[:3]

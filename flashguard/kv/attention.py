@@ -40,7 +40,37 @@ def partial_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
 
 
 _CPU_FLASH = hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
-_FUSED: dict = {}  # (device index, dtype) -> "flash" | "efficient" | None: what this GPU ran last
+UNSUPPORTED = ("no available kernel", "not supported", "unsupported", "only supports", "not implemented",
+               "requires a gpu", "sm80", "sm_80", "ampere")   # what a GPU or build without a kernel says
+
+
+class KernelChoice:
+    """Which fused kernel each use runs on a (device, dtype), in one place: ``segment`` tries flash, then
+    memory-efficient, then the einsum path (None); ``prefix`` flash's variable-length kernel, then masked SDPA.
+    A kernel is given up for the process only on an error that says the GPU or the build lacks it (a message in
+    ``UNSUPPORTED``, or a TypeError: an older torch without the argument); any other error propagates."""
+
+    ORDER = {"segment": ("flash", "efficient", None), "prefix": ("flash", "sdpa")}
+
+    def __init__(self):
+        self._chosen: dict = {}
+
+    def get(self, use: str, device_index, dtype):
+        return self._chosen.get((use, device_index, dtype), self.ORDER[use][0])
+
+    def downgrade(self, use: str, device_index, dtype, exc: Exception):
+        """The next kernel after the one that raised ``exc``, remembered; ``exc`` again if it is not a 'this GPU
+        lacks it' error."""
+        if not isinstance(exc, TypeError) and not any(m in str(exc).lower() for m in UNSUPPORTED):
+            raise exc
+        order = self.ORDER[use]
+        current = self.get(use, device_index, dtype)
+        nxt = order[min(order.index(current) + 1, len(order) - 1)]
+        self._chosen[(use, device_index, dtype)] = nxt
+        return nxt
+
+
+KERNELS = KernelChoice()
 
 
 def segment(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
@@ -54,7 +84,7 @@ def segment(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
     rows of that head (``[kvh, g * Lq, D]``); a causal segment repeats K/V per query head instead."""
     kvh, g, lq, d = q.shape
     key = (q.device.index, q.dtype)
-    kind = _FUSED.get(key, "flash") if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) else None
+    kind = KERNELS.get("segment", *key) if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) else None
     if kind is not None:
         if causal:
             qq = q.reshape(1, kvh * g, lq, d)
@@ -68,12 +98,11 @@ def segment(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
             else:
                 o, lse = torch.ops.aten._scaled_dot_product_efficient_attention(qq, kk, vv, None, True, 0.0, causal,
                                                                                 scale=scale)[:2]
-            _FUSED[key] = kind
             return o.reshape(kvh, g, lq, d), lse[..., :qq.shape[2]].reshape(kvh, g, lq)
         except torch.cuda.OutOfMemoryError:
             raise
-        except RuntimeError:
-            _FUSED[key] = "efficient" if kind == "flash" else None  # this GPU lacks it: try the next, once
+        except RuntimeError as exc:   # this GPU lacks it: the next kernel, from now on
+            KERNELS.downgrade("segment", *key, exc)
             return segment(q, k, v, scale, causal)
     if _CPU_FLASH and q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16) and \
             (not causal or lq == k.shape[1]):
@@ -92,7 +121,6 @@ def segment(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
     return partial_attention(q, k, v, scale, mask)
 
 
-_PREFIX_KERNEL: dict = {}  # (device index, dtype) -> "flash" | "sdpa": what prefix_attention runs there
 _OFFSETS: dict = {}        # (device index, capacity) -> int32 tensors [0, 1], [0, capacity] (flash's varlen form)
 
 
@@ -105,7 +133,7 @@ def prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, used: to
     over the whole capacity. The first call for a device and capacity must run outside graph capture."""
     kvh, cap, d = k.shape
     key = (q.device.index, q.dtype)
-    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and _PREFIX_KERNEL.get(key) != "sdpa":
+    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and KERNELS.get("prefix", *key) == "flash":
         at = (q.device.index, cap)
         if at not in _OFFSETS:
             _OFFSETS[at] = tuple(torch.tensor([0, n], dtype=torch.int32, device=q.device) for n in (1, cap))
@@ -114,12 +142,11 @@ def prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, used: to
             out = torch.ops.aten._flash_attention_forward(
                 q.unsqueeze(0), k.transpose(0, 1), v.transpose(0, 1), cum_q, cum_k, 1, cap, 0.0, False, False,
                 scale=scale, seqused_k=used)[0]
-            _PREFIX_KERNEL[key] = "flash"
             return out[0]
         except torch.cuda.OutOfMemoryError:
             raise
-        except (RuntimeError, TypeError):
-            _PREFIX_KERNEL[key] = "sdpa"
+        except (RuntimeError, TypeError) as exc:
+            KERNELS.downgrade("prefix", *key, exc)
     visible = torch.arange(cap, device=q.device) < used
     qg = q.reshape(kvh, 1, -1, d)                      # a KV head's query heads as its query rows
     out = torch.nn.functional.scaled_dot_product_attention(qg, k.unsqueeze(1), v.unsqueeze(1),
@@ -136,7 +163,7 @@ def prefix_segment(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, used: tor
     kvh, g, _, d = qg.shape
     cap = k.shape[1]
     key = (qg.device.index, qg.dtype)
-    if qg.is_cuda and qg.dtype in (torch.float16, torch.bfloat16) and _PREFIX_KERNEL.get(key) != "sdpa":
+    if qg.is_cuda and qg.dtype in (torch.float16, torch.bfloat16) and KERNELS.get("prefix", *key) == "flash":
         at = (qg.device.index, cap)
         if at not in _OFFSETS:
             _OFFSETS[at] = tuple(torch.tensor([0, n], dtype=torch.int32, device=qg.device) for n in (1, cap))
@@ -145,12 +172,11 @@ def prefix_segment(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, used: tor
             out, lse = torch.ops.aten._flash_attention_forward(
                 qg.reshape(1, kvh * g, d), k.transpose(0, 1), v.transpose(0, 1), cum_q, cum_k, 1, cap, 0.0, False,
                 False, scale=scale, seqused_k=used)[:2]
-            _PREFIX_KERNEL[key] = "flash"
             return out.reshape(kvh, g, 1, d), lse.reshape(-1)[:kvh * g].reshape(kvh, g, 1).float()
         except torch.cuda.OutOfMemoryError:
             raise
-        except (RuntimeError, TypeError):
-            _PREFIX_KERNEL[key] = "sdpa"
+        except (RuntimeError, TypeError) as exc:
+            KERNELS.downgrade("prefix", *key, exc)
     visible = (torch.arange(cap, device=qg.device) < used).unsqueeze(0)     # [1, capacity]
     return partial_attention(qg, k, v, scale, visible)
 
@@ -199,7 +225,7 @@ def note_update(index: int, layer) -> None:
 def flashguard_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     ref = getattr(_updated, "layers", {}).get(module.layer_idx)
     layer = ref() if ref is not None else None
-    if layer is not None and layer.returned is not key:
+    if layer is not None and layer.keys_returned is not key:
         layer = None  # this forward runs with another Cache object
     if layer is None:
         if attention_mask is None and query.shape[0] == 1:  # no_mask() gave None: one causal sequence

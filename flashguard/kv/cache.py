@@ -67,8 +67,10 @@ class TieredLayer(CacheLayerMixin):
         self.n_pages = 0                        # full pages with bounds (columns of ``bounds`` in use)
         self.hot: "OrderedDict[int, int]" = OrderedDict()   # hot page -> slot of the hot arena
         self.hot_k = self.hot_v = None          # [slots, kvh, P, D] preallocated at the first sparse fetch
-        self.returned = None
+        self.keys_returned = None               # the keys ``update`` returned: the attention checks they are ours
         self.last_reach = 0                     # pages selected at the last sparse step that sit just behind L1
+        self.heat: list[float] = []             # per full page: reads lately, on the host (no device syncs)
+        self.dtype = self.device = None         # the model's K/V dtype and device, from the first update
 
     # ---- transformers CacheLayerMixin ---------------------------------------------------------
     def lazy_initialization(self, key_states, value_states):
@@ -84,7 +86,7 @@ class TieredLayer(CacheLayerMixin):
             self.l1_v = value_states.new_zeros((kvh, 0, d))
         self.bounds = key_states.new_zeros((kvh, 2 * d, 64))
         self.n_pages = 0
-        self.heat: list[float] = []             # per full page, on the host (no device syncs)
+        self.heat = []
         self.win_start = self.owner.sink_tokens
         self.is_initialized = True
         self.owner._on_first_layer_init(key_states)
@@ -95,9 +97,9 @@ class TieredLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         if self.index == 0:
-            self.owner._settle()  # the previous forward is complete in every layer: store pages, trim L1
+            self.owner._settle_pages()  # the previous forward is complete in every layer: store pages, trim L1
         self._append(key_states[0], value_states[0])
-        self.returned = key_states  # the attention function checks it got *this* cache's keys
+        self.keys_returned = key_states  # the attention function checks it got *this* cache's keys
         attention.note_update(self.index, self)
         if self.index == self.owner.num_layers - 1:
             self.owner.length = self.length
@@ -237,7 +239,7 @@ class TieredLayer(CacheLayerMixin):
             k, v = codecs.decode(self.owner.store.arena.gather(self.index, slots, self.device), self.dtype)
             parts_k.append(k)
             parts_v.append(v)
-            self._keep(missing, k, v)
+            self._keep_hot(missing, k, v)
         k = parts_k[0] if len(parts_k) == 1 else torch.cat(parts_k)
         v = parts_v[0] if len(parts_v) == 1 else torch.cat(parts_v)
         return self._as_kv(k, v)
@@ -249,7 +251,7 @@ class TieredLayer(CacheLayerMixin):
         return k.transpose(0, 1).reshape(kvh, n * p, d), v.transpose(0, 1).reshape(kvh, n * p, d)
 
     @torch.inference_mode()
-    def _keep(self, pages: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
+    def _keep_hot(self, pages: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
         """Copy ``pages`` (rows of k/v) into the hot arena, evicting the coldest hot pages to make room."""
         cap = self.owner.hot_pages
         if cap <= 0:
@@ -275,14 +277,14 @@ class TieredLayer(CacheLayerMixin):
         self.hot_v.index_copy_(0, index, v.index_select(0, pick))
 
     @torch.inference_mode()
-    def _add_bounds(self, summ: torch.Tensor) -> None:
+    def _add_bounds(self, page_bounds: torch.Tensor) -> None:
         """Append the key bounds of pages ``[n, kvh, 2 (min, max), D]`` as columns ``[max; min]``."""
-        n = summ.shape[0]
+        n = page_bounds.shape[0]
         if self.n_pages + n > self.bounds.shape[2]:
             grown = self.bounds.new_zeros(self.bounds.shape[:2] + (max(2 * self.bounds.shape[2], self.n_pages + n),))
             grown[:, :, :self.n_pages] = self.bounds[:, :, :self.n_pages]
             self.bounds = grown
-        cols = torch.cat([summ[:, :, 1], summ[:, :, 0]], dim=-1).permute(1, 2, 0)   # [kvh, 2D, n]
+        cols = torch.cat([page_bounds[:, :, 1], page_bounds[:, :, 0]], dim=-1).permute(1, 2, 0)   # [kvh, 2D, n]
         self.bounds[:, :, self.n_pages:self.n_pages + n] = cols.to(self.bounds.dtype)
         self.n_pages += n
 
@@ -508,7 +510,7 @@ class TieredCache(Cache):
     # ---- page bookkeeping (runs before the next forward, when every layer has the last one) -----
     SETTLE_PAGES = 16  # pages encoded together when a prefill chunk completes many (bounds the temporaries)
 
-    def _settle(self) -> None:
+    def _settle_pages(self) -> None:
         full = self.length // self.page_size
         while len(self.page_keys) < full:
             self._complete_pages(len(self.page_keys), min(full, len(self.page_keys) + self.SETTLE_PAGES))
@@ -553,15 +555,15 @@ class TieredCache(Cache):
         for run in runs:                  # runs of consecutive unstored pages
             lo, hi = run[0], run[-1] + 1
             n = hi - lo
-            ks, vs, summ = [], [], []
+            ks, vs, page_bounds = [], [], []
             for layer in self.layers:
                 k, v = layer.tokens(lo * p, hi * p)
                 kvh, _, d = k.shape
                 k, v = k.reshape(kvh, n, p, d), v.reshape(kvh, n, p, d)
                 ks.append(k)
                 vs.append(v)
-                summ.append(torch.stack([k.amin(dim=2), k.amax(dim=2)], dim=2).transpose(0, 1))
-            self.store.put_many(self.page_keys[lo:hi], torch.stack(ks), torch.stack(vs), torch.stack(summ, dim=1))
+                page_bounds.append(torch.stack([k.amin(dim=2), k.amax(dim=2)], dim=2).transpose(0, 1))
+            self.store.put_many(self.page_keys[lo:hi], torch.stack(ks), torch.stack(vs), torch.stack(page_bounds, dim=1))
             sinks = self.sink_tokens // p
             if self.peers is not None and hi > sinks and self.peers.lost is None:   # off-window pages: on the peers too
                 at = max(lo, sinks) - lo
@@ -658,7 +660,7 @@ class TieredCache(Cache):
         l0 = self.layers[0]
         if self.config.policy != "sparse" or not l0.is_initialized or l0.resident or self.int8 or self.store is None:
             return None
-        self._settle()   # what the first layer's ``update`` does before a step: pages keyed, the window adapted
+        self._settle_pages()   # what the first layer's ``update`` does before a step: pages keyed, the window adapted
         if l0.l1_k.shape[1] <= l0.l1_len:
             return None
         p, kvh = self.page_size, l0.l1_k.shape[0]
@@ -696,7 +698,7 @@ class TieredCache(Cache):
         self.length += n
         # off the pool (a sparse step), the next step's ``sparse_view`` or ``update`` settles, as after ``update``
         if self.length // self.page_size > len(self.page_keys) and self.layers[0].resident:
-            self._settle()
+            self._settle_pages()
 
     def zero_copy(self, device: torch.device) -> bool:
         """Sparse decoding reads pages on the GPU straight from the pinned L2 arena (``uva.py``): when the config
@@ -840,7 +842,7 @@ class TieredCache(Cache):
             return
         self._adapted_at = -1
         if self.layers[0].is_initialized:
-            self._settle()
+            self._settle_pages()
         length = max(0, length)
         keep = length // self.page_size
         dropped = [k for k, kept in zip(self.page_keys[keep:], self.stored[keep:]) if kept]
@@ -889,7 +891,7 @@ class TieredCache(Cache):
         Idempotent; the cache is empty afterwards."""
         if keep_pages and self.store is not None and self.layers[0].is_initialized and self.page_keys:
             try:
-                self._settle()
+                self._settle_pages()
                 self._store_pages(0, len(self.page_keys))
             except Exception:  # noqa: BLE001 - keeping pages is an optimisation; the references must go back
                 pass
@@ -924,7 +926,7 @@ class TieredCache(Cache):
 
     def stats(self) -> dict:
         if self.layers[0].is_initialized:
-            self._settle()
+            self._settle_pages()
         out = {"length": self.length, "pages": len(self.page_keys), "l1_window_tokens": self.window,
                "l1_bytes": self.l1_bytes(), "page_reads": self.page_reads}
         if self.store is not None:
@@ -934,7 +936,7 @@ class TieredCache(Cache):
     def check_integrity(self) -> None:
         """Settles pending pages, then checks the page table, every layer's L1 and the store."""
         if self.layers[0].is_initialized:
-            self._settle()
+            self._settle_pages()
         p = self.page_size
         assert len(self.page_keys) == self.length // p, "page table does not match the length"
         for layer in self.layers:
