@@ -2,16 +2,18 @@
 
 A *page* is ``page_size`` consecutive tokens of K and V for all layers. Its key chains
 ``hash(parent_key, token ids of the page, namespace)``, so two sequences with the same token prefix
-produce the same keys and share the pages. The namespace covers model identity, KV dtype, codecs and
-an isolation salt: pages never cross models or tenants.
+produce the same keys and share the pages. The namespace covers model identity (a LoRA adapter's content
+included), KV dtype, page size, codecs (an int8 pool's too) and an isolation salt: pages never cross models,
+adapters or tenants.
 
 Contract:
-- ``put(key, k, v, summary)`` stores a full page (``[layers, kv_heads, page_size, head_dim]``) in L2,
-  encoded with the L2 codec; if the key exists it only takes a reference. The caller holds one reference
-  per page in its page table and gives it back with ``release``.
-- ``get(key, layer)`` returns (a copy of) the encoded tensors of one layer of a page, promoting it from L3
-  to L2 (a page fault) when needed; ``None`` when the key is unknown. The hot path instead asks
-  ``slots(keys)`` once and reads many pages of a layer with ``arena.gather`` (L2 is one pinned arena).
+- ``put_many(keys, k, v, summary)`` (``put`` for one) stores full pages (``[layers, kv_heads, n, page_size,
+  head_dim]``) in L2, encoded with the L2 codec in one go; a key that exists only takes a reference. The caller
+  holds one reference per page in its page table and gives it back with ``release``.
+- ``get(key, layer=None)`` returns the encoded tensors of a page (all layers, or one), promoting it from L3 to
+  L2 (a page fault) when needed; ``None`` when the key is unknown. The hot paths instead ask ``slots(keys)``
+  once and read many pages of a layer from the L2 arena (one pinned buffer): ``arena.gather`` on the host, or
+  straight from the GPU (``uva.gather_rows``: sparse decoding, the one-graph sparse step, prefill past the pool).
 - The store only stores; ``policy.TierPolicy`` decides placement. When L2 holds more than ``l2_tokens`` the
   policy's coldest pages are demoted to L3 (int4 + zstd files; a page that already has its file leaves L2
   for free). When L3 is full the policy's coldest unreferenced page gives its file up; with no such page (or
