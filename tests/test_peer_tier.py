@@ -212,6 +212,40 @@ def test_killed_peer_fails_fast_with_a_typed_error_and_the_cache_falls_back_to_t
     torch.testing.assert_close(out["peers"][n:], out["ref"][n:], atol=1e-4, rtol=1e-4)
 
 
+def _stalled(timeout_s: float) -> dict:
+    import os
+    import signal
+    import time
+
+    tier = peer.start(["cpu"], "cpu", page_size=4, timeout_s=timeout_s)
+    k = torch.randn(2, 2, 3, 4, 8)
+    q = torch.randn(2, 3, 1, 8)
+    try:
+        tier.put(0, k, k)
+        tier.attend(0, q, 0.3, 0, 3)
+        os.kill(tier.processes[0].pid, signal.SIGSTOP)   # alive, holding its sockets, answering nothing
+        t0 = time.monotonic()
+        try:
+            tier.attend(1, q, 0.3, 0, 3)
+            out = {"raised": None}
+        except peer.PeerLostError as err:
+            out = {"raised": (err.status_code, str(err))}
+        out["seconds"] = time.monotonic() - t0
+    finally:
+        tier.processes[0].kill()
+        tier.close()
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not hasattr(__import__("signal"), "SIGSTOP"), reason="stopping a process needs SIGSTOP (POSIX)")
+def test_stalled_peer_raises_after_the_group_timeout_not_a_hang(tmp_path):
+    out = _spawn(_stalled, tmp_path / "out.pt", 3.0)
+    status, message = out["raised"]
+    assert status == 503 and "kv.peer_gpus" in message and "stopped answering" in message
+    assert out["seconds"] < 3.0 + 10                             # the group timeout bounds it: no hang
+
+
 # ---- the engine: sessions put their pages on the peers, adopted ones included --------------------------------------
 def _engine(folder: str) -> dict:
     from flashguard.engine.sampling import SamplingParams

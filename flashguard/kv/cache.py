@@ -324,6 +324,7 @@ class TieredLayer(CacheLayerMixin):
                 return acc[0].reshape(hq, lq, d)
             out = attention.segment(qg, torch.cat([l1_k, k], dim=1), torch.cat([l1_v, v], dim=1), scale)
             return out[0].reshape(hq, lq, d)
+        pending = self._ask_peers(qg, scale, first_page, last_page)   # they attend their pages meanwhile
         if lq == 1:
             acc = attention.segment(qg, l1_k, l1_v, scale)
         elif self.length - lq >= self.win_start:
@@ -336,12 +337,9 @@ class TieredLayer(CacheLayerMixin):
                               torch.arange(self.win_start, max(self.win_start, self.length), device=q.device)])
             qpos = torch.arange(self.length - lq, self.length, device=q.device)
             acc = attention.partial_attention(qg, l1_k, l1_v, scale, kpos.unsqueeze(0) <= qpos.unsqueeze(1))
-        peers = self.owner.peers
-        if last_page > first_page and peers is not None and peers.lost is None:
-            try:   # the peer GPUs attend the pages they hold; the store keeps them too (the fallback below)
-                if not peers.covers(first_page, last_page):
-                    self.owner._pages_to_peers(first_page, last_page)   # adopted pages: from the store, once
-                acc = attention.merge_into(acc, peers.attend(self.index, qg, scale, first_page, last_page))
+        if pending is not None:
+            try:   # the peer GPUs attended the pages they hold; the store keeps them too (the fallback below)
+                acc = attention.merge_into(acc, pending.wait())
                 return acc[0].reshape(hq, lq, d)
             except PeerLostError as err:
                 log.warning("flashguard: %s; attending the pages from the store instead", err)
@@ -351,6 +349,20 @@ class TieredLayer(CacheLayerMixin):
             for k, v in self._stream_pages(pages, self.owner.fetch_block_pages(q)):
                 acc = attention.merge_into(acc, attention.segment(qg, k, v, scale))
         return acc[0].reshape(hq, lq, d)
+
+    def _ask_peers(self, qg: torch.Tensor, scale: float, first: int, last: int):
+        """The peers' pending partial over the pages [first, last) (``kv.peer.Pending``), after putting on them the
+        pages they lack; None without peers, without pages, or once the peers are lost (then the store serves)."""
+        peers = self.owner.peers
+        if last <= first or peers is None or peers.lost is not None:
+            return None
+        try:
+            if not peers.covers(first, last):
+                self.owner._pages_to_peers(first, last)   # pages adopted from the store: put once
+            return peers.ask(self.index, qg, scale, first, last)
+        except PeerLostError as err:
+            log.warning("flashguard: %s; attending the pages from the store instead", err)
+            return None
 
     def _stream_pages(self, pages: list[int], block: int):
         """K/V of ``pages`` from the store, ``block`` pages at a time. The next block's host rows are gathered

@@ -17,6 +17,8 @@ Contract
   ``attention.segment`` and the partials (one ``all_gather`` of o and lse per call) are merged exactly (``merge``).
   A range with no page gives ``lse = -inf`` and ``o = 0`` (``merge`` and ``attention.merge_into`` accept that as
   long as some other segment shows every query a key).
+  ``ask`` is the same split in two: it sends the query and returns a ``Pending`` at once (the collectives run
+  asynchronously), so the engine attends its own window while the peers attend their pages; ``wait()`` merges.
 * Failure. A collective that fails or runs past the process group's timeout (a peer process died) raises
   ``PeerLostError`` (a 503 naming ``kv.peer_gpus``) and marks the tier ``lost``: later calls raise at once and
   ``covers`` is False, so a caller that keeps the pages elsewhere (the L2 store) attends them there instead.
@@ -168,6 +170,25 @@ def _pack(o: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
     return torch.cat([o.float().flatten(), lse.float().flatten()])
 
 
+class Pending:
+    """An attention query in flight (``PeerTier.ask``): ``wait()`` returns the merged ``(o, lse)`` or raises
+    ``PeerLostError`` (within the group's timeout). The tensors the collectives use stay referenced until then."""
+
+    def __init__(self, tier: "PeerTier", works: list, keep: tuple, parts: list, shape, device):
+        self.tier, self.works, self.keep, self.parts, self.shape, self.device = tier, works, keep, parts, shape, device
+
+    def wait(self) -> tuple[torch.Tensor, torch.Tensor]:
+        kvh, g, lq, d = self.shape
+        with self.tier._guard("attend"):
+            for w in self.works:
+                w.wait()
+        stacked = torch.stack(self.parts).to(self.device)
+        split = kvh * g * lq * d
+        o = stacked[:, :split].reshape(-1, kvh, g, lq, d)
+        lse = stacked[:, split:].reshape(-1, kvh, g, lq)
+        return merge(o, lse)
+
+
 class PeerTier:
     """Rank 0's side: see the module docstring. ``device`` is where the engine's tensors live (its GPU, or the CPU
     with gloo); ``comm`` the device collectives run on (the same GPU for NCCL, the CPU for gloo)."""
@@ -191,12 +212,15 @@ class PeerTier:
     def covers(self, first: int, last: int) -> bool:
         return self.lost is None and all(p in self.put_pages for p in range(first, last))
 
-    def _send_header(self, op: int, *words: int) -> None:
+    def _header(self, op: int, *words: float) -> torch.Tensor:
         h = torch.zeros(HEADER, dtype=torch.float64)
         h[0] = op
         for i, w in enumerate(words):
             h[1 + i] = float(w)
-        dist.broadcast(h.to(self.comm), src=0)
+        return h.to(self.comm)
+
+    def _send_header(self, op: int, *words: float) -> None:
+        dist.broadcast(self._header(op, *words), src=0)
 
     def _guard(self, what: str):
         tier = self
@@ -234,23 +258,24 @@ class PeerTier:
         self.page_bytes = 2 * k[:, :, :1].numel() * k.element_size()
 
     @torch.inference_mode()
-    def attend(self, layer: int, qg: torch.Tensor, scale: float, first: int, last: int):
-        """Merged partial of ``qg [kvh, g, Lq, D]`` over pages ``[first, last)`` of ``layer``: ``(o, lse)`` fp32 on
-        ``qg``'s device."""
+    def ask(self, layer: int, qg: torch.Tensor, scale: float, first: int, last: int) -> "Pending":
+        """Send the query ``qg [kvh, g, Lq, D]`` for pages ``[first, last)`` of ``layer`` and return at once (the
+        collectives run asynchronously): the caller attends its own segments meanwhile, then ``Pending.wait()``."""
         kvh, g, lq, d = qg.shape
         with self._guard("attend"):
-            self._send_header(OP_ATTEND, layer, first, last, lq, g, kvh, d, _DTYPES.index(qg.dtype), scale)
+            h = self._header(OP_ATTEND, layer, first, last, lq, g, kvh, d, _DTYPES.index(qg.dtype), scale)
             q = qg.to(self.comm).contiguous()
-            dist.broadcast(q, src=0)
             own = _pack(torch.zeros((kvh, g, lq, d), device=self.comm),
                         torch.full((kvh, g, lq), float("-inf"), device=self.comm))   # rank 0 holds no page
             parts = [torch.empty_like(own) for _ in range(self.world)]
-            dist.gather(own, parts, dst=0)
-        stacked = torch.stack(parts).to(qg.device)
-        split = kvh * g * lq * d
-        o = stacked[:, :split].reshape(self.world, kvh, g, lq, d)
-        lse = stacked[:, split:].reshape(self.world, kvh, g, lq)
-        return merge(o, lse)
+            works = [dist.broadcast(h, src=0, async_op=True), dist.broadcast(q, src=0, async_op=True),
+                     dist.gather(own, parts, dst=0, async_op=True)]
+        return Pending(self, works, (h, q, own), parts, qg.shape, qg.device)
+
+    def attend(self, layer: int, qg: torch.Tensor, scale: float, first: int, last: int):
+        """Merged partial of ``qg [kvh, g, Lq, D]`` over pages ``[first, last)`` of ``layer``: ``(o, lse)`` fp32 on
+        ``qg``'s device (``ask`` then ``wait``)."""
+        return self.ask(layer, qg, scale, first, last).wait()
 
     def forget_from(self, page: int) -> None:
         """Pages from ``page`` on no longer count as put (the sequence was cropped; they are put again when they
