@@ -14,7 +14,8 @@ Contract
   old ones). ``covers(first, last)`` says whether every page of the range was put (rank 0 keeps the book).
 * ``PeerTier.attend(layer, qg, scale, first, last)``: the partial ``(o [kvh, g, Lq, D], lse [kvh, g, Lq])``, fp32,
   of the queries ``qg`` over the pages ``[first, last)`` of ``layer``; each rank attends its own pages with
-  ``attention.segment`` and the partials (one ``all_gather`` of o and lse per call) are merged exactly (``merge``).
+  ``attention.segment`` and the partials (one ``gather`` of o and lse to rank 0 per layer and step) are merged
+  exactly (``merge``).
   A range with no page gives ``lse = -inf`` and ``o = 0`` (``merge`` and ``attention.merge_into`` accept that as
   long as some other segment shows every query a key).
   ``ask`` is the same split in two: it sends the query and returns a ``Pending`` at once (the collectives run
@@ -29,6 +30,7 @@ Contract
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 from datetime import timedelta
@@ -222,21 +224,20 @@ class PeerTier:
     def _send_header(self, op: int, *words: float) -> None:
         dist.broadcast(self._header(op, *words), src=0)
 
+    @contextlib.contextmanager
     def _guard(self, what: str):
-        tier = self
-
-        class _G:
-            def __enter__(self):
-                if tier.lost is not None:
-                    raise PeerLostError(f"the peer tier is gone ({tier.lost}); the request cannot use it", key=KEY)
-
-            def __exit__(self, kind, err, tb):
-                if err is not None and isinstance(err, RuntimeError) and not isinstance(err, FlashguardError):
-                    tier.lost = f"{what} failed: {str(err).splitlines()[0][:200]}"
-                    raise PeerLostError(f"a peer rank stopped answering during {what} ({tier.lost}); its pages "
-                                        "are lost on that GPU", key=KEY) from err
-                return False
-        return _G()
+        """Around collectives: a lost tier raises at once; a failed or timed-out collective (torch.distributed
+        raises a RuntimeError, DistBackendError included) marks the tier lost and becomes a PeerLostError."""
+        if self.lost is not None:
+            raise PeerLostError(f"the peer tier is gone ({self.lost}); the request cannot use it", key=KEY)
+        try:
+            yield
+        except FlashguardError:
+            raise
+        except RuntimeError as err:
+            self.lost = f"{what} failed: {str(err).splitlines()[0][:200]}"
+            raise PeerLostError(f"a peer rank stopped answering during {what} ({self.lost}); its pages are lost "
+                                "on that GPU", key=KEY) from err
 
     @torch.inference_mode()
     def put(self, first: int, k: torch.Tensor, v: torch.Tensor) -> None:
