@@ -210,6 +210,8 @@ def cmd_plan(args) -> int:
     from .vram import plan as planner
 
     shape = planner.resolve_shape(args.model)
+    if args.weights == "fp16":   # the old name
+        args.weights = "float"
     # auto (None): the largest pool that fits, as the engine sizes it
     kv = CacheConfig(l1_tokens=args.l1_tokens, peer_gpus=args.peer_gpus)
     gpu = parse_bytes(args.gpu_mem, key="--gpu-mem")
@@ -325,7 +327,8 @@ def main(argv: list[str] | None = None) -> int:
                    "file (never downloaded)")
     p.add_argument("--gpu-mem", default="4GiB")
     p.add_argument("--context", type=int, default=131072)
-    p.add_argument("--weights", choices=("int4", "fp16"), default="int4")
+    p.add_argument("--weights", choices=("int4", "float", "fp16"), default="int4",
+                   help="the weights key's values (fp16: the old name of float)")
     p.add_argument("--kv-cache", choices=("tiered", "dynamic"), default="tiered", help="the kv_cache key")
     p.add_argument("--prefill-chunk", type=int, default=2048, help="tokens per prefill pass (the engine's auto on a GPU)")
     p.add_argument("--l1-tokens", type=int, default=None, help="kv.l1_tokens (default auto: the largest pool)")

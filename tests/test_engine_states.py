@@ -482,4 +482,4 @@ def test_a_cpu_engine_holds_the_whole_context_in_its_pool(tmp_path, llama):
     engine = tiny.engine(tmp_path, net=llama, kv_cache="tiered", max_context=512)
     info = engine.info()
     assert info["context"] == 512 and info["tiers"]["pool"]["tokens"] == 512 and info["vram_budget"] is None
-    assert info["weights"] == "fp16" and info["cache"] == "tiered"
+    assert info["weights"] == "float" and info["cache"] == "tiered"

@@ -32,7 +32,7 @@ def test_the_7b_distill_shape_by_name(no_network):
     assert linear == 28 * 233_046_016 == 6_525_288_448
     int4 = planner.weight_bytes(s, "int4", group=64)
     assert int4["decoder linears"] == linear // 2 + (linear // 64) * 4       # the issue's ~3.5 GB
-    fp16 = planner.weight_bytes(s, "fp16")
+    fp16 = planner.weight_bytes(s, "float")
     assert fp16["embeddings + lm_head"] == 2 * 152064 * 3584 * 2              # the issue's ~2.2 GB, untied
 
 

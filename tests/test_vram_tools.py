@@ -23,7 +23,7 @@ def test_weight_bytes_of_the_1_5b_shape_by_hand():
     # per layer: q 1536x1536, k/v 1536x256 each, o 1536x1536, gate/up/down 1536x8960 each
     linear = 28 * (1536 * 1536 + 2 * 1536 * 256 + 1536 * 1536 + 3 * 1536 * 8960)
     assert linear == 28 * 46_792_704 == 1_310_195_712
-    fp16 = planner.weight_bytes(s, "fp16")
+    fp16 = planner.weight_bytes(s, "float")
     assert fp16["decoder linears"] == 2 * linear
     assert fp16["embeddings + lm_head"] == 2 * 151936 * 1536 * 2
     int4 = planner.weight_bytes(s, "int4", group=128)
@@ -35,7 +35,7 @@ def test_weight_bytes_of_the_1_5b_shape_by_hand():
 def test_kv_bytes_dynamic_and_tiered_by_hand():
     s = deepseek()
     per_token = 28 * 2 * 256 * 2   # layers x (K,V) x kv_heads*head_dim x fp16
-    dyn = planner.plan(s, gpu_mem=4 << 30, context=131072, weights="fp16", cache="dynamic", prefill_chunk=4096)
+    dyn = planner.plan(s, gpu_mem=4 << 30, context=131072, weights="float", cache="dynamic", prefill_chunk=4096)
     assert dyn.parts["kv cache"] == 131072 * per_token == 3_758_096_384
     assert not dyn.fits
     kv = CacheConfig(page_size=64, l1_tokens=2048, l1_max_tokens=4096, sink_tokens=64, l2_tokens=65536)
@@ -52,9 +52,9 @@ def test_kv_bytes_dynamic_and_tiered_by_hand():
 
 def test_suggest_names_the_keys_that_make_it_fit():
     s = deepseek()
-    changes = planner.suggest(s, gpu_mem=4 << 30, context=131072, weights="fp16", cache="dynamic", prefill_chunk=4096)
+    changes = planner.suggest(s, gpu_mem=4 << 30, context=131072, weights="float", cache="dynamic", prefill_chunk=4096)
     assert changes == {"weights": "int4", "kv_cache": "tiered"}
-    assert "error" in planner.suggest(s, gpu_mem=1 << 30, context=131072, weights="fp16", cache="dynamic",
+    assert "error" in planner.suggest(s, gpu_mem=1 << 30, context=131072, weights="float", cache="dynamic",
                                       prefill_chunk=4096)
 
 
@@ -65,7 +65,7 @@ def _cli(*args):
 
 @pytest.mark.slow
 def test_plan_cli_says_what_to_set():
-    out = _cli("plan", "--weights", "fp16", "--kv-cache", "dynamic", "--gpu-mem", "4GiB", "--context", "131072")
+    out = _cli("plan", "--weights", "float", "--kv-cache", "dynamic", "--gpu-mem", "4GiB", "--context", "131072")
     assert out.returncode == 1
     assert "does NOT fit" in out.stdout and "weights: int4, kv_cache: tiered, vram_budget: 4GiB" in out.stdout
     out = _cli("plan", "--gpu-mem", "4GiB", "--context", "131072")   # the defaults: int4, the tiered cache, auto
@@ -94,7 +94,7 @@ def test_fit_to_budget_shrinks_chunk_and_window_then_names_keys():
     assert final.fits and planner.plan(s, gpu_mem=planner.planned(budget), context=131072, weights="int4",
                                        cache="tiered", prefill_chunk=chunk, kv=new_kv).fits
     assert notes and not any("still exceeds" in n for n in notes)
-    _, _, final, notes = planner.fit_to_budget(s, budget=4 << 30, context=131072, weights="fp16", cache="dynamic",
+    _, _, final, notes = planner.fit_to_budget(s, budget=4 << 30, context=131072, weights="float", cache="dynamic",
                                                prefill_chunk=4096, kv=kv)
     assert not final.fits and "set weights: int4, kv_cache: tiered" in notes[-1]
 

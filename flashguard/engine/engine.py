@@ -355,10 +355,11 @@ class Engine:
 
     @property
     def weights_kind(self) -> str:
-        """"int4" when the decoder's linears are int4, else "fp16" (the planner's names)."""
+        """"int4" when the decoder's linears are int4, else "float": the ``weights`` key's values, which the
+        planner takes too."""
         from ..quant.int4_linear import Int4Linear
 
-        return "int4" if any(isinstance(m, Int4Linear) for m in self.model.modules()) else "fp16"
+        return "int4" if any(isinstance(m, Int4Linear) for m in self.model.modules()) else "float"
 
     def _int4_group(self) -> int:
         """The int4 group size the planner counts scales for: the smallest of the model's Int4Linear layers (a GGUF

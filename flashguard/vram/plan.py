@@ -120,6 +120,7 @@ class Plan:
 
 
 def weight_bytes(s: Shape, kind: str, group: int = AWQ_GROUP_SIZE) -> dict:
+    """Bytes per category for ``kind`` (the ``weights`` key: "int4", or "float" = 16-bit)."""
     kvd = s.kv_heads * s.head_dim
     linear = s.layers * (s.hidden * (s.heads * s.head_dim + 2 * kvd) + s.heads * s.head_dim * s.hidden
                          + 3 * s.hidden * s.intermediate)

@@ -159,7 +159,7 @@ def run(args) -> dict:
         result["memory"] = accounting.gpu_categories(device, weights, accounting.cache_device_bytes(cache))
         shape = Shape.from_config(model.config, args.model)
         p = plan(shape, gpu_mem=budget or torch.cuda.get_device_properties(device).total_memory,
-                 context=args.context, weights="int4" if args.weights == "int4" else "fp16", cache=args.cache,
+                 context=args.context, weights="int4" if args.weights == "int4" else "float", cache=args.cache,
                  prefill_chunk=args.prefill_chunk, kv=kv)
         result["plan_peak_reserved"] = p.peak_reserved
         result["plan_vs_measured"] = p.peak_reserved / result["peak_reserved"]
@@ -200,7 +200,8 @@ def render(r: dict) -> str:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="deepseek-r1-distill-qwen-1.5b",
                    help="deepseek-r1-distill-qwen-1.5b (random weights), embedded, or a model path")
-    p.add_argument("--weights", choices=("int4", "fp16"), default="int4")
+    p.add_argument("--weights", choices=("int4", "float", "fp16"), default="int4",
+                   help="the weights key's values (fp16: the old name of float)")
     p.add_argument("--int4-kernel", choices=INT4_KERNELS, default="auto")
     p.add_argument("--cache", choices=("tiered", "dynamic"), default="tiered")
     p.add_argument("--context", type=int, default=32768)
