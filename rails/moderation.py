@@ -358,8 +358,9 @@ def moderate_input(engine, messages: list[dict], settings: Optional[ModerationSe
     Without a probe (``probe: off``, or none for the model: ``path="branch"``): the question is asked as one more
     user turn after the message; its ids share every token with the generation's prompt up to the end of the
     message (``branch``), and after the verdict the session is cropped back there, so the generation prefills only
-    its prompt's tail. A message longer than the context is judged alone in windows (``path="windows"``; the
-    generation then refuses the prompt as too long).
+    its prompt's tail. A conversation longer than the context is not judged (``path="too-long"``, allowed): the
+    generation refuses it with its own error, the server's 400 naming the context. One that fits but not with
+    the question after it is judged in windows of the message (``path="windows"``).
     """
     settings = settings or ModerationSettings.input_defaults()
     with engine.lock:
@@ -368,7 +369,16 @@ def moderate_input(engine, messages: list[dict], settings: Optional[ModerationSe
         conv = engine.encode_messages(messages)
         ids = conv if probe is not None else \
             engine.encode_messages(list(messages) + [{"role": "user", "content": settings.prompt}])
-        if len(ids) >= engine.context_length:
+        if len(conv) >= engine.context_length:
+            # nothing can be generated from it: the generation refuses it with its own error (the server's 400
+            # naming the context), which a refusal here would hide (a long benign text judged in windows can
+            # look unsafe); the verdict says so and blocks nothing
+            log.info("flashguard moderation: the conversation (%d tokens) is longer than the model's context (%d); "
+                     "the generation refuses it, the input rail does not judge it", len(conv), engine.context_length)
+            return Verdict(allowed=True, p_unsafe=0.0, path="too-long", prompt_tokens=len(conv), prefilled_tokens=0,
+                           reused_tokens=0, seconds=time.perf_counter() - t0, method="none",
+                           threshold=settings.threshold)
+        if len(ids) >= engine.context_length:   # the question does not fit after the message: the message alone
             last = next((m for m in reversed(messages) if m.get("role") == "user"), messages[-1])
             return _moderate_windows(engine, str(last.get("content") or ""), settings, probe, len(ids), t0,
                                      role="user")

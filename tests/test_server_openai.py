@@ -48,8 +48,12 @@ def blocking_server(tmp_path_factory):
     yml = (cfg / "config.yml").read_text()
     assert "threshold: 0.64" in yml
     assert "probe: auto" in yml   # the question's verdict (probe: off) is the one a threshold decides
-    (cfg / "config.yml").write_text(yml.replace("threshold: 0.64", "threshold: 0.001").replace("probe: auto",
-                                                                                               "probe: off"))
+    # only the output rail's probe goes off (the input rail keeps its probe, which lets the question through:
+    # the reply is what gets blocked)
+    out = "    probe: auto\n    question:"
+    assert out in yml
+    (cfg / "config.yml").write_text(yml.replace("threshold: 0.64", "threshold: 0.001").replace(
+        out, "    probe: off\n    question:"))
     s = _start(cfg, tmp / "server.log", "--verbose")
     yield s
     s.stop()
