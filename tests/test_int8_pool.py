@@ -195,3 +195,21 @@ def test_a_tied_table_stays(model):
     tied = Qwen2ForCausalLM(cfg)
     assert install(tied, torch.device("cpu")) == 0
     assert isinstance(tied.get_input_embeddings(), torch.nn.Embedding)
+
+
+def test_a_tied_table_moves_when_lm_head_holds_its_own_int4_codes():
+    """A GGUF's int4 lm_head (its own codes, no float weight) no longer ties the table: it moves to host RAM and the
+    model computes the same."""
+    from flashguard.quant.int4_linear import quantize_linears_rtn
+
+    cfg = Qwen2Config(hidden_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=1, head_dim=32, vocab_size=50, tie_word_embeddings=True)
+    torch.manual_seed(8)
+    m = Qwen2ForCausalLM(cfg).eval()
+    quantize_linears_rtn(m, 32, backend="dequant", prefix="lm_head")
+    ids = torch.tensor([[3, 1, 4, 1, 5]])
+    with torch.inference_mode():
+        before = m(input_ids=ids).logits
+    assert install(m, torch.device("cpu")) > 0 and isinstance(m.get_input_embeddings(), HostEmbedding)
+    with torch.inference_mode():
+        torch.testing.assert_close(m(input_ids=ids).logits, before)

@@ -89,3 +89,33 @@ def test_a_kernel_is_given_up_only_when_the_gpu_lacks_it():
     assert choice.downgrade("segment", 0, torch.float16, RuntimeError("No available kernel. Aborting")) is None
     assert choice.get("segment", 1, torch.float16) == "flash"       # another device keeps its own choice
     assert choice.downgrade("prefix", 0, torch.float16, TypeError("unexpected keyword 'seqused_k'")) == "sdpa"
+
+
+def test_after_a_crop_below_the_window_the_one_graph_step_reads_the_new_pages(model):
+    """A crop below the window, then other tokens up to the same length: the sparse step's slot table must follow
+    (page i is another page now), so the one-graph path still equals the layer-by-layer one."""
+    first = torch.randint(0, 300, (400,), generator=torch.Generator().manual_seed(6)).tolist()
+    second = torch.randint(0, 300, (250,), generator=torch.Generator().manual_seed(7)).tolist()
+    outs = []
+    for whole in (True, False):
+        cache = TieredCache(model.config, CacheConfig(**TIERS)).attach(model)
+        step = DecodeStep(model, graphs=False, whole_step=whole)
+        with torch.inference_mode():
+            for ids in (first, None):
+                if ids is None:   # crop below the window, then other tokens up to the same length
+                    cache.crop_to(150)
+                    # the slot table is refilled at the next step (page i may be another page now)
+                    assert cache.sparse_state is None or cache.sparse_state.slots_key is None
+                    ids = second
+                for a in range(0, len(ids), 100):
+                    cache.feed(ids[a:a + 100])
+                    logits = model(input_ids=torch.tensor([ids[a:a + 100]]), past_key_values=cache).logits[0, -1]
+                rows = []
+                for _ in range(12):
+                    token = int(logits.argmax())
+                    cache.feed([token])
+                    logits = step.step(token, cache).float()
+                    rows.append(logits)
+        outs.append(torch.stack(rows))
+        cache.check_integrity()
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-4, rtol=1e-4)

@@ -28,6 +28,7 @@ import logging
 import torch
 
 from ..kv import attention, int8_pool
+from ..kv.sparse_step import SparseKV
 from .host_embedding import HostEmbedding
 
 log = logging.getLogger("flashguard")
@@ -55,7 +56,9 @@ class StaticKV:
         """Where the buffers are: a graph recorded over them stays valid while this is unchanged."""
         if isinstance(self.keys, torch.Tensor):
             return (self.keys.data_ptr(), self.values.data_ptr(), self.capacity)
-        return (tuple(t.data_ptr() for t in self.keys), tuple(t.data_ptr() for t in self.values), self.capacity)
+        scales = () if self.scales is None else tuple(t.data_ptr() for part in self.scales for t in part)
+        return (tuple(t.data_ptr() for t in self.keys), tuple(t.data_ptr() for t in self.values), self.capacity,
+                scales)
 
     @classmethod
     def from_cache(cls, cache, capacity: int) -> "StaticKV":
@@ -102,6 +105,7 @@ class DecodeStep:
         self.attn_out = [torch.zeros((1, 1, hq * self.head_dim), dtype=self.dtype, device=self.device)
                          for _ in range(n)]
         self.used = None   # the one-graph step's key count (a device tensor made at its first layer)
+        self.sparse_graphs = True   # off the pool, the whole sparse step as one graph (until a capture fails)
         self.graphs: list | None = None
         self.outputs: list | None = None
         self.step_graphs: dict = {}   # StaticKV.key -> (graph, logits): the one-graph steps recorded
@@ -170,10 +174,11 @@ class DecodeStep:
         self.attn_out[i].copy_(out.reshape(1, 1, -1))
 
     def _attend_static(self, i: int, kv: StaticKV, q, k, v) -> None:
-        """Write this token's k, v at ``position``; attend over every position written so far."""
+        """Write this token's k, v at ``position`` (a SparseKV: at its L1 position) and attend over what is
+        written (a SparseKV: L1 and its selected pages)."""
         if i == 0:
             self.used = (self.position[0] + 1).to(torch.int32)
-        if hasattr(kv, "attend"):   # a SparseKV: it writes and attends the tiers itself
+        if isinstance(kv, SparseKV):   # it writes and attends the tiers itself (the new token at its L1 position)
             out = kv.attend(i, q[0, :, 0], k[0], v[0], self.scaling)
         elif kv.scales is None:
             kv.keys[i].index_copy_(1, self.position[0], k[0])          # [kvh, capacity, D] <- [kvh, 1, D]
@@ -209,7 +214,7 @@ class DecodeStep:
                 raise ValueError(f"the StaticKV is full ({cache.length} tokens)")
             return self._whole_step(cache)
         view = cache.static_view() if self.whole_step and hasattr(cache, "static_view") else None
-        if view is None and self.whole_step and hasattr(cache, "sparse_view"):
+        if view is None and self.whole_step and self.sparse_graphs and hasattr(cache, "sparse_view"):
             view = cache.sparse_view()   # off the pool: the sparse step as fixed-shape kernels (kv/sparse_step.py)
         if view is not None:   # a TieredCache's whole step, attention included, as one graph
             logits = self._whole_step(view)
@@ -241,9 +246,10 @@ class DecodeStep:
         kv.length += 1
         return logits
 
-    def _record(self, warm_up, record):
+    def _record(self, warm_up, record, sparse: bool = False):
         """``warm_up()`` on a side stream (lazy inits, kernel choices, outside capture), then ``record()`` (which
-        captures graphs and returns what to keep). Where capture fails, None: steps stay eager, said once."""
+        captures graphs and returns what to keep). Where capture fails, None: steps stay eager, said once; where
+        only the sparse step's capture fails, only sparse steps leave the one-graph path (``sparse_graphs``)."""
         try:
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
@@ -254,6 +260,10 @@ class DecodeStep:
         except torch.cuda.OutOfMemoryError:
             raise
         except RuntimeError as exc:  # a module that cannot be captured
+            if sparse:
+                log.warning("flashguard: sparse decode steps run layer by layer (one-graph capture failed: %s)", exc)
+                self.sparse_graphs = False
+                return None
             log.warning("flashguard: decode runs without CUDA graphs (%s)", exc)
             self.use_graphs = False
             return None
@@ -269,7 +279,7 @@ class DecodeStep:
 
         while len(self.step_graphs) >= self.MAX_STEP_GRAPHS:
             self.step_graphs.pop(next(iter(self.step_graphs)))
-        entry = self._record(lambda: self._layers(self._attend_static, kv), record)
+        entry = self._record(lambda: self._layers(self._attend_static, kv), record, isinstance(kv, SparseKV))
         if entry is not None:
             self.step_graphs[kv.key] = entry
         return entry

@@ -165,7 +165,7 @@ class Engine:
         self.embedding_on_host = False
         if self.device.type == "cuda" and self.weights_kind == "int4":
             # the GPU needs one row of the table per token; its 16-bit copy would take a quarter of an int4
-            # model's GPU memory (the planner counts it on the host: vram/plan.py)
+            # model's GPU memory (vram/plan.py's weight_bytes leaves it out of the GPU's weights)
             from .host_embedding import install
 
             self.embedding_on_host = install(self.model, self.device) > 0
@@ -352,6 +352,11 @@ class Engine:
             log.warning("flashguard: vram_budget %.2f GiB: %s", gib, note)
         log.info("flashguard: vram_budget %.2f GiB: pool %d tokens on the GPU (L1) of a %d-token context, L2 %d tokens",
                  gib, self.kv.l1_max_tokens or 0, self.context_length, self.kv.l2_tokens or 0)
+        if self.config.kv_cache == "tiered" and self.kv.l1_codec == "int8" and \
+                (self.kv.l1_max_tokens or 0) < self.context_length:
+            log.warning("flashguard: kv.l1_codec int8 with a pool (%d tokens) shorter than the context (%d): decode "
+                        "steps past the pool dequantize the pool in every layer (slow); kv.l1_codec: auto keeps a "
+                        "16-bit pool here", self.kv.l1_max_tokens or 0, self.context_length)
 
     @property
     def weights_kind(self) -> str:

@@ -3,8 +3,8 @@
 A DeepSeek-R1-Distill-Qwen-1.5B's table is 151,936 x 1,536 in 16-bit: 445 MiB, a quarter of the int4 model's GPU
 memory, of which a decode step reads one row (3 KiB). With int4 weights on CUDA the engine moves an untied table
 to pinned host RAM (``install``); a lookup gathers the rows on the host and copies them to the GPU (one small
-copy per forward, from pinned memory). The freed GPU memory goes to the KV pool. A tied table stays where it is:
-lm_head reads all of it every step.
+copy per forward, from pinned memory). The freed GPU memory goes to the KV pool. A table tied to lm_head stays
+where it is (lm_head reads all of it every step); one whose lm_head holds its own int4 codes moves.
 
 Contract: ``HostEmbedding(embedding, device)`` replaces an ``nn.Embedding`` (same ``forward(input_ids)`` result,
 on ``device``, in the table's dtype); ``rows(token_ids)`` gives the rows for host-side ids (what ``DecodeStep``
@@ -51,8 +51,8 @@ def install(model, device: torch.device) -> int:
     """Move ``model``'s input embedding table to host RAM when it is not tied to lm_head; returns the GPU bytes
     freed (0 when it stays)."""
     emb = model.get_input_embeddings()
-    out = model.get_output_embeddings()
-    if not isinstance(emb, torch.nn.Embedding) or (out is not None and out.weight is emb.weight):
+    out = model.get_output_embeddings()   # an Int4Linear lm_head (a GGUF's own codes) has no float weight
+    if not isinstance(emb, torch.nn.Embedding) or getattr(out, "weight", None) is emb.weight:
         return 0
     freed = emb.weight.numel() * emb.weight.element_size()
     model.set_input_embeddings(HostEmbedding(emb, device))

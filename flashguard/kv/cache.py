@@ -1,8 +1,8 @@
 """TieredCache: a transformers ``Cache`` whose pages live in L1 (device), L2 (host RAM) and L3 (disk).
 
 Per layer (``TieredLayer``), L1 holds the attention sinks (the first ``sink_tokens``) and the recent window
-(``l1_tokens``, growing up to ``l1_max_tokens`` when queries keep reaching just behind it) in the model's dtype,
-in one buffer (the pool). Pages are keyed as they fill; a page is written to the shared ``PageStore`` (L2 int8,
+(``l1_tokens``, growing up to ``l1_max_tokens`` when queries keep reaching just behind it) in one buffer (the
+pool), in the model's 16-bit dtype or as int8 codes and scales (``kv.l1_codec``, ``int8_pool.py``). Pages are keyed as they fill; a page is written to the shared ``PageStore`` (L2 int8,
 spilling to L3 int4 + zstd) only when it leaves the window (sink pages at once), or when the cache is released
 with ``keep_pages``. So while the sequence fits the window (``resident``) nothing is encoded or copied, attention
 is one fused call over the buffer, and ``static_view`` offers the buffers to ``DecodeStep``'s one-graph step.
@@ -686,8 +686,10 @@ class TieredCache(Cache):
         from .sparse_step import SparseKV, SparseState
 
         if self.sparse_state is None:
-            self.sparse_state = SparseState(dev)
+            self.sparse_state = SparseState(dev, self.num_layers)
         st = self.sparse_state
+        for i, layer in enumerate(self.layers):   # the window adapts to what the replayed graphs write
+            layer.last_reach = st.reach[i]
         if st.slots_key != (self.store.epoch, last):
             if st.slots.shape[0] < last:   # grown by doubling: a new buffer (and graph) only now and then
                 st.slots = torch.zeros(max(last, 2 * st.slots.shape[0], 256), dtype=torch.long, device=dev)
@@ -704,7 +706,8 @@ class TieredCache(Cache):
 
     def advance(self, n: int = 1) -> None:
         """``n`` tokens were written into every layer's L1 buffer outside ``update`` (a whole-step graph): count
-        them, and complete the pages they filled."""
+        them; while resident, complete the pages they filled (off the pool the next ``sparse_view`` or ``update``
+        settles, once per step as after ``update``)."""
         for layer in self.layers:
             layer.length += n
         self.length += n
@@ -853,6 +856,8 @@ class TieredCache(Cache):
         if length >= self.length:
             return
         self._adapted_at = -1
+        if self.sparse_state is not None:   # page i may be another page after the crop: refill the slot table
+            self.sparse_state.slots_key = None
         if self.layers[0].is_initialized:
             self._settle_pages()
         length = max(0, length)
@@ -901,6 +906,9 @@ class TieredCache(Cache):
         """The end of this cache: with ``keep_pages`` its full pages still only in L1 are written to the store
         first (a later sequence with the same prefix adopts them), then every reference it holds is given back.
         Idempotent; the cache is empty afterwards."""
+        self.peers = None            # the next session resets the peers: nothing to send them now
+        if self.sparse_state is not None:
+            self.sparse_state.slots_key = None
         if keep_pages and self.store is not None and self.layers[0].is_initialized and self.page_keys:
             try:
                 self._settle_pages()

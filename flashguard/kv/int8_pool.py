@@ -13,7 +13,9 @@ of 2.
   log-sum-exp); elsewhere the pool is dequantized and attended by ``attention.prefix_attention``.
 
 Prefill chunks (many queries) dequantize the layer's pool and use the 16-bit kernels: prefill is bound by
-compute, and the 16-bit copy of one layer lives only while that layer attends.
+compute, and the 16-bit copy of one layer lives only while that layer attends. A decode step that is not one graph
+(an int8 pool shorter than the context: the one-graph sparse step takes 16-bit pools only) dequantizes the pool in
+every layer too, which is slow: ``auto`` never picks int8 there, and the engine warns when a config does.
 """
 
 from __future__ import annotations
@@ -48,8 +50,8 @@ def supported(head_dim: int) -> bool:
 def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``x [..., D]`` -> (int8 codes ``[..., D]``, fp16 scales ``[..., D / GROUP]``); ``x ~ codes * scale``."""
     g = x.reshape(*x.shape[:-1], x.shape[-1] // GROUP, GROUP).float()
-    scale = g.abs().amax(dim=-1) / QMAX
-    scale = torch.where(scale == 0, torch.ones_like(scale), scale).to(torch.float16)
+    scale = (g.abs().amax(dim=-1) / QMAX).to(torch.float16)   # cast first: a tiny scale underflows to 0 in fp16
+    scale = torch.where(scale == 0, torch.ones_like(scale), scale)
     codes = torch.round(g / scale.float().unsqueeze(-1)).clamp_(-QMAX, QMAX).to(torch.int8)
     return codes.reshape(x.shape), scale
 
@@ -57,7 +59,7 @@ def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def dequantize(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The inverse of ``quantize``, in ``dtype``."""
     g = codes.reshape(*codes.shape[:-1], codes.shape[-1] // GROUP, GROUP)
-    return (g.to(dtype) * scales.to(dtype).unsqueeze(-1)).reshape(codes.shape)
+    return g.to(dtype).mul_(scales.to(dtype).unsqueeze(-1)).reshape(codes.shape)   # one 16-bit temporary
 
 
 def available(device: torch.device) -> bool:
@@ -125,7 +127,8 @@ def decode_attention(q: torch.Tensor, kc: torch.Tensor, ks: torch.Tensor, vc: to
     ``[kvh, capacity, D]``, scales ``[kvh, capacity, D / GROUP]``); ``used`` an int32 device tensor ``[1]``, at
     least 1. Returns ``[Hq, D]`` in q's dtype. No host sync, fixed shapes: capturable in a CUDA graph."""
     kvh, cap, d = kc.shape
-    if not available(q.device) or q.dtype not in (torch.float16, torch.bfloat16):
+    if not available(q.device) or q.dtype not in (torch.float16, torch.bfloat16) or d & (d - 1):
+        # (the kernel's tl.arange needs a power-of-two head size)
         k, v = dequantize(kc, ks, q.dtype), dequantize(vc, vs, q.dtype)
         return attention.prefix_attention(q, k, v, used, scale)
     return _triton_decode(q, kc, ks, vc, vs, used, scale)

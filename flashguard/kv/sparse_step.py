@@ -25,9 +25,11 @@ from . import attention, codecs, uva
 
 
 class SparseState:
-    """The device scalars and the slot table one cache's sparse steps read (allocated once per cache)."""
+    """The device scalars and the slot table one cache's sparse steps read, and ``reach`` (per layer: the picked
+    pages just behind L1, what the window adapts to) they write; allocated once per cache, so a recorded graph
+    keeps reading and writing the same tensors."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, layers: int):
         def scalar(dtype):
             return torch.zeros(1, dtype=dtype, device=device)
 
@@ -35,6 +37,7 @@ class SparseState:
         self.used = scalar(torch.int32)
         self.slots = torch.zeros(0, dtype=torch.long, device=device)   # L2 slot of page i, i < len
         self.slots_key = None
+        self.reach = torch.zeros(layers, dtype=torch.long, device=device)
 
 
 class SparseKV:
@@ -72,5 +75,5 @@ class SparseKV:
             rows = arena.data[i].index_select(0, slots)
         kp, vp = layer._as_kv(*codecs.decode(arena.fields_of(rows), layer.dtype))
         acc = attention.merge_into(acc, attention.segment(qg, kp, vp, scale))
-        layer.last_reach = (pages >= st.edge).sum()
+        st.reach[i].copy_((pages >= st.edge).sum())   # TieredCache.sparse_view points last_reach here
         return acc[0].reshape(hq, d).to(q.dtype)
