@@ -16,16 +16,12 @@ from flashguard.kv import int8_pool
 from flashguard.kv.cache import TieredCache
 from flashguard.kv.store import namespace_for
 from flashguard.vram import plan as planner
+from tests.tiny import qwen2_head64
 
 
 @pytest.fixture(scope="module")
 def model():
-    torch.manual_seed(0)
-    cfg = Qwen2Config(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=64, vocab_size=300, max_position_embeddings=4096,
-                      tie_word_embeddings=False)
-    m = Qwen2ForCausalLM(cfg).eval()
-    return m
+    return qwen2_head64()
 
 
 def _greedy(model, cache, ids, steps, step=None):

@@ -3,12 +3,12 @@ whose context is longer than its pool (fast: run eagerly here, the same kernels 
 
 import pytest
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from flashguard import CacheConfig
 from flashguard.engine.decode_step import DecodeStep
 from flashguard.kv.cache import TieredCache
 from flashguard.kv.sparse_step import SparseKV
+from tests.tiny import qwen2_head64
 
 TIERS = dict(page_size=16, sink_tokens=16, l1_tokens=64, l1_max_tokens=128, l2_tokens=4096, budget_tokens=32,
              policy="sparse", l1_codec="fp16")
@@ -16,12 +16,8 @@ TIERS = dict(page_size=16, sink_tokens=16, l1_tokens=64, l1_max_tokens=128, l2_t
 
 @pytest.fixture(scope="module")
 def model():
-    torch.manual_seed(0)
-    cfg = Qwen2Config(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=64, vocab_size=300, max_position_embeddings=4096,
-                      tie_word_embeddings=False)
+    m = qwen2_head64()
     with torch.no_grad():
-        m = Qwen2ForCausalLM(cfg).eval()
         m.lm_head.weight.mul_(8)   # peaked choices: greedy paths do not split on near-ties
     return m
 

@@ -70,3 +70,15 @@ def text(n: int, seed: int = 0) -> str:
     while sum(len(w) + 1 for w in out) < n:
         out.append(words[int(torch.randint(len(words), (1,), generator=g))])
     return " ".join(out)[:n]
+
+
+def qwen2_head64(seed: int = 0):
+    """A random Qwen2 with a 64-wide head (the int8 pool's groups of 32 and the flash kernels' sizes), 2 layers,
+    4 query / 2 KV heads, 300 tokens: for cache tests that feed random ids, no tokenizer."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=64, vocab_size=300, max_position_embeddings=4096,
+                      tie_word_embeddings=False)
+    return Qwen2ForCausalLM(cfg).eval()

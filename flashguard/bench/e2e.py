@@ -152,7 +152,7 @@ def run_row(args) -> list[dict]:
         if args.row in ROW_CONTEXTS and context not in ROW_CONTEXTS[args.row]:
             continue
         try:
-            engine = _two_turns(args, rails, engine, tok, context, out)
+            engine = _turns(args, rails, engine, tok, context, out)
         except Exception as exc:  # noqa: BLE001 - a context that breaks is reported; the others still run
             import traceback
 
@@ -162,7 +162,7 @@ def run_row(args) -> list[dict]:
     return out
 
 
-def _two_turns(args, rails, engine, tok, context: int, out: list):
+def _turns(args, rails, engine, tok, context: int, out: list):
     """Turn 1, turn 2, then turn 2 again in a new session (``reset_session``: its pages come from the store)."""
     import torch
 

@@ -48,6 +48,12 @@ def run_arm(engine, arm: str, users: list[str], max_tokens: int) -> list[dict]:
 
     sync = (lambda: __import__("torch").cuda.synchronize()) if engine.device.type == "cuda" else (lambda: None)
     params, check = SamplingParams(max_tokens=max_tokens), SamplingParams(max_tokens=3)
+
+    def self_check(prompt: str) -> tuple[float, int]:
+        """NeMo's self-check prompt as its own call: (seconds, tokens prefilled)."""
+        t = time.perf_counter()
+        engine.generate(engine.encode_messages([{"role": "user", "content": prompt}]), check, task="self_check")
+        return time.perf_counter() - t, engine.stats.last["self_check"]["prefilled"]
     engine.reset_session()
     history, rows = [], []
     for user in users:
@@ -59,10 +65,7 @@ def run_arm(engine, arm: str, users: list[str], max_tokens: int) -> list[dict]:
             v = moderate_input(engine, msgs, ModerationSettings.input_defaults())
             row.update(input_s=v.seconds, input_prefilled=v.prefilled_tokens, input_method=v.method)
         elif arm == "nemo":
-            t = time.perf_counter()
-            engine.generate(engine.encode_messages([{"role": "user", "content": SELF_CHECK_INPUT.format(user=user)}]),
-                            check, task="self_check")
-            row.update(input_s=time.perf_counter() - t, input_prefilled=engine.stats.last["self_check"]["prefilled"])
+            row.update(zip(("input_s", "input_prefilled"), self_check(SELF_CHECK_INPUT.format(user=user))))
         t = time.perf_counter()
         reply = engine.generate(engine.encode_messages(msgs), params).text
         sync()
@@ -71,10 +74,7 @@ def run_arm(engine, arm: str, users: list[str], max_tokens: int) -> list[dict]:
             v = moderate(engine, reply, user, use_memo=False)
             row.update(output_s=v.seconds, output_prefilled=v.prefilled_tokens, output_path=v.path)
         elif arm == "nemo":
-            t = time.perf_counter()
-            engine.generate(engine.encode_messages([{"role": "user", "content": SELF_CHECK_OUTPUT.format(bot=reply)}]),
-                            check, task="self_check")
-            row.update(output_s=time.perf_counter() - t, output_prefilled=engine.stats.last["self_check"]["prefilled"])
+            row.update(zip(("output_s", "output_prefilled"), self_check(SELF_CHECK_OUTPUT.format(bot=reply))))
         sync()
         row["turn_s"] = time.perf_counter() - t0
         row["context"] = len(engine.encode_messages(msgs))

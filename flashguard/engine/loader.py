@@ -212,9 +212,14 @@ def materialize(source: ModelSource) -> str:
     except (ValueError, OSError, KeyError, RuntimeError) as exc:
         raise ModelLoadError(f"cannot load {source.label}: {exc}", key="model_path") from exc
 
+    return _save_complete(target, source, model, tok)
+
+
+def _save_complete(target: Path, source: ModelSource, *parts) -> str:
+    """Write ``parts`` (objects with ``save_pretrained``) and the completion marker into ``target`` atomically."""
     def fill(tmp: Path) -> None:
-        model.save_pretrained(tmp)
-        tok.save_pretrained(tmp)
+        for part in parts:
+            part.save_pretrained(tmp)
         (tmp / "flashguard-complete.json").write_text(json.dumps({"source": source.identity, "label": source.label}))
 
     _write_atomically(target, fill)
@@ -245,13 +250,7 @@ def gguf_meta_folder(source: ModelSource) -> str:
     except (ValueError, OSError, KeyError, RuntimeError) as exc:
         raise ModelLoadError(f"cannot load {source.label}: {exc}", key="model_path") from exc
 
-    def fill(tmp: Path) -> None:
-        config.save_pretrained(tmp)
-        tok.save_pretrained(tmp)
-        (tmp / "flashguard-complete.json").write_text(json.dumps({"source": source.identity, "label": source.label}))
-
-    _write_atomically(target, fill)
-    return str(target)
+    return _save_complete(target, source, config, tok)
 
 
 AWQ_RECIPE = "awq-g64-clip-pydoc32x512-v1"  # changes when the quantizer's output would change

@@ -124,29 +124,42 @@ def segment(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
 _OFFSETS: dict = {}        # (device index, capacity) -> int32 tensors [0, 1], [0, capacity] (flash's varlen form)
 
 
+def _flash_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, used: torch.Tensor, scale: float):
+    """flash's variable-length kernel for one token's heads ``q [Hq, D]`` over the first ``used`` keys of
+    ``k``/``v`` ``[kvh, capacity, D]`` (``seqused_k``: it reads only those, split over the GPU like a decode
+    kernel): ``(o [Hq, D], lse [Hq] fp32)``, or None where it does not run (not a 16-bit CUDA tensor, or this GPU
+    or torch lacks it: ``KERNELS``). The first call for a device and capacity must run outside graph capture."""
+    key = (q.device.index, q.dtype)
+    if not (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and KERNELS.get("prefix", *key) == "flash"):
+        return None
+    cap = k.shape[1]
+    at = (q.device.index, cap)
+    if at not in _OFFSETS:
+        _OFFSETS[at] = tuple(torch.tensor([0, n], dtype=torch.int32, device=q.device) for n in (1, cap))
+    cum_q, cum_k = _OFFSETS[at]
+    try:
+        out, lse = torch.ops.aten._flash_attention_forward(
+            q.unsqueeze(0), k.transpose(0, 1), v.transpose(0, 1), cum_q, cum_k, 1, cap, 0.0, False, False,
+            scale=scale, seqused_k=used)[:2]
+    except torch.cuda.OutOfMemoryError:
+        raise
+    except (RuntimeError, TypeError) as exc:
+        KERNELS.downgrade("prefix", *key, exc)
+        return None
+    hq = q.shape[0]
+    return out[0], lse.reshape(-1)[:hq].float()
+
+
 def prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, used: torch.Tensor,
                      scale: float) -> torch.Tensor:
     """One token's query heads ``q [Hq, D]`` over the first ``used`` positions of ``k``/``v`` ``[kvh, capacity, D]``,
     ``used`` an int32 device tensor ``[1]``: no host value, so a whole decode step can be a CUDA graph. Returns
-    ``[Hq, D]``. On a GPU, flash's variable-length kernel reads only the used keys (``seqused_k``; it splits long
-    key ranges over the GPU like a decode kernel); elsewhere, or where that kernel is missing, SDPA with a mask
-    over the whole capacity. The first call for a device and capacity must run outside graph capture."""
+    ``[Hq, D]``. On a GPU ``_flash_prefix``; elsewhere, or where that kernel is missing, SDPA with a mask over the
+    whole capacity."""
+    flash = _flash_prefix(q, k, v, used, scale)
+    if flash is not None:
+        return flash[0]
     kvh, cap, d = k.shape
-    key = (q.device.index, q.dtype)
-    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and KERNELS.get("prefix", *key) == "flash":
-        at = (q.device.index, cap)
-        if at not in _OFFSETS:
-            _OFFSETS[at] = tuple(torch.tensor([0, n], dtype=torch.int32, device=q.device) for n in (1, cap))
-        cum_q, cum_k = _OFFSETS[at]
-        try:
-            out = torch.ops.aten._flash_attention_forward(
-                q.unsqueeze(0), k.transpose(0, 1), v.transpose(0, 1), cum_q, cum_k, 1, cap, 0.0, False, False,
-                scale=scale, seqused_k=used)[0]
-            return out[0]
-        except torch.cuda.OutOfMemoryError:
-            raise
-        except (RuntimeError, TypeError) as exc:
-            KERNELS.downgrade("prefix", *key, exc)
     visible = torch.arange(cap, device=q.device) < used
     qg = q.reshape(kvh, 1, -1, d)                      # a KV head's query heads as its query rows
     out = torch.nn.functional.scaled_dot_product_attention(qg, k.unsqueeze(1), v.unsqueeze(1),
@@ -158,26 +171,13 @@ def prefix_segment(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, used: tor
                    scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``segment`` of one query token ``qg [kvh, g, 1, D]`` over the first ``used`` keys of ``k``/``v``
     ``[kvh, capacity, D]`` (``used`` an int32 device tensor ``[1]``): ``(o [kvh, g, 1, D], lse [kvh, g, 1])``, no
-    host value (a sparse step's L1 part inside a CUDA graph, merged with its pages' part). On a GPU, flash's
-    variable-length kernel with ``seqused_k``; elsewhere (or where it is missing) the einsum path with a mask."""
+    host value (a sparse step's L1 part inside a CUDA graph, merged with its pages' part). On a GPU
+    ``_flash_prefix``; elsewhere (or where it is missing) the einsum path with a mask."""
     kvh, g, _, d = qg.shape
-    cap = k.shape[1]
-    key = (qg.device.index, qg.dtype)
-    if qg.is_cuda and qg.dtype in (torch.float16, torch.bfloat16) and KERNELS.get("prefix", *key) == "flash":
-        at = (qg.device.index, cap)
-        if at not in _OFFSETS:
-            _OFFSETS[at] = tuple(torch.tensor([0, n], dtype=torch.int32, device=qg.device) for n in (1, cap))
-        cum_q, cum_k = _OFFSETS[at]
-        try:
-            out, lse = torch.ops.aten._flash_attention_forward(
-                qg.reshape(1, kvh * g, d), k.transpose(0, 1), v.transpose(0, 1), cum_q, cum_k, 1, cap, 0.0, False,
-                False, scale=scale, seqused_k=used)[:2]
-            return out.reshape(kvh, g, 1, d), lse.reshape(-1)[:kvh * g].reshape(kvh, g, 1).float()
-        except torch.cuda.OutOfMemoryError:
-            raise
-        except (RuntimeError, TypeError) as exc:
-            KERNELS.downgrade("prefix", *key, exc)
-    visible = (torch.arange(cap, device=qg.device) < used).unsqueeze(0)     # [1, capacity]
+    flash = _flash_prefix(qg.reshape(kvh * g, d), k, v, used, scale)
+    if flash is not None:
+        return flash[0].reshape(kvh, g, 1, d), flash[1].reshape(kvh, g, 1)
+    visible = (torch.arange(k.shape[1], device=qg.device) < used).unsqueeze(0)     # [1, capacity]
     return partial_attention(qg, k, v, scale, visible)
 
 

@@ -288,6 +288,12 @@ class TieredLayer(CacheLayerMixin):
         self.bounds[:, :, self.n_pages:self.n_pages + n] = cols.to(self.bounds.dtype)
         self.n_pages += n
 
+    def page_bounds(self, first: int, end: int) -> torch.Tensor:
+        """The key bounds of pages [first, end) as ``_add_bounds`` took them: ``[n, kvh, 2 (min, max), D]``."""
+        cols = self.bounds[:, :, first:end]                          # [kvh, 2D (max; min), n]
+        kvh, two_d, n = cols.shape
+        return cols.permute(2, 0, 1).reshape(n, kvh, 2, two_d // 2).flip(2)
+
     def hot_bytes(self) -> int:
         if self.hot_k is None:
             return 0
@@ -574,7 +580,7 @@ class TieredCache(Cache):
                 k, v = k.reshape(kvh, n, p, d), v.reshape(kvh, n, p, d)
                 ks.append(k)
                 vs.append(v)
-                page_bounds.append(torch.stack([k.amin(dim=2), k.amax(dim=2)], dim=2).transpose(0, 1))
+                page_bounds.append(layer.page_bounds(lo, hi))   # kept since the pages filled: not computed again
             self.store.put_many(self.page_keys[lo:hi], torch.stack(ks), torch.stack(vs), torch.stack(page_bounds, dim=1))
             sinks = self.sink_tokens // p
             if self.peers is not None and hi > sinks and self.peers.lost is None:   # off-window pages: on the peers too
