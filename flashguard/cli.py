@@ -206,26 +206,34 @@ def cmd_quantize(args) -> int:
 
 
 def cmd_plan(args) -> int:
+    import dataclasses
+
     from .config import CacheConfig, parse_bytes
     from .vram import plan as planner
 
-    shape = planner.resolve_shape(args.model)
+    shape = dataclasses.replace(planner.resolve_shape(args.model), lm_head=args.lm_head)
     if args.weights == "fp16":   # the old name
         args.weights = "float"
     # auto (None): the largest pool that fits, as the engine sizes it
     kv = CacheConfig(l1_tokens=args.l1_tokens, peer_gpus=args.peer_gpus)
     gpu = parse_bytes(args.gpu_mem, key="--gpu-mem")
+    # int4 decoder layers that do not fit stream from host RAM, as the engine places them (a ConfigError naming
+    # vram_budget and the smallest budget when not even that fits)
+    streamed, args.prefill_chunk = planner.layer_placement(
+        shape, budget=gpu, context=args.context, weights=args.weights, cache=args.kv_cache,
+        prefill_chunk=args.prefill_chunk, kv=kv)
     p = planner.plan(shape, gpu_mem=gpu, context=args.context, weights=args.weights, cache=args.kv_cache,
-                     prefill_chunk=args.prefill_chunk, kv=kv)
+                     prefill_chunk=args.prefill_chunk, kv=kv, streamed=streamed)
     if args.kv_cache == "tiered" and not args.json:
         sized = planner.sized_kv(shape, budget=gpu, context=args.context, weights=args.weights,
-                                 prefill_chunk=args.prefill_chunk, kv=kv)
+                                 prefill_chunk=args.prefill_chunk, kv=kv, streamed=streamed)
         where = "every token resident" if sized.l1_tokens >= args.context else \
             f"{args.context - sized.l1_tokens} tokens off the pool, in L2 (host RAM) / L3 (disk)"
         print(f"kv.l1_tokens (the pool on the GPU): {sized.l1_tokens} tokens, {where}\n")
     if args.json:
         print(json.dumps({"fits": p.fits, "gpu": p.parts, "host": p.host, "peak_reserved": p.peak_reserved,
-                          "total": p.total, "peers": p.peers}, indent=1))
+                          "total": p.total, "peers": p.peers, "prefill_chunk": p.prefill_chunk,
+                          "layers": {"resident": shape.layers - streamed, "streamed": streamed}}, indent=1))
         return 0 if p.fits else 1
     print(p.table())
     if not p.fits:
@@ -325,8 +333,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="deepseek-r1-distill-qwen-1.5b",
                    help="deepseek-r1-distill-qwen-1.5b, deepseek-r1-distill-qwen-7b, embedded, an HF folder or a .gguf "
                    "file (never downloaded)")
-    p.add_argument("--gpu-mem", default="4GiB")
+    p.add_argument("--gpu-mem", "--vram-budget", dest="gpu_mem", default="4GiB",
+                   help="the process's GPU memory (vram_budget), CUDA context included")
     p.add_argument("--context", type=int, default=131072)
+    p.add_argument("--lm-head", choices=("float", "int4"), default="float",
+                   help="int4: an lm_head held as int4 codes (a GGUF's Q4 output matrix); float: 16-bit")
     p.add_argument("--weights", choices=("int4", "float", "fp16"), default="int4",
                    help="the weights key's values (fp16: the old name of float)")
     p.add_argument("--kv-cache", choices=("tiered", "dynamic"), default="tiered", help="the kv_cache key")

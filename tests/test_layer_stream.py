@@ -113,3 +113,53 @@ def test_which_layers_a_budget_streams():
     assert layers_to_stream(28, 100 * mib, 200 * mib) == list(range(0, 28))      # all streamed through 2 slots
     with pytest.raises(ValueError, match="less than the two streamed layers' slots"):
         layers_to_stream(28, 100 * mib, 150 * mib)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_the_engine_places_streamed_layers(tmp_path, monkeypatch, arch):
+    """The engine's placement path (``Engine._place_layers`` -> ``layer_stream.place``) with the planner's decision
+    forced (on the CPU there is no vram_budget): the last layers stream through two slots from host copies, the
+    engine's generations, its prefix reuse and a second conversation equal the resident engine's, and
+    ``engine_info()``'s placement says where each part lives."""
+    from flashguard.engine.engine import Engine
+
+    resident = tiny.engine(tmp_path / "a", arch, net=tiny.model(arch, layers=4))
+    monkeypatch.setattr(Engine, "_streamed_count", lambda self: 3)
+    streamed = tiny.engine(tmp_path / "b", arch, net=tiny.model(arch, layers=4))
+    place = streamed.info()["placement"]
+    assert place["layers_resident"] == [0] and place["layers_streamed"] == [1, 2, 3]
+    assert place["streamed_from"] == "host RAM" and place["slot_bytes"] == 2 * place["streamed_layer_bytes"] > 0
+    assert resident.info()["placement"]["layers_streamed"] == [] and resident.layer_stream is None
+    slots = {slot[0].data_ptr() for slot in streamed.layer_stream.slots}
+    assert {streamed.model.model.layers[i].self_attn.q_proj.weight.data_ptr() for i in (1, 2, 3)} == slots
+    out = []
+    for engine in (resident, streamed):
+        texts = []
+        for seed in (0, 1):
+            ids = engine.encode_messages([{"role": "user", "content": tiny.text(60, seed)}])
+            engine.generate(ids, SamplingParams(max_tokens=16))
+            turn = list(engine.turns[-1].output_ids)
+            logprobs, reused = engine.next_token_logprobs(ids + turn + [5, 6])
+            assert reused > len(ids)
+            texts.append((turn, logprobs))
+        out.append(texts)
+    for (t0, l0), (t1, l1) in zip(*out):
+        assert t0 == t1 and len(t0) > 0
+        assert torch.equal(l0, l1)
+    assert streamed.info()["placement"]["layer_copies"] > 3
+
+
+def test_a_model_built_in_host_ram_is_placed(tmp_path, monkeypatch):
+    """int4 layers built in host RAM with the ``dequant`` backend (what the loader and bench.big build when layers
+    will stream) run placed, streamed ones included, and give the unplaced model's logits."""
+    from flashguard.engine.layer_stream import place
+
+    nets = []
+    for _ in range(2):
+        net = tiny.model("qwen2", layers=4)
+        quantize_linears_rtn(net, group_size=32, backend="dequant")
+        nets.append(net)
+    ref = logits(nets[0])
+    stream = place(nets[1], torch.device("cpu"), [1, 2, 3])
+    assert stream.stats()["layers"] == [1, 2, 3]
+    assert torch.equal(logits(nets[1]), ref)

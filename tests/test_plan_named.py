@@ -37,14 +37,62 @@ def test_the_7b_distill_shape_by_name(no_network):
 
 
 def test_the_7b_plan(no_network, capsys):
-    # int4 decoder layers (3.4 GiB) and a 16-bit lm_head (1.0 GiB) on the GPU: more than 4 GiB until decoder
-    # layers can live in host RAM (issue 18, item 1); 8 GiB holds it with a 10K-token pool at 32K
-    assert cli.main(["plan", "--model", "deepseek-r1-distill-qwen-7b", "--context", "32768", "--gpu-mem", "4GiB"]) == 1
+    # int4 decoder layers (3.4 GiB) and a 16-bit lm_head (1.0 GiB) do not all fit 4 GiB: the last layers stream
+    # from pinned host RAM (issue 18, item 1), the rest stay resident; 8 GiB holds every layer
+    assert cli.main(["plan", "--model", "deepseek-r1-distill-qwen-7b", "--context", "32768",
+                     "--vram-budget", "4GiB"]) == 0
     out = capsys.readouterr().out
-    assert "plan: deepseek-r1-distill-qwen-7b, int4 weights" in out and "does NOT fit" in out
+    assert "plan: deepseek-r1-distill-qwen-7b, int4 weights" in out and "fits" in out
+    assert "placement: embedding host RAM, lm_head GPU (float), decoder layers 5 resident + 23 streamed" in out
+    assert "streamed decoder layers (pinned RAM)" in out
     assert cli.main(["plan", "--model", "deepseek-r1-distill-qwen-7b", "--context", "32768", "--gpu-mem", "8GiB"]) == 0
     out = capsys.readouterr().out
-    assert "fits" in out and "off the pool, in L2" in out
+    assert "fits" in out and "off the pool, in L2" in out and "decoder layers 28 resident\n" in out
+
+
+def test_the_7b_placement(no_network):
+    """The planner streams the fewest layers (at least 3: two are slots) that let the smallest KV window fit;
+    an int4 lm_head leaves room for more resident layers; the plan of the placement fits and one layer fewer
+    streamed does not."""
+    import dataclasses
+
+    from flashguard.config import CacheConfig
+
+    seven = planner.resolve_shape("deepseek-r1-distill-qwen-7b")
+    args = dict(budget=4 * 2**30, context=32768, weights="int4", cache="tiered", prefill_chunk=2048,
+                kv=CacheConfig(), cuda_context=900 * 2**20, group=128)
+    streamed, chunk = planner.layer_placement(seven, **args)
+    head4, _ = planner.layer_placement(dataclasses.replace(seven, lm_head="int4"), **args)
+    assert (streamed, chunk) == (26, 2048) and head4 == 20
+    one = planner.layer_bytes(seven, "int4", 128)
+    assert one == 28 * 0 + (233_046_016 // 2 + 233_046_016 // 128 * 4)   # a layer's codes, scales and zeros
+    kv = planner.sized_kv(seven, budget=args["budget"], context=32768, weights="int4", prefill_chunk=2048,
+                          kv=CacheConfig(), cuda_context=900 * 2**20, group=128, streamed=streamed)
+    p = planner.plan(seven, gpu_mem=planner.planned(args["budget"]), context=32768, weights="int4",
+                     prefill_chunk=2048, kv=kv, group=128, cuda_context=900 * 2**20, streamed=streamed)
+    assert p.fits and p.host["streamed decoder layers (pinned RAM)"] == streamed * one
+    assert p.parts["weights"] == sum(planner.weight_bytes(seven, "int4", 128).values()) - (streamed - 2) * one
+    assert not planner.plan(seven, gpu_mem=planner.planned(args["budget"]), context=32768, weights="int4",
+                            prefill_chunk=2048, kv=kv.replace(l1_tokens=576, l1_max_tokens=576), group=128,
+                            cuda_context=900 * 2**20, streamed=streamed - 1).fits
+    assert planner.layer_placement(seven, **{**args, "budget": 16 * 2**30}) == (0, 2048)   # every layer resident
+    assert planner.layer_placement(seven, **{**args, "weights": "float"}) == (0, 2048)     # float: int4 first
+
+
+def test_a_budget_too_small_to_stream_names_the_smallest(no_network):
+    from flashguard.config import CacheConfig
+    from flashguard.errors import ConfigError
+
+    seven = planner.resolve_shape("deepseek-r1-distill-qwen-7b")
+    args = dict(context=8192, weights="int4", cache="tiered", prefill_chunk=2048, kv=CacheConfig())
+    with pytest.raises(ConfigError) as err:
+        planner.layer_placement(seven, budget=2**30, **args)
+    message = str(err.value)
+    assert "vram_budget" in message and "the smallest vram_budget that works is 2.25 GiB" in message
+    streamed, chunk = planner.layer_placement(seven, budget=int(2.25 * 2**30), **args)   # that budget works
+    assert streamed == 28 and chunk == 256
+    with pytest.raises(ConfigError, match="smallest vram_budget that works is 2.25 GiB"):   # and less does not
+        planner.layer_placement(seven, budget=int(2.25 * 2**30) - 2**25, **args)
 
 
 @pytest.mark.parametrize("name", ["deepseek-r1-distill-qwen-8b", "Qwen/Qwen2.5-7B-Instruct"])

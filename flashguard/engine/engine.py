@@ -15,6 +15,7 @@ Contract:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -146,8 +147,8 @@ class Engine:
             self.model, self.tokenizer = model, tokenizer
             self.dtype = next(model.parameters()).dtype
         else:
-            self.model, self.tokenizer = loader.load(self.source, self.device, self.dtype, config.weights,
-                                                     config.int4_kernel)
+            where, kernel = self._load_target(config)   # host RAM when int4 layers will stream (_place_layers)
+            self.model, self.tokenizer = loader.load(self.source, where, self.dtype, config.weights, kernel)
         log.info("flashguard: loaded %s on %s (%s) in %.1fs", self.source.label, self.device,
                  str(self.dtype).replace("torch.", ""), time.perf_counter() - t0)
         self.adapter = None   # lora_path: on this one engine, so the moderation rail runs with it too
@@ -169,16 +170,18 @@ class Engine:
             from .host_embedding import install
 
             self.embedding_on_host = install(self.model, self.device) > 0
+        self.prefill_chunk = config.prefill_chunk or (self.GPU_CHUNK if self.device.type == "cuda" else self.CPU_CHUNK)
+        self.kv = config.kv
+        self.layer_stream = self._place_layers()   # before DecodeStep: it must see the streamed layers
         self._step = DecodeStep(self.model, graphs=config.cuda_graphs and self.device.type == "cuda") \
             if DecodeStep.supports(self.model) else None
         self.session = None   # the KVSession of the last sequence run (kv/session.py)
         self._hidden: list | None = None  # next_token_state(hidden=True) collects the last forward's states here
         self.store = None  # the tiered cache's PageStore (kv_cache: tiered)
         self.turns: list[Turn] = []  # recent generations, newest last (bounded)
-        # auto: larger chunks on a GPU (fewer launches; measured in docs/benchmarks/e2e_h200.md); halves (for
-        # good) when a chunk does not fit the GPU budget
-        self.prefill_chunk = config.prefill_chunk or (self.GPU_CHUNK if self.device.type == "cuda" else self.CPU_CHUNK)
-        self.kv = config.kv                        # the tiered cache's settings, sized below
+        # prefill_chunk auto (set above): larger chunks on a GPU (fewer launches; measured in
+        # docs/benchmarks/e2e_h200.md); halves (for good) when a chunk does not fit the GPU budget. self.kv: the
+        # tiered cache's settings, sized below
         self.oom_retries = 0
         self.plan = None
         self._fit_to_budget()
@@ -329,7 +332,7 @@ class Engine:
         from ..kv import policy
         from ..vram import plan as planner
 
-        shape = planner.Shape.from_config(self.model.config, self.source.label)
+        shape = self._plan_shape()
         l2_per_token = shape.layers * 2 * shape.kv_heads * shape.head_dim * (1 if self.kv.l2_codec == "int8" else 2)
         if self.vram_budget is None:
             if self.config.kv_cache == "tiered" and not self.kv.sized:
@@ -340,7 +343,8 @@ class Engine:
         self.kv, self.prefill_chunk, self.plan, notes = planner.fit_to_budget(
             shape, budget=self.vram_budget, context=self.context_length, weights=self.weights_kind,
             cache=self.config.kv_cache, prefill_chunk=self.prefill_chunk, kv=self.kv, cuda_context=self.cuda_context,
-            host_available=policy.host_available(), l2_bytes_per_token=l2_per_token, group=self._int4_group())
+            host_available=policy.host_available(), l2_bytes_per_token=l2_per_token, group=self._int4_group(),
+            streamed=self.streamed)
         gib = self.vram_budget / 2**30
         if not self.plan.fits:
             need = self.plan.peak_reserved / 2**30
@@ -357,6 +361,87 @@ class Engine:
             log.warning("flashguard: kv.l1_codec int8 with a pool (%d tokens) shorter than the context (%d): decode "
                         "steps past the pool dequantize the pool in every layer (slow); kv.l1_codec: auto keeps a "
                         "16-bit pool here", self.kv.l1_max_tokens or 0, self.context_length)
+
+    # ---- where the weights live (issue 18) ---------------------------------------------------
+    def _plan_shape(self):
+        """The planner's Shape of the loaded model; ``lm_head`` says whether it is held as int4 codes."""
+        import dataclasses
+
+        from ..quant.int4_linear import Int4Linear
+        from ..vram import plan as planner
+
+        shape = planner.Shape.from_config(self.model.config, self.source.label)
+        head = self.model.get_output_embeddings()
+        if isinstance(head, Int4Linear) or isinstance(getattr(head, "inner", None), Int4Linear):
+            shape = dataclasses.replace(shape, lm_head="int4")
+        return shape
+
+    def _load_target(self, config: EngineConfig) -> tuple[torch.device, str]:
+        """``(device, int4_kernel)`` for the loader: the engine's, or host RAM with the ``dequant`` int4 layout (the
+        Triton kernels' bytes, ``layer_stream.place`` switches them) when the model's int4 decoder layers will not
+        all fit ``vram_budget``: a 7B's would not fit the device to be moved off it after loading."""
+        from ..vram import plan as planner
+
+        if self.vram_budget is None or self.device.type != "cuda" or config.weights != "int4":
+            return self.device, config.int4_kernel
+        try:
+            from transformers import AutoConfig
+
+            cfg = AutoConfig.from_pretrained(
+                loader.gguf_meta_folder(self.source) if self.source.gguf_file else self.source.folder)
+            shape = planner.Shape.from_config(cfg, self.source.label)
+        except (ValueError, OSError, KeyError, AttributeError):   # the loader says what is wrong
+            return self.device, config.int4_kernel
+        context = min(getattr(cfg, "max_position_embeddings", None) or 2048, config.max_context or 1 << 62)
+        streamed, _ = planner.layer_placement(
+            shape, budget=self.vram_budget, context=context, weights="int4", cache=config.kv_cache,
+            prefill_chunk=config.prefill_chunk or self.GPU_CHUNK, kv=config.kv, cuda_context=self.cuda_context)
+        return (torch.device("cpu"), "dequant") if streamed else (self.device, config.int4_kernel)
+
+    def _streamed_count(self) -> int:
+        """How many decoder layers stream (``planner.layer_placement``: the fewest that let the int4 layers and the
+        smallest KV window fit ``vram_budget`` on CUDA; it may halve the prefill chunk, and raises the ConfigError
+        naming ``vram_budget`` and the smallest budget that works)."""
+        from ..vram import plan as planner
+
+        if self.vram_budget is None or self.device.type != "cuda" or self.weights_kind != "int4":
+            return 0
+        streamed, self.prefill_chunk = planner.layer_placement(
+            self._plan_shape(), budget=self.vram_budget, context=self.context_length, weights="int4",
+            cache=self.config.kv_cache, prefill_chunk=self.prefill_chunk, kv=self.kv, cuda_context=self.cuda_context,
+            group=self._int4_group())
+        return streamed
+
+    def _place_layers(self):
+        """The last ``_streamed_count()`` decoder layers in pinned host RAM, copied to the device one layer ahead of
+        use (``layer_stream.place``; DecodeStep's graphs hold the copies, see layer_stream's contract), the rest of
+        the model on the device. Returns the LayerStream, or None (every layer resident)."""
+        from .layer_stream import place
+
+        self.streamed = self._streamed_count()
+        n = self.model.config.num_hidden_layers
+        on_device = all(t.device.type == self.device.type for t in [*self.model.parameters(), *self.model.buffers()])
+        if not self.streamed and on_device:
+            return None
+        if self.streamed:
+            log.info("flashguard: vram_budget %.2f GiB: decoder layers %d-%d stream from pinned host RAM, %d resident",
+                     (self.vram_budget or 0) / 2**30, n - self.streamed, n - 1, n - self.streamed)
+        return place(self.model, self.device, list(range(n - self.streamed, n)), self.config.int4_kernel)
+
+    def placement(self) -> dict:
+        """Where each part of the model lives: the embedding table, lm_head, the resident and streamed layers."""
+        n = self.model.config.num_hidden_layers
+        stats = self.layer_stream.stats() if self.layer_stream is not None else None
+        return {"embedding": "host" if self.embedding_on_host else str(self.device),
+                "lm_head": {"device": str(self.device), "weights": self._plan_shape().lm_head
+                            if self.weights_kind == "int4" else "float"},
+                "layers_resident": list(range(n - self.streamed)),
+                "layers_streamed": list(range(n - self.streamed, n)),
+                "streamed_from": "pinned host RAM" if self.device.type == "cuda" and self.streamed else
+                ("host RAM" if self.streamed else None),
+                "streamed_layer_bytes": stats["layer_bytes"] if stats else 0,
+                "slot_bytes": stats["slot_bytes"] if stats else 0,
+                "layer_copies": stats["copies"] if stats else 0}
 
     @property
     def weights_kind(self) -> str:
@@ -439,10 +524,13 @@ class Engine:
         rest = ids[reused:]
         logits = None
         a = 0
-        while a < len(rest):
-            chunk = self.prefill_chunk  # may shrink inside _forward after an out-of-memory
-            logits = self._forward(rest[a:a + chunk])
-            a += chunk
+        # a prompt's pages stay in L2 while it is prefilled (each chunk attends all of them: none is read back
+        # from disk); their L3 files are written on the store's worker meanwhile (kv/store.py ``deferred``)
+        with self.store.deferred() if self.store is not None and len(rest) > 1 else contextlib.nullcontext():
+            while a < len(rest):
+                chunk = self.prefill_chunk  # may shrink inside _forward after an out-of-memory
+                logits = self._forward(rest[a:a + chunk])
+                a += chunk
         return logits, reused
 
     def _reuse_prefix(self, ids: list[int]) -> int:
@@ -566,6 +654,7 @@ class Engine:
                "cache": self.config.kv_cache, "vram_budget": self.vram_budget, "context": self.context_length,
                "prefill_chunk": self.prefill_chunk,
                "embedding": "host" if self.embedding_on_host else str(self.device),
+               "placement": self.placement(),
                "lora": None if self.adapter is None else {"path": self.adapter.path, "rank": self.adapter.rank,
                                                           "modules": len(self.adapter.layers)}}
         with self.lock:
@@ -580,7 +669,9 @@ class Engine:
                 "l2": {"tokens": k.l2_tokens, "codec": k.l2_codec, "pages_now": store.get("l2_pages", 0),
                        "bytes_now": store.get("l2_bytes", 0)},
                 "l3": {"tokens": k.l3_tokens, "codec": k.l3_codec, "pages_now": store.get("l3_pages", 0),
-                       "dir": self.store.l3_dir if self.store is not None else None},
+                       "dir": self.store.l3_dir if self.store is not None else None,
+                       # why L3 is off or failing (a missing package, an unusable folder), None while it works
+                       "error": None if self.store is None else self.store.l3_error},
                 "peers": self.peers.info() if self.peers is not None else None,
             }
         out["session"] = session

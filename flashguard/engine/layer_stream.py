@@ -17,10 +17,19 @@ Contract:
   ``model.model.layers``; those layers' projections must have the same tensor shapes). Outputs are those of the
   resident model, bit for bit (the same kernels on the same values). Install it before building a ``DecodeStep``
   (its fused int4 projections would keep a resident copy; a streamed layer is marked so it is not fused).
-- On CUDA, while a CUDA graph is being captured, a hook copies its layer's weights on the capturing stream (the
-  graph replays the copy; no prefetch), so captured steps stay correct, without the overlap; from then on eager
-  calls copy every layer on the current stream as well (a replay refills the slots without this object knowing).
-  The CUDA paths are written to this contract but, so far, tested on the CPU only.
+- On CUDA, while a CUDA graph is being captured, a hook copies its layer's weights on the capturing stream: the
+  graph holds the copy as a memcpy node whose source (this layer's pinned host tensors) and target (its slot)
+  never change, so replaying the graph is correct with the copies inside it, issued in order with the compute.
+  That is what ``DecodeStep``'s graphs do, and why: a decode step of one token computes a layer in tens of
+  microseconds while its int4 weights take milliseconds to cross PCIe, so overlapping the copy with compute could
+  save only the compute's share; the copies run back to back either way. Once a graph exists, a replay refills
+  the slots without this object knowing, so an eager forward (a prefill chunk, where compute per layer is as long
+  as the copy and the overlap pays) forgets what the slots hold at its first streamed layer (copying it again
+  after the work queued before) and prefetches from there on; it does not prefetch across the end of a forward
+  (a replay may come next).
+- ``place(model, device, layers)``: the engine's placement: the streamed layers as above, everything else on
+  ``device`` (a model built in host RAM with ``dequant`` int4 layers, whose packed bytes are the ``triton``
+  kernels' format, gets those kernels there).
 - ``layers_to_stream(layers, layer_bytes, room)``: which layers a budget streams (the last ones).
 - ``stats()``: the layers streamed, the bytes per layer, the slots' bytes and the copies made.
 """
@@ -124,18 +133,23 @@ class LayerStream:
     def _arrive(self, j: int) -> None:
         """Before layer ``order[j]`` runs: its weights in its slot, the next streamed layer's copy under way."""
         s = j % len(self.slots)
-        if self.side is not None and (self.captured or torch.cuda.is_current_stream_capturing()):
-            # recorded into the graph: every replay copies, in order. Once a graph exists its replays refill the
-            # slots unseen, so eager calls copy each layer on the current stream too (no skip, no prefetch)
+        if self.side is not None and torch.cuda.is_current_stream_capturing():
+            # recorded into the graph: every replay copies, in order (see the contract)
             self.captured = True
             self._copy(j, capturing=True)
             return
+        if self.captured and j == 0:   # a replay may have refilled the slots since the last eager forward
+            self.held = [None] * len(self.slots)
         if self.held[s] != self.order[j]:
+            if self.side is not None:   # after the work queued before (the last reads of this slot)
+                self.side.wait_stream(torch.cuda.current_stream(self.device))
             self._copy(j, self.side)
         if self.side is not None:
             torch.cuda.current_stream(self.device).wait_event(self.ready[s])
         nxt = (j + 1) % len(self.order)
         t = nxt % len(self.slots)
+        if self.captured and nxt == 0:   # the next forward may be a replay, which copies for itself
+            return
         if t != s and self.held[t] != self.order[nxt]:   # the other slot: its layer's work is queued already
             if self.side is not None:
                 self.side.wait_stream(torch.cuda.current_stream(self.device))
@@ -144,3 +158,23 @@ class LayerStream:
     def stats(self) -> dict:
         return {"layers": list(self.order), "layer_bytes": self.layer_bytes,
                 "slot_bytes": self.layer_bytes * len(self.slots), "copies": self.copies}
+
+
+def place(model: nn.Module, device: torch.device, layers: Sequence[int], int4_kernel: str = "auto") -> "LayerStream | None":
+    """Put ``model`` on ``device`` but for the projections of decoder ``layers``, which stream (``LayerStream``;
+    None when ``layers`` is empty). Int4 layers built in host RAM with the ``dequant`` backend (the loader does so
+    when layers will stream: a 7B's int4 layers would not fit the device first) take the ``triton`` kernels on a
+    CUDA device, whose format is the same packed bytes, scales and zeros; other backends' layouts are per device
+    and must have been built there."""
+    from ..quant.int4_linear import Int4Linear, choose_backend
+
+    device = torch.device(device)
+    stream = LayerStream(model, layers, device) if layers else None
+    model.to(device)   # the resident parts (a host embedding table has no parameters: it stays)
+    if device.type == "cuda":
+        backend = choose_backend(device, int4_kernel)
+        for m in model.modules():
+            if isinstance(m, Int4Linear) and m.backend == "dequant" and backend == "triton" and \
+                    m.group_size in (32, 64, 128, 256):
+                m.backend = "triton"
+    return stream

@@ -67,6 +67,7 @@ class Shape:
     vocab: int
     tied: bool
     qkv_bias: bool
+    lm_head: str = "float"   # "int4" where the loaded model's untied lm_head is an Int4Linear (a GGUF's Q4 codes)
 
     @classmethod
     def from_config(cls, config, name: str = "") -> "Shape":
@@ -89,6 +90,7 @@ class Plan:
     parts: dict  # category -> bytes on the GPU
     host: dict   # category -> bytes in RAM / on disk
     peers: dict = dataclasses.field(default_factory=dict)   # category -> bytes on each peer GPU (kv.peer_gpus)
+    streamed: int = 0   # decoder layers streamed from host RAM (the rest resident)
 
     @property
     def peak_reserved(self) -> int:
@@ -106,6 +108,11 @@ class Plan:
         g = 2**30
         lines = [f"plan: {self.shape.name}, {self.weights_kind} weights, cache {self.cache}, context {self.context}, "
                  f"prefill_chunk {self.prefill_chunk}, GPU {self.gpu_mem / g:.2f} GiB", "",
+                 f"placement: embedding {'host RAM' if self.weights_kind == 'int4' and not self.shape.tied else 'GPU'}"
+                 f", lm_head GPU ({self.shape.lm_head if self.weights_kind == 'int4' else 'float'}), decoder layers "
+                 f"{self.shape.layers - self.streamed} resident"
+                 + (f" + {self.streamed} streamed from pinned host RAM through 2 GPU slots" if self.streamed else ""),
+                 "",
                  "| GPU category | GiB |", "|---|---|"]
         lines += [f"| {k} | {v / g:.3f} |" for k, v in self.parts.items()]
         lines += [f"| **peak reserved (torch)** | **{self.peak_reserved / g:.3f}** |",
@@ -126,28 +133,40 @@ def weight_bytes(s: Shape, kind: str, group: int = AWQ_GROUP_SIZE) -> dict:
                          + 3 * s.hidden * s.intermediate)
     small = s.layers * (2 * s.hidden + ((s.heads * s.head_dim + 2 * kvd) if s.qkv_bias else 0)) + s.hidden
     emb = s.vocab * s.hidden * (1 if s.tied else 2)
+    emb_bytes = emb * 2
     if kind == "int4" and not s.tied:   # the embedding table lives in host RAM; lm_head stays
-        emb = s.vocab * s.hidden
-    if kind == "int4":
-        lin_bytes = linear // 2 + (linear // group) * 2 * 2
-    else:
-        lin_bytes = linear * 2
-    return {"embeddings + lm_head": emb * 2, "decoder linears": lin_bytes, "norms + biases": small * 2}
+        emb_bytes = s.vocab * s.hidden * 2 if s.lm_head != "int4" else int4_bytes(s.vocab * s.hidden, group)
+    lin_bytes = int4_bytes(linear, group) if kind == "int4" else linear * 2
+    return {"embeddings + lm_head": emb_bytes, "decoder linears": lin_bytes, "norms + biases": small * 2}
+
+
+def int4_bytes(params: int, group: int = AWQ_GROUP_SIZE) -> int:
+    """Codes (half a byte each) plus a 16-bit scale and zero per group."""
+    return params // 2 + (params // group) * 2 * 2
+
+
+def layer_bytes(s: Shape, kind: str, group: int = AWQ_GROUP_SIZE) -> int:
+    """One decoder layer's projections on the device (what a streamed layer copies: ``engine/layer_stream.py``)."""
+    return weight_bytes(s, kind, group)["decoder linears"] // s.layers
 
 
 def plan(shape: Shape, *, gpu_mem: int, context: int, weights: str = "int4", cache: str = "tiered",
-         prefill_chunk: int = 512, kv=None, group: int = AWQ_GROUP_SIZE, cuda_context: int = CUDA_CONTEXT) -> Plan:
+         prefill_chunk: int = 512, kv=None, group: int = AWQ_GROUP_SIZE, cuda_context: int = CUDA_CONTEXT,
+         streamed: int = 0) -> Plan:
+    """``streamed``: decoder layers kept in pinned host RAM and copied in one layer ahead (``layer_placement``):
+    the GPU holds the others plus two slots."""
     from ..config import CacheConfig
 
     kv = kv or CacheConfig()
     if cache == "tiered" and not kv.sized:
         kv = sized_kv(shape, budget=gpu_mem, context=context, weights=weights, prefill_chunk=prefill_chunk, kv=kv,
-                      group=group, cuda_context=cuda_context)
+                      group=group, cuda_context=cuda_context, streamed=streamed)
     s = shape
     kvd = s.kv_heads * s.head_dim
     per_token_kv = s.layers * 2 * kvd * 2
     w = weight_bytes(s, weights, group)
-    parts = {"weights": sum(w.values())}
+    one = layer_bytes(s, weights, group)
+    parts = {"weights": sum(w.values()) - streamed * one + min(2, streamed) * one}
     chunk = min(prefill_chunk, context)
     if cache == "dynamic":
         parts["kv cache"] = context * per_token_kv
@@ -184,6 +203,8 @@ def plan(shape: Shape, *, gpu_mem: int, context: int, weights: str = "int4", cac
     parts["allocator slack"] = int(SLACK * sum(parts.values()))
     parts["cuda context"] = cuda_context
     host = {"L2 (host RAM)": l2, "L3 (disk, before zstd)": l3}
+    if streamed:
+        host["streamed decoder layers (pinned RAM)"] = streamed * one
     peers = {}
     if cache == "tiered" and kv.peer_gpus is not None:
         from ..kv.peer import BLOCK_PAGES
@@ -193,7 +214,7 @@ def plan(shape: Shape, *, gpu_mem: int, context: int, weights: str = "int4", cac
         blocks = -(-share // BLOCK_PAGES)
         peers = {"pages (16-bit, in blocks)": blocks * BLOCK_PAGES * kv.page_size * per_token_kv,
                  "cuda context": cuda_context}
-    return Plan(s, gpu_mem, context, weights, cache, prefill_chunk, parts, host, peers)
+    return Plan(s, gpu_mem, context, weights, cache, prefill_chunk, parts, host, peers, streamed)
 
 
 MIN_POOL_PAGES = 8   # the smallest pool worth running: sinks, a few window pages and a hot set
@@ -205,7 +226,7 @@ def planned(budget: int) -> int:
 
 
 def pool_tokens(shape: Shape, *, budget: int, context: int, weights: str, prefill_chunk: int, kv,
-                group: int = AWQ_GROUP_SIZE, cuda_context: int = CUDA_CONTEXT) -> int:
+                group: int = AWQ_GROUP_SIZE, cuda_context: int = CUDA_CONTEXT, streamed: int = 0) -> int:
     """The most tokens the tiered cache's pool (L1) may hold for the plan of ``context`` to fit ``budget`` (the
     process's whole GPU memory, less ``HEADROOM``): a binary search over page multiples; 0 when not even
     ``MIN_POOL_PAGES`` pages fit."""
@@ -218,7 +239,7 @@ def pool_tokens(shape: Shape, *, budget: int, context: int, weights: str, prefil
         k = size_tiers(kv, context=context, pool_tokens=pool, l2_bytes_per_token=1, host_available=None,
                        kv_heads=shape.kv_heads)
         return plan(shape, gpu_mem=planned(budget), context=context, weights=weights, cache="tiered",
-                    prefill_chunk=prefill_chunk, kv=k, group=group, cuda_context=cuda_context).fits
+                    prefill_chunk=prefill_chunk, kv=k, group=group, cuda_context=cuda_context, streamed=streamed).fits
 
     if fits(full):
         return full
@@ -234,7 +255,7 @@ def pool_tokens(shape: Shape, *, budget: int, context: int, weights: str, prefil
 
 def sized_kv(shape: Shape, *, budget: int, context: int, weights: str, prefill_chunk: int, kv,
              group: int = AWQ_GROUP_SIZE, cuda_context: int = CUDA_CONTEXT, host_available: int | None = None,
-             l2_bytes_per_token: int = 1):
+             l2_bytes_per_token: int = 1, streamed: int = 0):
     """``kv`` with its ``auto`` sizes set for ``budget``: the largest pool that fits (at least the minimum, which
     ``fit_to_budget`` reports when even that does not fit). ``kv.l1_codec: auto`` becomes int8 when a 16-bit
     pool would be shorter than the context and an int8 pool holds all of it (the head size allowing it), else
@@ -245,7 +266,7 @@ def sized_kv(shape: Shape, *, budget: int, context: int, weights: str, prefill_c
 
     def largest(k):
         return pool_tokens(shape, budget=budget, context=context, weights=weights, prefill_chunk=prefill_chunk,
-                           kv=k, group=group, cuda_context=cuda_context)
+                           kv=k, group=group, cuda_context=cuda_context, streamed=streamed)
 
     if kv.l1_codec == "auto":
         fp16 = kv.replace(l1_codec="fp16")
@@ -331,7 +352,7 @@ def resolve_shape(model: str) -> Shape:
 
 def fit_to_budget(shape: Shape, *, budget: int, context: int, weights: str, cache: str, prefill_chunk: int,
                   kv, cuda_context: int = CUDA_CONTEXT, host_available: int | None = None,
-                  l2_bytes_per_token: int = 1, group: int = AWQ_GROUP_SIZE) -> tuple:
+                  l2_bytes_per_token: int = 1, group: int = AWQ_GROUP_SIZE, streamed: int = 0) -> tuple:
     """What the engine does with ``vram_budget`` (``budget``: the process's whole GPU memory, CUDA context
     included) at start: the prefill chunk shrunk while not even the smallest
     pool fits beside it, then the tiered cache's ``auto`` sizes set (the largest pool that fits; see
@@ -344,7 +365,7 @@ def fit_to_budget(shape: Shape, *, budget: int, context: int, weights: str, cach
 
     def plan_of(k, c) -> Plan:
         return plan(shape, gpu_mem=planned(budget), context=context, weights=weights, cache=cache,
-                    prefill_chunk=c, kv=k, group=group, cuda_context=cuda_context)
+                    prefill_chunk=c, kv=k, group=group, cuda_context=cuda_context, streamed=streamed)
 
     chunk = prefill_chunk
     if cache == "tiered" and not kv.sized:
@@ -354,7 +375,7 @@ def fit_to_budget(shape: Shape, *, budget: int, context: int, weights: str, cach
             chunk //= 2
         kv = sized_kv(shape, budget=budget, context=context, weights=weights, prefill_chunk=chunk, kv=kv,
                       group=group, cuda_context=cuda_context, host_available=host_available,
-                      l2_bytes_per_token=l2_bytes_per_token)
+                      l2_bytes_per_token=l2_bytes_per_token, streamed=streamed)
     else:
         while not plan_of(kv, chunk).fits and chunk > 256:
             chunk //= 2
@@ -372,3 +393,47 @@ def fit_to_budget(shape: Shape, *, budget: int, context: int, weights: str, cach
         notes.append(f"the plan for {context} tokens still exceeds vram_budget; set {hint} "
                      "(`flashguard plan` shows the categories)")
     return kv, chunk, final, notes
+
+
+MIN_STREAMED = 3   # streaming fewer layers saves nothing: the GPU holds two layers' slots besides the resident ones
+
+
+def layer_placement(shape: Shape, *, budget: int, context: int, weights: str, cache: str, prefill_chunk: int, kv,
+                    cuda_context: int = CUDA_CONTEXT, group: int = AWQ_GROUP_SIZE) -> tuple[int, int]:
+    """How many decoder layers stream from pinned host RAM (``engine/layer_stream.py``) for the plan of ``context``
+    to fit ``budget`` (the process's whole GPU memory): 0 when every layer fits beside the smallest KV pool
+    (``MIN_POOL_PAGES`` pages and the sinks, or ``kv``'s explicit sizes); else the fewest, at least
+    ``MIN_STREAMED``: resident layers are preferred to a longer pool, since a streamed layer costs its whole
+    weights over PCIe every step while pages past the pool cost only what a step reads of them (sparse: a few
+    MB). The last layers stream. Only int4 weights stream (a float model is told to use int4 first).
+
+    Returns ``(streamed, prefill_chunk)``: the chunk is halved (down to 256) only when even every layer streamed
+    does not fit. A budget that cannot hold even that is a ``ConfigError`` naming ``vram_budget`` and the smallest
+    budget that works."""
+    from ..errors import ConfigError
+    from ..kv.policy import size_tiers
+
+    if cache == "tiered" and not kv.sized:
+        kv = size_tiers(kv, context=context, pool_tokens=MIN_POOL_PAGES * kv.page_size + kv.sink_tokens,
+                        l2_bytes_per_token=1, host_available=None, kv_heads=shape.kv_heads)
+
+    def smallest(streamed: int, chunk: int) -> Plan:
+        return plan(shape, gpu_mem=planned(budget), context=context, weights=weights, cache=cache,
+                    prefill_chunk=chunk, kv=kv, group=group, cuda_context=cuda_context, streamed=streamed)
+
+    if weights != "int4" or smallest(0, prefill_chunk).fits:
+        return 0, prefill_chunk
+    for streamed in range(MIN_STREAMED, shape.layers + 1):
+        if smallest(streamed, prefill_chunk).fits:
+            return streamed, prefill_chunk
+    chunk = prefill_chunk
+    while chunk > 256:
+        chunk //= 2
+        if smallest(shape.layers, chunk).fits:
+            return shape.layers, chunk
+    need = smallest(shape.layers, chunk).total / (1 - HEADROOM)
+    need = -(-int(need) // 2**24) * 2**24   # up to a multiple of 16 MiB
+    raise ConfigError(
+        f"{budget / 2**30:.2f} GiB cannot hold {shape.name}'s lm_head, two streamed decoder layers "
+        f"({2 * layer_bytes(shape, weights, group) / 2**20:.0f} MiB) and the smallest KV window beside the CUDA "
+        f"context; the smallest vram_budget that works is {need / 2**30:.2f} GiB", key="vram_budget")
