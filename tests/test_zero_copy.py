@@ -35,7 +35,7 @@ def test_device_picked_pages_match_the_host_path(interpreted, monkeypatch):
     step, outs, reads = DecodeStep(model, graphs=False), [], []
     host_path = TieredCache.zero_copy
     for device_path in (True, False):
-        monkeypatch.setattr(TieredCache, "zero_copy", (lambda self, d: True) if device_path else host_path)
+        monkeypatch.setattr(TieredCache, "zero_copy", (lambda self, d, upto=None: True) if device_path else host_path)
         cache = TieredCache(cfg, CacheConfig(page_size=64, l1_tokens=256, sink_tokens=64, l1_max_tokens=512,
                                              budget_tokens=256, l3_tokens=0)).attach(model)
         with torch.inference_mode():

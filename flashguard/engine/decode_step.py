@@ -218,6 +218,12 @@ class DecodeStep:
             view = cache.sparse_view()   # off the pool: the sparse step as fixed-shape kernels (kv/sparse_step.py)
         if view is not None:   # a TieredCache's whole step, attention included, as one graph
             logits = self._whole_step(view)
+            # pages the sparse step picked were only on disk (L3): promoted to L2 now, the step again
+            while view is not None and hasattr(cache, "promote_missed") and cache.promote_missed():
+                view = cache.sparse_view()
+                if view is None:   # (cannot happen: nothing the view depends on changed but the slots)
+                    return self._layers(self._attend, cache)
+                logits = self._whole_step(view)
             cache.advance(1)
             return logits
         if self.use_graphs and self.graphs is None:

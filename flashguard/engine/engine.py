@@ -15,6 +15,7 @@ Contract:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -523,10 +524,13 @@ class Engine:
         rest = ids[reused:]
         logits = None
         a = 0
-        while a < len(rest):
-            chunk = self.prefill_chunk  # may shrink inside _forward after an out-of-memory
-            logits = self._forward(rest[a:a + chunk])
-            a += chunk
+        # a prompt's pages stay in L2 while it is prefilled (each chunk attends all of them: none is read back
+        # from disk); their L3 files are written on the store's worker meanwhile (kv/store.py ``deferred``)
+        with self.store.deferred() if self.store is not None and len(rest) > 1 else contextlib.nullcontext():
+            while a < len(rest):
+                chunk = self.prefill_chunk  # may shrink inside _forward after an out-of-memory
+                logits = self._forward(rest[a:a + chunk])
+                a += chunk
         return logits, reused
 
     def _reuse_prefix(self, ids: list[int]) -> int:
@@ -665,7 +669,9 @@ class Engine:
                 "l2": {"tokens": k.l2_tokens, "codec": k.l2_codec, "pages_now": store.get("l2_pages", 0),
                        "bytes_now": store.get("l2_bytes", 0)},
                 "l3": {"tokens": k.l3_tokens, "codec": k.l3_codec, "pages_now": store.get("l3_pages", 0),
-                       "dir": self.store.l3_dir if self.store is not None else None},
+                       "dir": self.store.l3_dir if self.store is not None else None,
+                       # why L3 is off or failing (a missing package, an unusable folder), None while it works
+                       "error": None if self.store is None else self.store.l3_error},
                 "peers": self.peers.info() if self.peers is not None else None,
             }
         out["session"] = session

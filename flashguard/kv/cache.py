@@ -377,7 +377,7 @@ class TieredLayer(CacheLayerMixin):
         straight from host RAM instead: no host gather, no staging copy (the prefill of a prompt longer than the
         pool streams every page that left it for every chunk)."""
         arena, stream = self.owner.store.arena, self.owner.copy_stream(self.device)
-        if self.owner.zero_copy(self.device) and pages == list(range(pages[0], pages[-1] + 1)):
+        if self.owner.zero_copy(self.device, pages[-1] + 1) and pages == list(range(pages[0], pages[-1] + 1)):
             slots = self.owner.device_slots(self.device, pages[-1] + 1)
             for a in range(0, len(pages), block):
                 rows = uva.gather_rows(arena.data[self.index], slots[pages[a]:pages[min(a + block, len(pages)) - 1] + 1],
@@ -432,7 +432,7 @@ class TieredLayer(CacheLayerMixin):
         pick = self._pick(qg, first, last)
         edge = self.win_start // self.owner.page_size - self.owner.adapt_pages - first
         owner = self.owner
-        if owner.zero_copy(self.device):
+        if owner.zero_copy(self.device, last):
             slots = owner.device_slots(self.device, last)[first:last]
             slots = slots if pick is None else slots[pick]
             arena = owner.store.arena
@@ -497,6 +497,10 @@ class TieredCache(Cache):
         self.peers = None                       # kv/peer.PeerTier holding off-window pages on other GPUs, if any
         self.sparse_state = None                # sparse_step.SparseState, made at the first one-graph sparse step
         self._adapted_at = -1                   # the length at which the window last adapted
+        self._on_disk = False                   # the sparse step's slot table has a page only in L3
+        self._in_l2, self._in_l2_key = True, None   # zero_copy: every page below a bound is in L2 (cached)
+        self._warmed_at = -1                    # the length at which the picked pages were last reported
+        self._retried_at = (-1, 0)              # promote_missed: (length, steps run again at that length)
         super().__init__(layers=[TieredLayer(self, i) for i in range(self.num_layers)])
 
     # ---- wiring ----------------------------------------------------------------------------
@@ -558,9 +562,10 @@ class TieredCache(Cache):
         if sinks > first:
             self._store_pages(first, sinks)
 
-    def _store_pages(self, first: int, end: int) -> None:
+    def _store_pages(self, first: int, end: int, to_peers: bool = True) -> None:
         """Write the pages in [first, end) that are not in the store yet from L1 to the store (one encode and one
-        host copy per ``SETTLE_PAGES``); the store takes one reference per page for this cache."""
+        host copy per ``SETTLE_PAGES``); the store takes one reference per page for this cache. ``to_peers``
+        False: not on the peer GPUs (pages a crop is about to drop from this sequence)."""
         p = self.page_size
         runs: list[list[int]] = []
         for i in range(first, end):
@@ -583,7 +588,7 @@ class TieredCache(Cache):
                 page_bounds.append(layer.page_bounds(lo, hi))   # kept since the pages filled: not computed again
             self.store.put_many(self.page_keys[lo:hi], torch.stack(ks), torch.stack(vs), torch.stack(page_bounds, dim=1))
             sinks = self.sink_tokens // p
-            if self.peers is not None and hi > sinks and self.peers.lost is None:   # off-window pages: on the peers too
+            if to_peers and self.peers is not None and hi > sinks and self.peers.lost is None:   # off-window pages: on the peers too
                 at = max(lo, sinks) - lo
                 try:
                     self.peers.put(lo + at, torch.stack(ks)[:, :, at:], torch.stack(vs)[:, :, at:])
@@ -687,7 +692,7 @@ class TieredCache(Cache):
         if last - first <= kvh * budget:
             return None
         dev = l0.device
-        if not (self.zero_copy(dev) if dev.type == "cuda" else self.store.l3_pages == 0):
+        if dev.type == "cuda" and not self._zero_copy_base(dev):
             return None
         from .sparse_step import SparseKV, SparseState
 
@@ -696,19 +701,86 @@ class TieredCache(Cache):
         st = self.sparse_state
         for i, layer in enumerate(self.layers):   # the window adapts to what the replayed graphs write
             layer.last_reach = st.reach[i]
-        if st.slots_key != (self.store.epoch, last):
+        if st.slots_key != (self.store.moves, last):
+            # L2 slot of every page, -1 for a page only in L3: a step that picks one records it in ``missed``,
+            # the host promotes it (``promote_missed``: one disk read) and the step runs again
+            slots = self.store.peek_slots(self.page_keys[:last])
+            if slots is None:
+                raise PageLost("a page of this sequence is gone from the store")
             if st.slots.shape[0] < last:   # grown by doubling: a new buffer (and graph) only now and then
-                st.slots = torch.zeros(max(last, 2 * st.slots.shape[0], 256), dtype=torch.long, device=dev)
-            st.slots[:last].copy_(self.device_slots(dev, last))
-            st.slots_key = (self.store.epoch, last)
+                cap = max(last, 2 * st.slots.shape[0], 256)
+                st.slots = torch.zeros(cap, dtype=torch.long, device=dev)
+                seen = torch.full((cap,), -1, dtype=torch.long, device=dev)
+                seen[:st.seen.shape[0]] = st.seen
+                st.seen = seen
+            st.slots[:last].copy_(_index(slots, dev))
+            st.slots_key = (self.store.moves, last)
+            self._on_disk = -1 in slots
+        if st.missed.shape != (self.num_layers, kvh * budget):
+            st.missed = torch.full((self.num_layers, kvh * budget), -1, dtype=torch.long, device=dev)
+        if self.length - self._warmed_at >= self.WARM_EVERY:
+            self._warm_picked()
         for t, value in ((st.l1_pos, l0.l1_len), (st.used, l0.l1_len + 1), (st.first, first), (st.last, last),
-                         (st.edge, last - self.adapt_pages)):
+                         (st.edge, last - self.adapt_pages), (st.tick, self.length)):
             t.fill_(value)
         self.page_reads += kvh * budget * self.num_layers
         key = ("sparse", tuple((layer.l1_k.data_ptr(), layer.l1_v.data_ptr(), layer.bounds.data_ptr(),
                                 layer.bounds.shape[2]) for layer in self.layers),
-               self.store.arena.data.data_ptr(), st.slots.data_ptr(), budget, l0.l1_k.shape[1])
+               self.store.arena.data.data_ptr(), st.slots.data_ptr(), st.seen.data_ptr(), st.missed.data_ptr(),
+               budget, l0.l1_k.shape[1])
         return SparseKV(self, key, self.length, budget)
+
+    WARM_EVERY = 8   # decode steps between two reports of the pages the one-graph steps read (store heat)
+
+    def step_slots(self, i: int, pages: torch.Tensor) -> torch.Tensor:
+        """Inside the one-graph sparse step (layer ``i``): the L2 slots of the ``pages`` it picked (a device
+        index), noting them as read at this step (``seen``: the store's heat, ``_warm_picked``) and those whose
+        only copy is in L3 (``missed``: after the step the host promotes them and runs it again). Fixed shapes,
+        no host decision."""
+        st = self.sparse_state
+        slots = st.slots[pages]
+        st.missed[i].copy_(torch.where(slots < 0, pages, -1))
+        st.seen.index_copy_(0, pages, st.tick.expand(pages.shape[0]))
+        return slots.clamp(min=0)
+
+    def _warm_picked(self) -> None:
+        """Tell the store which pages the one-graph steps read since the last report (zero-copy reads bypass it),
+        so its policy keeps them in L2 and demotes what decoding no longer reads."""
+        st = self.sparse_state
+        n = min(st.seen.shape[0], len(self.page_keys))
+        seen = st.seen[:n].cpu()
+        picked = torch.nonzero(seen >= self._warmed_at).flatten().tolist() if self._warmed_at >= 0 else \
+            torch.nonzero(seen >= 0).flatten().tolist()
+        self._warmed_at = self.length
+        if picked:
+            self.store.warm([self.page_keys[p] for p in picked])
+
+    MAX_RETRIES = 4
+
+    def promote_missed(self) -> bool:
+        """After a one-graph sparse step: True when it picked pages whose only copy was in L3; they are promoted
+        to L2 now (each read from disk once) and the caller runs the step again (``sparse_view`` then replay:
+        the replay writes the same new token and overwrites what the first one wrote). False at no cost while
+        no page of this sequence is in L3."""
+        st = self.sparse_state
+        if st is None or not self._on_disk or st.missed.numel() == 0:
+            return False
+        missed = st.missed.flatten().tolist()   # (a copy: on a CPU ``.cpu()`` would be the same tensor)
+        st.missed.fill_(-1)
+        if max(missed) < 0:
+            return False
+        if self._retried_at == (self.length, self.MAX_RETRIES):
+            return False   # (cannot happen: the second pass finds every picked page in L2)
+        tries = self._retried_at[1] + 1 if self._retried_at[0] == self.length else 1
+        self._retried_at = (self.length, tries)
+        # every page the step picked, in one call: the missed ones are promoted (one disk read each) and none of
+        # them is demoted meanwhile (L2 goes over budget rather than drop a page this step reads)
+        seen = st.seen[:min(st.seen.shape[0], len(self.page_keys))].cpu()
+        keys = [self.page_keys[p] for p in torch.nonzero(seen == self.length).flatten().tolist()]
+        self.store.warm(keys)
+        if self.store.slots(keys) is None:
+            raise PageLost("a page of this sequence is gone from the store")
+        return True
 
     def advance(self, n: int = 1) -> None:
         """``n`` tokens were written into every layer's L1 buffer outside ``update`` (a whole-step graph): count
@@ -721,11 +793,25 @@ class TieredCache(Cache):
         if self.length // self.page_size > len(self.page_keys) and self.layers[0].resident:
             self._settle_pages()
 
-    def zero_copy(self, device: torch.device) -> bool:
-        """Sparse decoding reads pages on the GPU straight from the pinned L2 arena (``uva.py``): when the config
-        allows it, every page is in L2 (L3 pages need the host) and the arena is pinned."""
-        return (self.config.zero_copy and device.type == "cuda" and self.store.l3_pages == 0
-                and self.store.arena.pinned and uva.available(device))
+    def _zero_copy_base(self, device: torch.device) -> bool:
+        return (self.config.zero_copy and device.type == "cuda" and self.store.arena.pinned
+                and uva.available(device))
+
+    def zero_copy(self, device: torch.device, upto: int | None = None) -> bool:
+        """The layer-by-layer paths read pages on the GPU straight from the pinned L2 arena (``uva.py``): when the
+        config allows it, the arena is pinned, and every page of this sequence below ``upto`` (default: all
+        stored) is in L2 (a page only in L3 needs the host; other sequences' L3 pages do not matter). The
+        one-graph sparse step serves L3 pages itself (``promote_missed``)."""
+        if not self._zero_copy_base(device):
+            return False
+        if self.store.l3_pages == 0:
+            return True
+        upto = len(self.page_keys) if upto is None else upto
+        key = (self.store.moves, upto)
+        if self._in_l2_key != key:
+            slots = self.store.peek_slots(self.page_keys[:upto])
+            self._in_l2, self._in_l2_key = slots is not None and -1 not in slots, key
+        return self._in_l2
 
     def device_slots(self, device: torch.device, upto: int) -> torch.Tensor:
         """L2 slot of pages [0, upto) (pages that left the window: all stored), as a device tensor (rebuilt when
@@ -864,10 +950,18 @@ class TieredCache(Cache):
         self._adapted_at = -1
         if self.sparse_state is not None:   # page i may be another page after the crop: refill the slot table
             self.sparse_state.slots_key = None
+            self.sparse_state.seen.fill_(-1)
+        self._warmed_at = -1
         if self.layers[0].is_initialized:
             self._settle_pages()
         length = max(0, length)
         keep = length // self.page_size
+        # the full pages the crop drops that are only in L1 (the window) go to the store first, as ``release`` does:
+        # a later sequence with the same prefix adopts them (a crop to a few tokens, e.g. the output rail judging a
+        # reply in windows, otherwise lost the whole window: 41K tokens re-prefilled at 128K)
+        keyed = min(len(self.page_keys), len(self.token_ids) // self.page_size)   # pages keyed by their token ids
+        if self.store is not None and self.layers[0].is_initialized and keyed > keep:
+            self._store_pages(keep, keyed, to_peers=False)
         dropped = [k for k, kept in zip(self.page_keys[keep:], self.stored[keep:]) if kept]
         l0 = self.layers[0]
         if length >= l0.win_start or length <= self.sink_tokens:
@@ -915,6 +1009,8 @@ class TieredCache(Cache):
         self.peers = None            # the next session resets the peers: nothing to send them now
         if self.sparse_state is not None:
             self.sparse_state.slots_key = None
+            self.sparse_state.seen.fill_(-1)
+        self._warmed_at, self._on_disk = -1, False
         if keep_pages and self.store is not None and self.layers[0].is_initialized and self.page_keys:
             try:
                 self._settle_pages()

@@ -84,12 +84,18 @@ class TierPolicy:
     ``heat``; insertion order is least recently used first)."""
 
     decay: float = 0.5
+    hot_seconds: float = 2.0   # a page decoding read (``PageStore.warm``) this recently stays in L2, over budget
 
     def l2_victims(self, pages: dict, n: int, protect: set) -> list:
-        """Up to ``n`` keys of pages in L2 to demote: coldest first; LRU order breaks ties (sorted is stable)."""
+        """Up to ``n`` keys of pages in L2 to demote: coldest first; LRU order breaks ties (sorted is stable). A page
+        decoding read in the last ``hot_seconds`` is not one: L2 holds what decoding reads (the budget bounds the
+        cold pages), so a page promoted from L3 is not read from disk again while it stays hot."""
         if n <= 0:
             return []
-        in_l2 = [k for k, p in pages.items() if p.l2 is not None and k not in protect]
+        import time
+
+        hot = time.monotonic() - self.hot_seconds
+        in_l2 = [k for k, p in pages.items() if p.l2 is not None and k not in protect and p.read_at < hot]
         return sorted(in_l2, key=lambda k: pages[k].heat)[:n]
 
     def cool(self, pages: dict) -> None:

@@ -38,6 +38,11 @@ class SparseState:
         self.slots = torch.zeros(0, dtype=torch.long, device=device)   # L2 slot of page i, i < len
         self.slots_key = None
         self.reach = torch.zeros(layers, dtype=torch.long, device=device)
+        # L3 pages (TieredCache.step_slots): the step number, the last step that picked page i (-1: none), and per
+        # layer the picked pages whose slot was -1 (only on disk; -1 elsewhere)
+        self.tick = scalar(torch.long)
+        self.seen = torch.full((0,), -1, dtype=torch.long, device=device)
+        self.missed = torch.full((layers, 0), -1, dtype=torch.long, device=device)
 
 
 class SparseKV:
@@ -67,7 +72,7 @@ class SparseKV:
         top = bound.topk(self.budget_pages, dim=-1).indices                    # [kvh, budget]
         score = bound.amax(dim=0).scatter(0, top.flatten(), float("inf"))
         pages = score.topk(kvh * self.budget_pages).indices                     # absolute page indices
-        slots = st.slots[pages]
+        slots = cache.step_slots(i, pages)   # -1 (an L3 page) noted and clamped: the host promotes it, the step again
         arena = cache.store.arena
         if q.is_cuda:
             rows = uva.gather_rows(arena.data[i], slots, q.device)

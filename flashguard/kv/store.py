@@ -19,11 +19,18 @@ Contract:
   for free). When L3 is full the policy's coldest unreferenced page gives its file up; with no such page (or
   L3 disabled) an unreferenced page is forgotten and a referenced one stays in L2 over budget: nothing a live
   sequence needs is ever dropped. A page read from L3 is promoted to L2 and stays there while it is read.
+- The one-graph sparse step reads L2 without asking the store: ``peek_slots(keys)`` gives its slot table (-1 for a
+  page only in L3, nothing promoted; valid until ``moves`` changes), ``warm(keys)`` reports what it read (a page
+  decoding read lately stays in L2 over budget: ``TierPolicy.hot_seconds``), and its misses are promoted with
+  ``slots``. ``deferred()`` (a prefill): pages over budget stay in L2 and their L3 files are written on a worker;
+  L2 is trimmed at the end, for free. ``spill()`` moves every unreferenced page to L3.
 - ``check_integrity()`` raises AssertionError if the bookkeeping is inconsistent (tests call it).
+- Why L3 is off or failing (a missing package, an unusable folder) is ``l3_error``, warned once.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import threading
@@ -64,6 +71,7 @@ class _Page:
     l3: str | None = None        # file path
     summary: torch.Tensor | None = None  # [layers, kv_heads, 2, head_dim] key min/max, CPU
     heat: float = 0.0
+    read_at: float = -1e9        # time.monotonic() of the last decoding read (``warm``): hot pages stay in L2
 
 
 @dataclass
@@ -205,19 +213,29 @@ class PageStore:
         self.pin = pin_memory
         self.arena = L2Arena(pin_memory)
         self.epoch = 0  # bumped whenever a page leaves its L2 slot (callers may cache key -> slot until then)
+        self.moves = 0  # bumped whenever a page enters or leaves an L2 slot (``peek_slots`` tables are valid until)
+        self._deferred = 0                 # > 0 inside ``deferred()``: pages over budget stay in L2
+        self._writer = None                # the thread that writes L3 files inside ``deferred()``
+        self._pending: dict = {}           # key -> Future of an L3 write in flight
         self.pages: "OrderedDict[bytes, _Page]" = OrderedDict()  # LRU order: oldest first
         self.lock = threading.RLock()
         self.stats = TierStats()
         self.l3_enabled = config.l3_tokens > 0
         self.disk = None
+        self.l3_error: str | None = None   # why L3 is off or failing (engine_info's tiers.l3.error), None while fine
+        self._warned: set = set()
         if self.l3_enabled:
             try:
                 self.disk = L3Folder(config.l3_dir, encrypt=config.l3_encrypt)
             except OSError as exc:
                 self._disk_warning(f"cannot create the L3 folder {config.l3_dir!r}: {exc.strerror}")
+            except ImportError as exc:   # a dependency missing from this Python (cryptography, psutil)
+                self._disk_warning(f"L3 needs the `{exc.name or exc}` package, which this Python lacks "
+                                   f"(pip install {exc.name or 'cryptography'}"
+                                   + ("; or kv.l3_encrypt: false, checksummed unencrypted pages"
+                                      if exc.name and exc.name.startswith("cryptography") else "") + ")")
         self.l3_dir = self.disk.path if self.disk else None
         self.l3_pages = 0  # pages with a file in L3 (kept, not recounted on every demotion)
-        self._warned: set = set()
         self.l2_pages_max = max(1, config.l2_tokens // config.page_size)
         self.l3_pages_max = config.l3_tokens // config.page_size
 
@@ -250,6 +268,7 @@ class PageStore:
             for j, i in enumerate(new):
                 slot = self.arena.write({n: (t if n == "bits" else t[:, :, j]) for n, t in enc.items()})
                 self.pages[keys[i]] = _Page(refs=1, l2=slot, summary=summary[j].clone())
+            self.moves += 1
             self.stats.codec_seconds += time.perf_counter() - t0
             self.stats.bytes_to_l2 += len(new) * self.arena.page_bytes()
             self._enforce_budgets()
@@ -300,6 +319,31 @@ class PageStore:
                 out.append(slot)
             return out
 
+    def peek_slots(self, keys: list[bytes]) -> list[int] | None:
+        """L2 slots of ``keys``, -1 for a page whose only copy is in L3: nothing is promoted, touched or counted
+        (the one-graph sparse step's slot table: a picked page at -1 is promoted by the host, and the step runs
+        again). None when a key is unknown. Valid until ``moves`` changes."""
+        with self.lock:
+            out = []
+            for key in keys:
+                page = self.pages.get(key)
+                if page is None:
+                    return None
+                out.append(-1 if page.l2 is None else page.l2)
+            return out
+
+    def warm(self, keys) -> None:
+        """Pages attention read without asking the store (zero-copy reads in the one-graph step): they count as
+        read now for the policy (heat, recency), so what decoding keeps reading is not what leaves L2."""
+        now = time.monotonic()
+        with self.lock:
+            for key in keys:
+                page = self.pages.get(key)
+                if page is not None:
+                    page.heat += 1.0
+                    page.read_at = now
+                    self.pages.move_to_end(key)
+
     def count_hits(self, n: int) -> None:
         """L2 reads a caller served from its own copy of the slot table (``slots`` while ``epoch`` held)."""
         self.stats.hits["l2"] += n
@@ -344,12 +388,100 @@ class PageStore:
         enc = codecs.encode(k, v, self.config.l2_codec)
         self.stats.codec_seconds += time.perf_counter() - t0
         page.l2 = self.arena.write(enc)
+        self.moves += 1
         self._enforce_budgets(protect=protect | {key})
 
     # ---- budgets --------------------------------------------------------------------------
+    class _Deferred:
+        def __init__(self, store):
+            self.store = store
+
+        def __enter__(self):
+            with self.store.lock:
+                self.store._deferred += 1
+            return self.store
+
+        def __exit__(self, *exc):
+            self.store._end_deferred()
+            return False
+
+    def deferred(self):
+        """A context (a prefill): pages over the L2 budget stay in L2 (the next chunk attends every page of the
+        prompt: none is read back from disk), and their L3 files are written meanwhile on a worker thread, off
+        the prefill's path. At the end, the writes still in flight are waited for and L2 is brought back to its
+        budget: pages that have their file leave it for free."""
+        return self._Deferred(self)
+
+    def _end_deferred(self) -> None:
+        with self.lock:
+            self._deferred -= 1
+            if self._deferred:
+                return
+            pending = list(self._pending.values())
+        for fut in pending:
+            fut.result()
+        with self.lock:
+            self._enforce_budgets()
+
+    def _write_later(self, key: bytes, page: _Page) -> None:
+        """Write ``page``'s L3 file on the worker (inside ``deferred``): its L2 rows are copied now, under the lock."""
+        if key in self._pending or self.l3_pages + len(self._pending) >= self.l3_pages_max:
+            return
+        if self._writer is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._writer = ThreadPoolExecutor(1, thread_name_prefix="flashguard-l3")
+        rows = self.arena.data[:, page.l2].clone()
+        self._pending[key] = self._writer.submit(self._write_file, key, rows)
+
+    @contextlib.contextmanager
+    def _worker_device(self):
+        if not (self.pin and torch.cuda.is_available() and torch.cuda.is_initialized()):
+            yield torch.device("cpu")
+            return
+        if getattr(self, "_worker_stream", None) is None:
+            self._worker_stream = torch.cuda.Stream()
+        with torch.cuda.stream(self._worker_stream):
+            yield torch.device("cuda", torch.cuda.current_device())
+
+    def _write_file(self, key: bytes, rows: torch.Tensor) -> None:
+        try:
+            t0 = time.perf_counter()
+            with torch.inference_mode(), self._worker_device() as device:
+                # on a GPU (a store that serves one): the codec work there, on the worker's own stream
+                k, v = codecs.decode(self.arena.fields_of(rows.to(device)), torch.float32)
+                blob = codecs.to_bytes({n: t.cpu() for n, t in codecs.encode(k, v, self.config.l3_codec).items()})
+            t1 = time.perf_counter()
+            path = self.disk.write(key, blob)
+            t2 = time.perf_counter()
+        except OSError as exc:
+            with self.lock:
+                self._pending.pop(key, None)
+                self.stats.disk_errors += 1
+                self._disk_warning(f"cannot write to the L3 folder {self.l3_dir}: {exc.strerror or exc}")
+            return
+        with self.lock:
+            self._pending.pop(key, None)
+            page = self.pages.get(key)
+            if page is None or page.l3 is not None:
+                self.disk.remove(path)
+                return
+            page.l3 = path
+            self.l3_pages += 1
+            self.stats.codec_seconds += t1 - t0
+            self.stats.disk_seconds += t2 - t1
+            self.stats.bytes_to_l3 += len(blob)
+
     def _enforce_budgets(self, protect: set = frozenset()) -> None:
         excess = self.arena.capacity - len(self.arena.free) - self.l2_pages_max
         if excess <= 0:
+            return
+        if self._deferred:
+            if self.disk is not None:
+                for key in self.policy.l2_victims(self.pages, excess, protect):
+                    page = self.pages[key]
+                    if page.l3 is None:
+                        self._write_later(key, page)
             return
         for key in self.policy.l2_victims(self.pages, excess, protect):
             self._demote(key, self.pages[key], protect)
@@ -376,9 +508,19 @@ class PageStore:
             self.arena.release(page.l2)
             page.l2 = None
             self.epoch += 1
+            self.moves += 1
         if page.l3 is None and page.refs == 0:
             del self.pages[key]  # unreferenced and no room on disk: forget it (a later miss recomputes)
         # else: referenced and L3 unavailable -> stays in L2 over budget; nothing a sequence needs is lost
+
+    def spill(self) -> int:
+        """Every page no sequence references leaves L2 for L3 (written where it has no file yet); returns how many.
+        What a long idle time does to a stored conversation: the benchmark's new session "every page in L3"."""
+        with self.lock:
+            keys = [k for k, p in self.pages.items() if p.l2 is not None and p.refs == 0]
+            for key in keys:
+                self._demote(key, self.pages[key])
+            return sum(1 for k in keys if k in self.pages and self.pages[k].l2 is None)
 
     def _evict_l3(self, protect: set) -> None:
         """L3 is full: the policy's victim gives its file up (forgotten when it has no L2 copy either)."""
@@ -394,6 +536,7 @@ class PageStore:
             del self.pages[key]
 
     def _disk_warning(self, text: str) -> None:
+        self.l3_error = text
         self._warn_once("disk", text + "; continuing with host RAM (L2) only")
 
     def _warn_once(self, kind: str, text: str) -> None:
@@ -420,6 +563,8 @@ class PageStore:
                     "l3_evictions": s.l3_evictions}
 
     def check_integrity(self) -> None:
+        for fut in list(self._pending.values()):
+            fut.result()
         with self.lock:
             for key, p in self.pages.items():
                 assert p.refs >= 0, f"negative refcount on {key.hex()}"
@@ -435,6 +580,8 @@ class PageStore:
                 assert p.summary is not None and p.summary.dim() == 4
 
     def close(self) -> None:
+        if self._writer is not None:
+            self._writer.shutdown(wait=True)
         if self.disk is not None:
             self.disk.close()
 

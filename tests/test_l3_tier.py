@@ -1,0 +1,131 @@
+"""L3 (disk) with the rest of the cache: a crop keeps the pages it drops for a later session, the one-graph sparse
+step serves pages whose only copy is on disk (promoted once, then read from L2 while hot), a prefill writes its L3
+files off its path, and why L3 is off is visible (issue 13)."""
+
+import collections
+
+import pytest
+import torch
+
+from flashguard import CacheConfig
+from flashguard.engine.decode_step import DecodeStep
+from flashguard.engine.sampling import SamplingParams
+from flashguard.kv.cache import TieredCache
+from flashguard.kv.store import PageStore
+from tests import tiny
+
+
+def test_a_crop_to_a_few_tokens_keeps_the_window_pages_for_a_new_session(tmp_path):
+    """The 128K e2e row: the output rail judged a too-long reply in windows, a prompt sharing one token with the
+    session, so the session was cropped to 1 token; the window's pages (only in L1) were lost and a new session
+    with the same prefix prefilled them again (41K tokens)."""
+    e = tiny.engine(tmp_path, kv={"page_size": 16, "l1_tokens": 256, "l1_max_tokens": 320, "sink_tokens": 16,
+                                  "budget_tokens": 32}, max_context=2048)
+    ids = e.encode_messages([{"role": "user", "content": tiny.text(1200)}])
+    e.generate(ids, SamplingParams(max_tokens=20, temperature=0.0))
+    assert 0 < e.session.cache.layers[0].win_start < len(ids) - 128   # pages left the window: the rest only in L1
+    other = e.encode_messages([{"role": "assistant", "content": tiny.text(100, seed=3)}])
+    assert other[0] == ids[0] and other[1] != ids[1]               # the crop keeps one token
+    e.next_token_logprobs(other)
+    e.reset_session()
+    _, reused = e.next_token_logprobs(ids)
+    assert reused == (len(ids) - 1) // 16 * 16                     # every full page of the prompt was stored
+    e.session.cache.check_integrity()
+
+
+TIERS = dict(page_size=16, sink_tokens=16, l1_tokens=64, l1_max_tokens=128, budget_tokens=32, policy="sparse",
+             l1_codec="fp16", l3_codec="fp16-zstd")   # a lossless L3: the step equals the all-in-L2 step exactly
+
+
+def _decode(model, l2_tokens: int, steps: int, ids: list[int], chunk: int = 100):
+    cfg = CacheConfig(**TIERS, l2_tokens=l2_tokens)
+    store = PageStore(cfg)
+    reads = []   # (step, page key) of every L3 read
+    read = store.disk.read
+    store.disk.read = lambda key, path: (reads.append((cache.length, key)), read(key, path))[1]
+    cache = TieredCache(model.config, cfg, store=store).attach(model)
+    step = DecodeStep(model, graphs=False, whole_step=True)   # the one-graph step's kernels, eagerly
+    with torch.inference_mode():
+        with store.deferred():   # as the engine's prefill: the prompt's pages stay in L2 until it ends
+            for a in range(0, len(ids), chunk):
+                cache.feed(ids[a:a + chunk])
+                logits = model(input_ids=torch.tensor([ids[a:a + chunk]]), past_key_values=cache).logits[0, -1]
+        prefill_reads, counts = len(reads), store.tier_counts()
+        out, tokens = [], []
+        for _ in range(steps):
+            token = int(logits.argmax())
+            tokens.append(token)
+            cache.feed([token])
+            logits = step.step(token, cache).float()
+            out.append(logits)
+    cache.check_integrity()
+    return torch.stack(out), tokens, cache, reads, prefill_reads, counts
+
+
+def _check_l3_promotion(model, ids, steps, l2_small, pages_per_step):
+    ref, ref_tokens, ref_cache, _, _, _ = _decode(model, 1 << 20, steps, ids)
+    out, tokens, cache, reads, prefill_reads, counts = _decode(model, l2_small, steps, ids)
+    assert counts["l3_pages"] >= counts["pages"] / 2           # at least half the pages on disk when decoding starts
+    assert prefill_reads == 0                                  # the prefill read nothing back from disk
+    assert tokens == ref_tokens
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)  # picked pages on disk were promoted before use
+    assert reads, "no page was read from L3"
+    again = [k for k, n in collections.Counter(k for _, k in reads).items() if n > 1]
+    assert not again, f"{len(again)} pages read from disk more than once"
+    late = sum(1 for at, _ in reads if at >= len(ids) + 16)
+    assert late <= 0.01 * pages_per_step * (steps - 16)       # after 16 steps: <= 1% of the pages attended
+    return cache
+
+
+def test_the_one_graph_sparse_step_reads_an_l3_page_once(tmp_path):
+    m = tiny.qwen2_head64()
+    with torch.no_grad():
+        m.lm_head.weight.mul_(8)
+    ids = torch.randint(0, 300, (600,), generator=torch.Generator().manual_seed(1)).tolist()
+    cache = _check_l3_promotion(m, ids, 40, l2_small=128, pages_per_step=2 * 2 * 2 * 100)
+    assert cache.sparse_state is not None and cache.store.stats.page_faults > 0
+
+
+@pytest.mark.slow
+def test_l3_promotion_with_the_real_smollm2(engine):
+    """SmolLM2 (30 layers, 3 KV heads): half the pages on disk, decoded by the one-graph sparse step."""
+    model = engine.model
+    text = tiny.text(6000, seed=5)
+    ids = engine.tokenizer(text)["input_ids"][:1400]
+    global TIERS
+    saved = TIERS
+    TIERS = dict(saved, page_size=32, sink_tokens=32, l1_tokens=256, l1_max_tokens=384, budget_tokens=64)
+    try:
+        _check_l3_promotion(model, ids, 24, l2_small=256, pages_per_step=30 * 3 * 2)
+    finally:
+        TIERS = saved
+
+
+def test_why_l3_is_off_is_visible(monkeypatch, caplog):
+    from flashguard.kv import store as store_module
+
+    def no_cryptography(*args, **kwargs):
+        raise ModuleNotFoundError("No module named 'cryptography'", name="cryptography")
+
+    monkeypatch.setattr(store_module, "L3Folder", no_cryptography)
+    with caplog.at_level("WARNING", logger="flashguard"):
+        store = PageStore(CacheConfig(l2_tokens=64, page_size=16))
+    assert store.disk is None and "cryptography" in store.l3_error
+    assert "cryptography" in caplog.text and "L2" in caplog.text
+    k = torch.zeros(2, 2, 16, 8)
+    for i in range(8):   # over budget with no L3: unreferenced pages are forgotten, nothing crashes
+        store.put(bytes([i]) * 16, k, k, torch.zeros(2, 2, 2, 8))
+    store.check_integrity()
+
+
+def test_engine_info_names_the_l3_error(tmp_path, monkeypatch):
+    from flashguard.kv import store as store_module
+
+    def unusable(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(store_module, "L3Folder", unusable)
+    e = tiny.engine(tmp_path)
+    e.generate(e.encode_messages([{"role": "user", "content": "hi"}]), SamplingParams(max_tokens=2))
+    l3 = e.info()["tiers"]["l3"]
+    assert l3["dir"] is None and "Permission denied" in l3["error"]
