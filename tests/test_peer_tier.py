@@ -336,3 +336,60 @@ def test_plan_counts_each_peer_gpus_share_of_the_off_pool_pages():
     assert (131072 - pool) * per_token <= off <= 131072 * per_token                  # ~7 GiB: the number
     assert two.peers["pages (16-bit, in blocks)"] * 2 - off <= 2 * peer.BLOCK_PAGES * 64 * per_token
     assert "each peer GPU (kv.peer_gpus)" in one.table() and "peer" not in none.table()
+
+
+# ---- an idle tier stays up; the benchmark's CPU mode --------------------------------------------------------------
+def _idle(timeout_s: float) -> dict:
+    import time
+
+    tier = peer.start(["cpu"], "cpu", page_size=4, timeout_s=timeout_s)
+    k = torch.randn(2, 2, 3, 4, 8)
+    q = torch.randn(2, 3, 1, 8)
+    try:
+        tier.put(0, k, k)
+        before = tier.attend(0, q, 0.3, 0, 3)[0]
+        time.sleep(timeout_s + 2)           # longer than the group timeout, no command: the peer must still serve
+        after = tier.attend(0, q, 0.3, 0, 3)[0]
+        return {"same": bool(torch.equal(before, after)), "lost": tier.lost}
+    finally:
+        tier.close()
+
+
+@pytest.mark.slow
+def test_an_idle_tier_outlives_the_group_timeout(tmp_path):
+    out = _spawn(_idle, tmp_path / "out.pt", GLOO_TIMEOUT_S)
+    assert out == {"same": True, "lost": None}
+
+
+def _bench(folder: str) -> dict:
+    import json
+
+    from flashguard.bench import peer as bench
+
+    rc = bench.main(["--device", "cpu", "--context", "1024", "--steps", "2", "--warmup", "1",
+                     "--json", f"{folder}/rows.json"])
+    dead = bench.main(["--device", "cpu", "--dead-peer", "--peer-timeout", str(GLOO_TIMEOUT_S),
+                       "--json", f"{folder}/dead.json"])
+    with open(f"{folder}/rows.json") as fh, open(f"{folder}/dead.json") as gh:
+        return {"rc": rc, "rows": json.load(fh), "dead_rc": dead, "dead": json.load(gh)}
+
+
+@pytest.mark.slow
+def test_bench_cpu_mode_measures_every_row_and_the_dead_peer(tmp_path):
+    out = _spawn(_bench, tmp_path / "out.pt", str(tmp_path))
+    assert out["rc"] == 0 and out["rows"]["check"]["ok"] and out["rows"]["partial"] is None
+    rows = {r["row"]: r for r in out["rows"]["rows"]}
+    assert set(rows) == {"l2", "peer", "resident", "split"} and not any("error" in r for r in rows.values())
+    assert rows["l2"]["page_reads_per_step"] > 0 and rows["peer"]["page_reads_per_step"] == 0
+    for name in ("peer", "split"):   # the same K/V in every row: the peer's pages give the resident logits
+        assert rows[name]["max_abs_logit_diff_vs_resident"] < 1e-4 and rows[name]["peers"]["pages"] > 0
+    assert out["dead_rc"] == 0 and out["dead"]["dead_peer"]["ok"]
+
+
+def test_cli_plan_plans_the_peer_gpus(capsys):
+    from flashguard import cli
+
+    assert cli.main(["plan", "--model", "deepseek-r1-distill-qwen-7b", "--context", "131072", "--gpu-mem", "6GiB",
+                     "--peer-gpus", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "each peer GPU (kv.peer_gpus)" in out and "pages (16-bit, in blocks)" in out

@@ -23,7 +23,12 @@ Contract
 * Failure. A collective that fails or runs past the process group's timeout (a peer process died) raises
   ``PeerLostError`` (a 503 naming ``kv.peer_gpus``) and marks the tier ``lost``: later calls raise at once and
   ``covers`` is False, so a caller that keeps the pages elsewhere (the L2 store) attends them there instead.
-  Never a hang: the timeout bounds every wait.
+  Never a hang: the timeout bounds every wait of rank 0. On NCCL rank 0 waits with ``TORCH_NCCL_BLOCKING_WAIT``
+  (no watchdog that would end the process; a wait past the timeout raises), and polls a collective's completion
+  before it waits (blocking waits sleep between checks: a millisecond or more a layer).
+* Idle. A peer waits for rank 0's next command without a bound (``IDLE_TIMEOUT``: an engine may sit idle for
+  hours); what ends a peer is rank 0: its stop command, its closed sockets (gloo), or its death (the peer polls
+  that its parent lives). Rank 0's own timeout is ``timeout_s``: a group's timeout is each process's own.
 * Lifetime. ``close()`` stops the servers and destroys the process group; ``reset()`` forgets the pages (a new
   conversation). One PeerTier per process (it owns the default process group).
 """
@@ -33,6 +38,8 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import threading
+import time
 from datetime import timedelta
 
 import torch
@@ -47,6 +54,9 @@ HEADER = 12     # float64 words of a command: op, then PUT: layers, first, n, kv
                 # last, Lq, g, kvh, D, dtype, scale (float64 holds page indices exactly up to 2**53)
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 DEFAULT_TIMEOUT_S = 30.0
+IDLE_TIMEOUT = timedelta(days=365)   # a peer's timeout: it waits for rank 0's next command as long as rank 0 lives
+JOIN_S = 120.0     # how long rank 0 waits for the spawned peers to join (each imports torch, makes its CUDA context)
+SPIN_S = 0.02      # a peer polls the next command without sleeping this long after the last one (decode cadence)
 BLOCK_PAGES = 256  # pages per block of a peer's buffer (16K tokens at 64-token pages)
 
 
@@ -93,13 +103,41 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_group(rank: int, world: int, init_method: str, backend: str, timeout_s: float) -> None:
-    """Join the default process group (``timeout_s`` bounds every collective on gloo, and on NCCL with blocking
-    waits, which this turns on so that a dead peer raises instead of aborting the process)."""
+def init_group(rank: int, world: int, port: int, backend: str, timeout_s: float | None) -> None:
+    """Join the default process group through a TCP store on 127.0.0.1:``port`` (rank 0 serves it; the join may
+    take ``JOIN_S``: a spawned peer imports torch first). Rank 0 (``timeout_s``): the timeout bounds every collective
+    on gloo, and on NCCL with blocking waits, which this turns on (no watchdog thread: a dead peer raises at the
+    wait instead of ending the process). A peer (``timeout_s`` None): ``IDLE_TIMEOUT``, and on NCCL no blocking
+    waits (a wait only orders its stream; ``serve`` polls)."""
     if backend == "nccl":
-        os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
-                            timeout=timedelta(seconds=timeout_s))
+        if timeout_s is not None:
+            os.environ["TORCH_NCCL_BLOCKING_WAIT"] = "1"
+        else:
+            os.environ.pop("TORCH_NCCL_BLOCKING_WAIT", None)
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")   # no NVLink multicast (shared hosts; nothing here needs it)
+    timeout = IDLE_TIMEOUT if timeout_s is None else timedelta(seconds=timeout_s)
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0,
+                          timeout=timedelta(seconds=JOIN_S) if rank == 0 else IDLE_TIMEOUT, wait_for_workers=False)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+
+
+def finish(works: list, deadline: float | None) -> None:
+    """Wait for ``works``: on a GPU, poll their completion until ``deadline`` (``time.monotonic()``) first, so that
+    a finished collective costs no blocking wait's sleep, and one past it aborts the communicators and raises
+    (a RuntimeError) without a wait that would tie this stream to it; then ``wait()`` (it raises for a failed
+    one; on gloo, ``deadline`` None, for one past the group's timeout)."""
+    if deadline is not None:
+        pending = list(works)
+        while pending and time.monotonic() < deadline:
+            pending = [w for w in pending if not w.is_completed()]
+        if pending:   # a peer stopped answering: abort the communicators (their kernels end; this stream never
+            try:      # waited on them) rather than wait() on a collective that never completes
+                dist.distributed_c10d._abort_process_group()
+            except Exception:  # noqa: BLE001 - the error below is what the caller needs
+                pass
+            raise RuntimeError(f"{len(pending)} collective(s) did not complete within the group timeout")
+    for w in works:
+        w.wait()
 
 
 def merge(o: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -182,8 +220,7 @@ class Pending:
     def wait(self) -> tuple[torch.Tensor, torch.Tensor]:
         kvh, g, lq, d = self.shape
         with self.tier._guard("attend"):
-            for w in self.works:
-                w.wait()
+            self.tier._finish(self.works)
         stacked = torch.stack(self.parts).to(self.device)
         split = kvh * g * lq * d
         o = stacked[:, :split].reshape(-1, kvh, g, lq, d)
@@ -195,12 +232,15 @@ class PeerTier:
     """Rank 0's side: see the module docstring. ``device`` is where the engine's tensors live (its GPU, or the CPU
     with gloo); ``comm`` the device collectives run on (the same GPU for NCCL, the CPU for gloo)."""
 
-    def __init__(self, world: int, page_size: int, device: torch.device, devices: list | None = None):
+    def __init__(self, world: int, page_size: int, device: torch.device, devices: list | None = None,
+                 timeout_s: float = DEFAULT_TIMEOUT_S):
         if world < 2:
             raise ConfigError("the peer tier needs at least one peer rank", key=KEY)
         self.world, self.peers, self.page_size = world, world - 1, page_size
         self.device = torch.device(device)
         self.comm = torch.device("cpu") if dist.get_backend() == "gloo" else self.device
+        self.timeout_s = timeout_s
+        self._covered = None           # (first, last) that ``covers`` last found put (each layer asks the same)
         self.devices = devices or [f"rank {r}" for r in range(1, world)]   # what engine_info shows
         self.put_pages: set[int] = set()
         self.lost: str | None = None   # why the tier stopped working, once it did
@@ -212,17 +252,32 @@ class PeerTier:
         return 1 + page % self.peers
 
     def covers(self, first: int, last: int) -> bool:
-        return self.lost is None and all(p in self.put_pages for p in range(first, last))
+        """Whether every page of [first, last) was put (remembered for the range asked last: every layer of a step
+        asks it, and 2,048 set lookups a layer cost a 128K decode step milliseconds)."""
+        if self.lost is not None:
+            return False
+        if self._covered == (first, last):
+            return True
+        if all(p in self.put_pages for p in range(first, last)):
+            self._covered = (first, last)
+            return True
+        return False
+
+    def _finish(self, works: list) -> None:
+        """Wait for rank 0's collectives: polled up to the timeout on NCCL (``finish``), plain waits on gloo."""
+        finish(works, time.monotonic() + self.timeout_s if self.comm.type == "cuda" else None)
 
     def _header(self, op: int, *words: float) -> torch.Tensor:
-        h = torch.zeros(HEADER, dtype=torch.float64)
+        """A command for the peers on the collectives' device; on a GPU copied from pinned memory without
+        synchronizing (a pageable copy would wait for every kernel queued before it, once a layer)."""
+        h = torch.zeros(HEADER, dtype=torch.float64, pin_memory=self.comm.type == "cuda")
         h[0] = op
         for i, w in enumerate(words):
             h[1 + i] = float(w)
-        return h.to(self.comm)
+        return h.to(self.comm, non_blocking=True)
 
     def _send_header(self, op: int, *words: float) -> None:
-        dist.broadcast(self._header(op, *words), src=0)
+        self._finish([dist.broadcast(self._header(op, *words), src=0, async_op=True)])
 
     @contextlib.contextmanager
     def _guard(self, what: str):
@@ -245,16 +300,24 @@ class PeerTier:
         n = k.shape[2]
         with self._guard("put"):
             layers, kvh, _, _, d = k.shape
-            self._send_header(OP_PUT, layers, first, n, kvh, d, _DTYPES.index(k.dtype))
+            works = [dist.broadcast(self._header(OP_PUT, layers, first, n, kvh, d, _DTYPES.index(k.dtype)), src=0,
+                                    async_op=True)]
+            parts = []
             for slot in range(self.peers):
                 idx = [i for i in range(n) if (first + i) % self.peers == slot]
                 if not idx:
                     continue
-                pick = torch.tensor(idx, device=k.device)
-                for t in (k, v):
-                    part = t.index_select(2, pick).to(self.comm).contiguous()
-                    dist.send(part, dst=slot + 1)
+                if len(idx) == n:
+                    picked = (k, v)
+                else:
+                    pick = torch.tensor(idx, device=k.device)
+                    picked = (k.index_select(2, pick), v.index_select(2, pick))
+                for t in picked:
+                    part = t.to(self.comm).contiguous()
+                    parts.append(part)   # alive until the send is done
+                    works.append(dist.isend(part, dst=slot + 1))
                     self.bytes_sent += part.numel() * part.element_size()
+            self._finish(works)
         self.put_pages.update(range(first, first + n))
         self.page_bytes = 2 * k[:, :, :1].numel() * k.element_size()
 
@@ -282,6 +345,7 @@ class PeerTier:
         """Pages from ``page`` on no longer count as put (the sequence was cropped; they are put again when they
         leave L1 anew, overwriting the old ones)."""
         self.put_pages = {p for p in self.put_pages if p < page}
+        self._covered = None
 
     def reset(self) -> None:
         """Forget every page (the next conversation puts its own)."""
@@ -289,24 +353,37 @@ class PeerTier:
             with self._guard("reset"):
                 self._send_header(OP_RESET)
         self.put_pages.clear()
+        self._covered = None
 
     def close(self) -> None:
-        """Stop the servers and leave the process group (best effort once a peer is lost)."""
+        """Stop the servers and leave the process group (best effort once a peer is lost: the peers are killed
+        first, and leaving the group may take at most ``CLOSE_S``)."""
         if self.lost is None:
             try:
                 self._send_header(OP_STOP)
             except RuntimeError:
-                pass
+                self.lost = "stop failed"
+        if self.lost is not None:   # a lost peer answers nothing: end the processes before leaving the group
+            for p in self.processes:
+                if p.is_alive():
+                    p.kill()
         if dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except RuntimeError:
-                pass
+            def leave():
+                try:
+                    dist.destroy_process_group()
+                except RuntimeError:
+                    pass
+            t = threading.Thread(target=leave, daemon=True)   # a communicator stuck on a dead peer: bounded
+            t.start()
+            t.join(self.CLOSE_S)
         self.lost = self.lost or "closed"
         for p in self.processes:
             p.join(timeout=5)
             if p.is_alive():
                 p.kill()
+                p.join(timeout=5)
+
+    CLOSE_S = 10.0
 
     def info(self) -> dict:
         """What ``engine_info()`` shows under ``tiers.peers``."""
@@ -314,11 +391,31 @@ class PeerTier:
                 "bytes_held": len(self.put_pages) * self.page_bytes, "bytes_sent": self.bytes_sent, "lost": self.lost}
 
 
+def _next_command(h: torch.Tensor, parent: int | None) -> None:
+    """Receive rank 0's next command into ``h``. On a GPU: poll the broadcast (without sleeping for ``SPIN_S``
+    after the last command, then every half millisecond) and end this process once its parent, rank 0, is gone (a
+    broadcast from a dead rank 0 never completes); gloo waits (rank 0's closed sockets end the wait)."""
+    if h.device.type != "cuda":
+        dist.broadcast(h, src=0)
+        return
+    work = dist.broadcast(h, src=0, async_op=True)
+    t0 = checked = time.monotonic()
+    while not work.is_completed():
+        now = time.monotonic()
+        if now - t0 > SPIN_S:
+            time.sleep(0.0005)
+        if now - checked > 1.0:
+            checked = now
+            if parent is not None and os.getppid() != parent:
+                os._exit(0)
+    work.wait()
+
+
 @torch.inference_mode()
-def serve(page_size: int, device: torch.device, block_pages: int = BLOCK_PAGES) -> None:
+def serve(page_size: int, device: torch.device, block_pages: int = BLOCK_PAGES, parent: int | None = None) -> None:
     """A peer rank's loop (the process group is joined): store the pages it is sent, answer attention queries with
     its partials, until rank 0 says stop. A failed collective (rank 0 died) raises out of it: its pages are of no
-    use alone."""
+    use alone. ``parent``: rank 0's process id (a peer on a GPU ends when it is gone)."""
     device = torch.device(device)
     comm = torch.device("cpu") if dist.get_backend() == "gloo" else device
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -326,7 +423,7 @@ def serve(page_size: int, device: torch.device, block_pages: int = BLOCK_PAGES) 
     shard = _Shard(block_pages)
     while True:
         h = torch.zeros(HEADER, dtype=torch.float64, device=comm)
-        dist.broadcast(h, src=0)
+        _next_command(h, parent)
         words = h.tolist()
         op = int(words[0])
         if op == OP_STOP:
@@ -352,16 +449,16 @@ def serve(page_size: int, device: torch.device, block_pages: int = BLOCK_PAGES) 
             dist.gather(_pack(o, lse).to(comm), None, dst=0)
 
 
-def _peer_main(rank: int, world: int, init_method: str, backend: str, timeout_s: float, page_size: int,
-               device: str, block_pages: int) -> None:
+def _peer_main(rank: int, world: int, port: int, backend: str, page_size: int, device: str,
+               block_pages: int, parent: int) -> None:
     """Entry point of a peer process (spawned by ``start``)."""
     if torch.device(device).type == "cuda":
         torch.cuda.set_device(torch.device(device))
     else:
         torch.set_num_threads(1)   # the CPU tests run beside other work
-    init_group(rank, world, init_method, backend, timeout_s)
+    init_group(rank, world, port, backend, None)
     try:
-        serve(page_size, torch.device(device), block_pages)
+        serve(page_size, torch.device(device), block_pages, parent)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -376,19 +473,19 @@ def start(devices: list, engine_device, page_size: int, timeout_s: float = DEFAU
     engine_device = torch.device(engine_device)
     backend = "nccl" if engine_device.type == "cuda" else "gloo"
     world = len(devices) + 1
-    init_method = f"tcp://127.0.0.1:{free_port()}"
+    port = free_port()
     ctx = torch.multiprocessing.get_context("spawn")
     procs = [ctx.Process(target=_peer_main, daemon=True,
-                         args=(r, world, init_method, backend, timeout_s, page_size, str(dev), block_pages))
+                         args=(r, world, port, backend, page_size, str(dev), block_pages, os.getpid()))
              for r, dev in enumerate(devices, start=1)]
     for p in procs:
         p.start()
     try:
-        init_group(0, world, init_method, backend, timeout_s)
+        init_group(0, world, port, backend, timeout_s)
     except Exception as err:
         for p in procs:
             p.kill()
-        raise PeerLostError(f"the peer ranks did not join within {timeout_s:.0f} s: {err}", key=KEY) from err
-    tier = PeerTier(world, page_size, engine_device, [str(d) for d in devices])
+        raise PeerLostError(f"the peer ranks did not join within {JOIN_S:.0f} s: {err}", key=KEY) from err
+    tier = PeerTier(world, page_size, engine_device, [str(d) for d in devices], timeout_s)
     tier.processes = procs
     return tier
