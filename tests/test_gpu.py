@@ -51,25 +51,29 @@ def test_graph_steps_match_eager_steps(policy):
                         l3_tokens=0, policy=policy)  # L2 only: the GPU machine lacks cryptography (L3 sealing)
     ids = torch.randint(0, 1000, (1, 3000), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
     graphs, eager = DecodeStep(model), DecodeStep(model, graphs=False)
-    outs = []
-    for step in (graphs, eager):
+    outs, tokens = [], None
+    for step in (graphs, eager):   # the eager path is fed the graph path's tokens: a near-tie cannot fork them
         cache = TieredCache(cfg, tiers).attach(model)
         with torch.inference_mode():
             for a in range(0, 3000, 1000):
                 cache.feed(ids[0, a:a + 1000].tolist())
                 tok = int(model(input_ids=ids[:, a:a + 1000], past_key_values=cache).logits[0, -1].argmax())
-        logits = []
-        for _ in range(24):
+        logits, fed = [], []
+        for n in range(24):
+            tok = tok if tokens is None else tokens[n]
             cache.feed([tok])
+            fed.append(tok)
             row = step.step(tok, cache).float()
             logits.append(row)
             tok = int(row.argmax())
+        tokens = fed
         outs.append(torch.stack(logits))
         cache.check_integrity()
     assert eager.graphs is None and not eager.step_graphs
-    if policy == "sparse":   # off the window, the whole sparse step is one graph (kv/sparse_step.py), which
-        # merges two fp16 partial outputs where the eager path attends one concatenated segment: rounding (the
-        # two paths agree to 1e-6 in fp32, tests/test_sparse_step.py)
+    if policy == "sparse":   # off the window, the whole sparse step is one graph (kv/sparse_step.py, with the step
+        # kernels of kv/step_kernels.py), which merges two fp16 partial outputs where the eager path attends one
+        # concatenated segment: rounding (the paths agree to 1e-4 in fp32, tests/test_sparse_step.py and
+        # tests/test_step_kernels.py)
         assert any(key[0] == "sparse" for key in graphs.step_graphs)
         torch.testing.assert_close(outs[0], outs[1], atol=6e-2, rtol=2e-2)
     else:                    # exact: graphs between the attention calls, the very same kernels
@@ -247,6 +251,47 @@ def test_int8_pool_decode_kernel_reads_only_the_used_codes(kvh, g):
         graph.replay()
         want, _ = attention.partial_attention(q.float().view(kvh, g, 1, 128), kd[:, :n], vd[:, :n], 128 ** -0.5)
         torch.testing.assert_close(out.float(), want.reshape(kvh * g, 128), atol=3e-3, rtol=3e-3)
+
+
+@pytest.mark.parametrize("kvh,g,int8", [(2, 6, False), (4, 7, False), (2, 6, True)])
+def test_step_kernels_in_a_graph_equal_the_reference(kvh, g, int8):
+    """kv/step_kernels.py on the GPU: rotary + pool write at a device position, then split-K attention over a
+    device count, recorded once in a CUDA graph and replayed with both changed; = the torch reference."""
+    from flashguard.kv import int8_pool, step_kernels
+
+    assert step_kernels.available(torch.device("cuda")), step_kernels.available.last_error
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    d, cap = 128, 33000
+    k = torch.randn(kvh, cap, 128, device="cuda", generator=gen, dtype=torch.float16)
+    v = torch.randn(kvh, cap, 128, device="cuda", generator=gen, dtype=torch.float16)
+    q, kn, vn = (torch.randn(h * d, device="cuda", generator=gen, dtype=torch.float16) for h in (kvh * g, kvh, kvh))
+    angle = torch.rand(d // 2, device="cuda", generator=gen).repeat(2) * 3
+    cos, sin = angle.cos().half(), angle.sin().half()
+    pool = (*int8_pool.quantize(k), *int8_pool.quantize(v)) if int8 else (k, None, v, None)
+    pos = torch.zeros(1, dtype=torch.long, device="cuda")
+    used = torch.ones(1, dtype=torch.int32, device="cuda")
+
+    def step():
+        qr = step_kernels.rope_write(q, kn, vn, cos, sin, pos, pool[0], pool[2], pool[1], pool[3])
+        return qr, step_kernels.decode_attention(qr, pool[0], pool[2], used, d ** -0.5, pool[1], pool[3])
+
+    step()   # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        qr, out = step()
+    half = d // 2
+    for n in (1, 700, 32769):
+        pos.fill_(n - 1)
+        used.fill_(n)
+        graph.replay()
+        x = q.view(-1, d).float()
+        torch.testing.assert_close(qr.float(), x * cos.float() + torch.cat([-x[:, half:], x[:, :half]], -1) *
+                                   sin.float(), atol=3e-3, rtol=3e-3)
+        keys = int8_pool.dequantize(pool[0], pool[1], torch.float32) if int8 else pool[0].float()
+        values = int8_pool.dequantize(pool[2], pool[3], torch.float32) if int8 else pool[2].float()
+        assert torch.allclose(values[:, n - 1], vn.view(kvh, d).float(), atol=3e-2)
+        want, _ = attention.partial_attention(qr.float().view(kvh, g, 1, d), keys[:, :n], values[:, :n], d ** -0.5)
+        torch.testing.assert_close(out.float(), want.reshape(kvh * g, d), atol=3e-3, rtol=3e-3)
 
 
 @pytest.mark.parametrize("cache", ["dynamic", "tiered", "default", "int8-pool"])

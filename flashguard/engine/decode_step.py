@@ -28,6 +28,7 @@ import logging
 import torch
 
 from ..kv import attention, int8_pool
+from ..kv import step_kernels
 from ..kv.sparse_step import SparseKV
 from .host_embedding import HostEmbedding
 
@@ -79,10 +80,13 @@ class StaticKV:
 
 
 class DecodeStep:
-    def __init__(self, model, graphs: bool | None = None, whole_step: bool | None = None):
+    def __init__(self, model, graphs: bool | None = None, whole_step: bool | None = None,
+                 kernels: bool | None = None):
         """``graphs``: record CUDA graphs (default: on CUDA). ``whole_step``: run a resident TieredCache's step as
         the one-graph step's kernels (default: with graphs; eagerly it only serves tests, since on a CPU the
-        masked full-capacity attention costs more than attending the used keys)."""
+        masked full-capacity attention costs more than attending the used keys). ``kernels``: the one-graph step
+        launches ``step_kernels`` (default: where they pass their self-check on this GPU and take this model's
+        shape; the tests force them on the CPU under Triton's interpreter)."""
         inner = model.model
         self.embed, self.layers, self.norm, self.lm_head = inner.embed_tokens, inner.layers, inner.norm, model.lm_head
         self.rotary = inner.rotary_emb
@@ -109,8 +113,13 @@ class DecodeStep:
         self.graphs: list | None = None
         self.outputs: list | None = None
         self.step_graphs: dict = {}   # StaticKV.key -> (graph, logits): the one-graph steps recorded
-        # On the CPU, where each call costs host time, int4 q/k/v and gate/up run as one kernel call each
-        self.fused = [_fuse(layer) for layer in self.layers] if not self.use_graphs else [None] * n
+        if kernels is None:
+            kernels = self.use_graphs and step_kernels.available(self.device)
+        self.kernels = kernels and _kernels_take(model, self.head_dim) and \
+            (self.dtype in (torch.float16, torch.bfloat16) or self.device.type == "cpu")   # (fp32 dots: tf32)
+        # int4 q/k/v and gate/up as one kernel call each: on the CPU, where each call costs host time, and in the
+        # step kernels' one-graph step, where each launch costs GPU time
+        self.fused = [_fuse(layer) for layer in self.layers] if self.kernels or not self.use_graphs else [None] * n
 
     @staticmethod
     def supports(model) -> bool:
@@ -193,6 +202,45 @@ class DecodeStep:
             out = int8_pool.decode_attention(q[0, :, 0], kv.keys[i], ks, kv.values[i], vs, self.used, self.scaling)
         self.attn_out[i].copy_(out.reshape(1, 1, -1))
 
+    def _kernel_layers(self, kv) -> torch.Tensor:
+        """The whole step over ``kv`` (a StaticKV or SparseKV) with ``step_kernels``: per layer qkv (norm folded
+        in), rotary + pool write, attention (two launches), o_proj (+ residual), gate_up (norm folded in), down
+        (gating in, + residual); the same result as ``_layers(self._attend_static, kv)`` to rounding."""
+        h = (self.embedded.clone() if self.host_embed else self.embed(self.token)).view(1, -1)
+        cos, sin = self.rotary(h.view(1, 1, -1), self.position)
+        cos, sin = cos.reshape(-1), sin.reshape(-1)
+        self.used = (self.position[0] + 1).to(torch.int32)
+        sparse = isinstance(kv, SparseKV)
+        for i, layer in enumerate(self.layers):
+            attn, mlp, fused = layer.self_attn, layer.mlp, self.fused[i]
+            if fused is not None:
+                q, k, v = _linear(fused[0], h, norm=layer.input_layernorm).view(-1).split(fused[1])
+            else:
+                x = _rms_norm(layer.input_layernorm, h)
+                q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+            if sparse:   # the new token goes to L1 at the sparse state's position
+                keys, values = kv.cache.layers[i].l1_k, kv.cache.layers[i].l1_v
+                pos, ks, vs = kv.cache.sparse_state.l1_pos, None, None
+            else:
+                keys, values, pos = kv.keys[i], kv.values[i], self.position[0]
+                ks, vs = (None, None) if kv.scales is None else (kv.scales[0][i], kv.scales[1][i])
+            q = step_kernels.rope_write(q, k, v, cos, sin, pos, keys, values, ks, vs)
+            if sparse:
+                out = kv.attend(i, q, None, None, self.scaling)
+            else:
+                out = step_kernels.decode_attention(q, keys, values, self.used, self.scaling, ks, vs)
+            h = _linear(attn.o_proj, out.view(1, -1), residual=h)
+            if fused is not None:
+                h = _linear(mlp.down_proj, _linear(fused[2], h, norm=layer.post_attention_layernorm), residual=h,
+                            gated=True)
+            else:
+                h = h + mlp(_rms_norm(layer.post_attention_layernorm, h))
+        return self.lm_head(_rms_norm(self.norm, h.view(1, 1, -1)))[0, -1]
+
+    def _static_layers(self, kv) -> torch.Tensor:
+        """The whole step over ``kv``: the step kernels where they run, else the parts with ``_attend_static``."""
+        return self._kernel_layers(kv) if self.kernels else self._layers(self._attend_static, kv)
+
     def _layers(self, attend, cache) -> torch.Tensor:
         """Every part with ``attend(i, cache, q, k, v)`` between them: the eager step, or (with
         ``_attend_static``) the one-graph step's kernels."""
@@ -245,7 +293,7 @@ class DecodeStep:
         if self.use_graphs and entry is None:
             entry = self._capture_step(kv)
         if entry is None:
-            logits = self._layers(self._attend_static, kv)
+            logits = self._static_layers(kv)
         else:
             entry[0].replay()
             logits = entry[1].clone()  # the graph's own output changes at the next replay
@@ -280,12 +328,12 @@ class DecodeStep:
         def record():
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
-                logits = self._layers(self._attend_static, kv)
+                logits = self._static_layers(kv)
             return graph, logits
 
         while len(self.step_graphs) >= self.MAX_STEP_GRAPHS:
             self.step_graphs.pop(next(iter(self.step_graphs)))
-        entry = self._record(lambda: self._layers(self._attend_static, kv), record, isinstance(kv, SparseKV))
+        entry = self._record(lambda: self._static_layers(kv), record, isinstance(kv, SparseKV))
         if entry is not None:
             self.step_graphs[kv.key] = entry
         return entry
@@ -329,6 +377,30 @@ def _fuse(layer):
     fused = None if qkv is None or gate_up is None else (qkv, tuple(m.out_features for m in parts[:3]), gate_up)
     object.__setattr__(layer, "flashguard_fused", fused)   # not a submodule: state_dict and .to() stay as they were
     return fused
+
+
+def _kernels_take(model, head_dim: int) -> bool:
+    """``step_kernels`` compute this model's layers: RMSNorms, a SiLU-gated MLP, a head size the kernels take."""
+    layer = model.model.layers[0]
+    return step_kernels.supported(head_dim) and getattr(model.config, "hidden_act", None) == "silu" and \
+        all(type(m).__name__ in _RMS_NORMS for m in (layer.input_layernorm, layer.post_attention_layernorm))
+
+
+def _linear(module, x: torch.Tensor, residual: torch.Tensor | None = None, norm=None,
+            gated: bool = False) -> torch.Tensor:
+    """``residual + module(f(x))`` for one token, f = the RMSNorm ``norm`` and / or silu gating (x = [gate, up]):
+    one launch for a Triton-backend Int4Linear (``Int4Linear.fused_gemv``), torch ops for any other module."""
+    from ..quant.int4_linear import Int4Linear
+
+    if isinstance(module, Int4Linear) and module.backend == "triton":
+        return module.fused_gemv(x, residual, None if norm is None else (norm.weight, norm.variance_epsilon), gated)
+    if norm is not None:
+        x = _rms_norm(norm, x)
+    if gated:
+        gate, up = x.chunk(2, dim=-1)
+        x = torch.nn.functional.silu(gate) * up
+    out = module(x)
+    return out if residual is None else residual + out
 
 
 _RMS_NORMS = ("LlamaRMSNorm", "Qwen2RMSNorm", "MistralRMSNorm")

@@ -12,7 +12,8 @@ host RAM (``uva.gather_rows``; a host ``index_select`` on a CPU), decoded and at
 The host fills five scalars before each replay (``TieredCache.sparse_view``) and does the page bookkeeping
 after it (``TieredCache.advance``), as for a resident step.
 
-Contract: ``SparseKV.attend(i, q [Hq, D], k [kvh, 1, D], v, scale) -> [Hq, D]`` for layer ``i``, with the same
+Contract: ``SparseKV.attend(i, q [Hq, D], k [kvh, 1, D], v, scale) -> [Hq, D]`` for layer ``i`` (k and v None: the
+step kernels (``kv/step_kernels.py``) wrote them and attend L1), with the same
 result as ``TieredLayer.attend`` on the sparse zero-copy path (the same pages; attention over a set of pages does
 not depend on their order). ``key`` names every buffer a recorded graph reads: a new key means record again.
 """
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from . import attention, codecs, uva
+from . import attention, codecs, step_kernels, uva
 
 
 class SparseState:
@@ -57,28 +58,39 @@ class SparseKV:
     def attend(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         cache = self.cache
         layer, st = cache.layers[i], cache.sparse_state
-        layer.l1_k.index_copy_(1, st.l1_pos, k)
-        layer.l1_v.index_copy_(1, st.l1_pos, v)
+        if k is not None:   # (None: the step kernels' rope_write has written them)
+            layer.l1_k.index_copy_(1, st.l1_pos, k)
+            layer.l1_v.index_copy_(1, st.l1_pos, v)
         kvh = layer.l1_k.shape[0]
         hq, d = q.shape
         qg = q.reshape(kvh, hq // kvh, 1, d)
-        acc = attention.prefix_segment(qg, layer.l1_k, layer.l1_v, st.used, scale)
         # Quest over every column of the bounds buffer, the pages outside [first, last) masked out
-        cols = layer.bounds.shape[2]
-        qq = qg[:, :, 0]
-        bound = torch.bmm(torch.cat([qq.clamp(min=0), qq.clamp(max=0)], dim=-1), layer.bounds).amax(dim=1).float()
-        page = torch.arange(cols, device=q.device)
-        bound = bound.masked_fill((page < st.first) | (page >= st.last), float("-inf"))
+        if k is None:   # the step kernels (k, v written by them): one launch
+            bound = step_kernels.page_bounds(q, layer.bounds, st.first, st.last)
+        else:
+            cols = layer.bounds.shape[2]
+            qq = qg[:, :, 0]
+            bound = torch.bmm(torch.cat([qq.clamp(min=0), qq.clamp(max=0)], dim=-1), layer.bounds).amax(dim=1)
+            page = torch.arange(cols, device=q.device)
+            bound = bound.float().masked_fill((page < st.first) | (page >= st.last), float("-inf"))
         top = bound.topk(self.budget_pages, dim=-1).indices                    # [kvh, budget]
         score = bound.amax(dim=0).scatter(0, top.flatten(), float("inf"))
         pages = score.topk(kvh * self.budget_pages).indices                     # absolute page indices
         slots = cache.step_slots(i, pages)   # -1 (an L3 page) noted and clamped: the host promotes it, the step again
         arena = cache.store.arena
+        st.reach[i].copy_((pages >= st.edge).sum())   # TieredCache.sparse_view points last_reach here
+        if k is None:   # the step kernels: L1 and the pages in one attention, pages decoded as they are read
+            if step_kernels.PageRead.takes(arena.layout, cache.page_size, d):
+                read = step_kernels.PageRead(slots, arena.data[i], arena.layout, cache.page_size)
+                return step_kernels.decode_attention(q, layer.l1_k, layer.l1_v, st.used, scale, pages=read)
+            o, lse = step_kernels.decode_attention(q, layer.l1_k, layer.l1_v, st.used, scale, lse=True)
+            acc = (o.reshape(kvh, hq // kvh, 1, d), lse.reshape(kvh, hq // kvh, 1))
+        else:
+            acc = attention.prefix_segment(qg, layer.l1_k, layer.l1_v, st.used, scale)
         if q.is_cuda:
             rows = uva.gather_rows(arena.data[i], slots, q.device)
         else:
             rows = arena.data[i].index_select(0, slots)
         kp, vp = layer._as_kv(*codecs.decode(arena.fields_of(rows), layer.dtype))
         acc = attention.merge_into(acc, attention.segment(qg, kp, vp, scale))
-        st.reach[i].copy_((pages >= st.edge).sum())   # TieredCache.sparse_view points last_reach here
         return acc[0].reshape(hq, d).to(q.dtype)

@@ -120,6 +120,13 @@ class Int4Linear(nn.Module):
             out = out + self.bias.to(out.dtype)
         return out.view(*shape[:-1], self.out_features)
 
+    def fused_gemv(self, x: torch.Tensor, residual: torch.Tensor | None = None,
+                   norm: tuple[torch.Tensor, float] | None = None, gated: bool = False) -> torch.Tensor:
+        """One token ``x`` [1, K] (``gated``: [1, 2K]) -> [1, N] with the decode step's folds (RMSNorm in, silu
+        gating in, residual out: ``int4_triton.gemv``); ``triton`` backend only."""
+        return int4_triton.gemv(x.reshape(1, -1), self.packed, self.scales, self.zeros, self.group_size, self.bias,
+                                residual=residual, norm=norm, gated=gated)
+
     def _apply(self, fn, recurse=True):
         probe = fn(torch.empty(0, device=self.packed.device)) if hasattr(self, "packed") else None
         if probe is not None and probe.device.type != self.packed.device.type and self.backend != "dequant":

@@ -47,16 +47,28 @@ def _build() -> dict:
     # Only language builtins below (tl.reduce with our own combine, tl.full): the standard library's jit helpers
     # (tl.sum, tl.zeros) were made when Triton was imported and stay compiled-only under the interpreter.
     @triton.jit
-    def gemv_kernel(x_ptr, packed_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr, N, K_HALF, N_GROUPS,
-                    GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, HAS_BIAS: tl.constexpr):
+    def gemv_kernel(x_ptr, packed_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr, res_ptr, norm_ptr, eps,
+                    N, K_HALF, N_GROUPS, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
+                    HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, HAS_NORM: tl.constexpr, GATED: tl.constexpr):
         # One program: BLOCK_N output rows; each iteration BLOCK_B packed bytes (2 * BLOCK_B weights) of each row.
         # Per group g: s_g * (sum_j q_j x_j - z_g * sum_j x_j), so scales and zeros are loaded once per group.
+        # Folded in (the one-graph decode step, engine/step_kernels.py): HAS_NORM, x is RMSNorm(x) * norm weight
+        # (each program sums x^2 itself: K values from L2, cheaper than a launch); GATED, x is silu(x[:K]) *
+        # x[K:2K] (the MLP's gate and up halves); HAS_RES, a residual row is added to the output.
         GH: tl.constexpr = GROUP // 2               # bytes per group
         NG: tl.constexpr = BLOCK_B // GH            # groups per iteration
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = rows < N
         rows64 = rows.to(tl.int64)
         acc = tl.full([BLOCK_N, NG], 0.0, tl.float32)
+        rstd = 1.0
+        if HAS_NORM:
+            ss = tl.full([2 * BLOCK_B], 0.0, tl.float32)
+            for b0 in range(0, K_HALF, BLOCK_B):
+                xk = 2 * b0 + tl.arange(0, 2 * BLOCK_B)
+                xv = tl.load(x_ptr + xk, mask=xk < 2 * K_HALF, other=0.0).to(tl.float32)
+                ss += xv * xv
+            rstd = 1.0 / tl.sqrt(tl.reduce(ss, 0, _add) / (2 * K_HALF) + eps)
         for b0 in range(0, K_HALF, BLOCK_B):
             cols = b0 + tl.arange(0, BLOCK_B)
             col_ok = cols < K_HALF
@@ -66,6 +78,12 @@ def _build() -> dict:
             lo = (byte & 15).to(tl.float32)
             xk = 2 * b0 + tl.arange(0, 2 * BLOCK_B)   # x in one contiguous load, then split into even / odd
             xv = tl.load(x_ptr + xk, mask=xk < 2 * K_HALF, other=0.0).to(tl.float32)
+            if HAS_NORM:
+                xv = (xv * rstd).to(x_ptr.dtype.element_ty).to(tl.float32) * \
+                    tl.load(norm_ptr + xk, mask=xk < 2 * K_HALF, other=0.0).to(tl.float32)
+            if GATED:   # silu(gate) * up, gate = x[k], up = x[K + k]
+                up = tl.load(x_ptr + 2 * K_HALF + xk, mask=xk < 2 * K_HALF, other=0.0).to(tl.float32)
+                xv = xv / (1.0 + tl.exp(-xv)) * up
             xe, xo = tl.split(tl.reshape(xv, [BLOCK_B, 2]))
             prod = hi * xe[None, :] + lo * xo[None, :]
             qx = tl.reduce(tl.reshape(prod, [BLOCK_N, NG, GH]), 2, _add)                       # [BLOCK_N, NG]
@@ -79,6 +97,8 @@ def _build() -> dict:
         out = tl.reduce(acc, 1, _add)
         if HAS_BIAS:   # the bias in the same kernel: one launch less per layer than a separate add
             out += tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+        if HAS_RES:
+            out += tl.load(res_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
         tl.store(out_ptr + rows, out.to(out_ptr.dtype.element_ty), mask=row_ok)
 
     @triton.jit
@@ -115,17 +135,24 @@ def gemv_config(n: int, k_half: int, device: torch.device) -> tuple[int, int, in
 
 
 def gemv(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int,
-         bias: torch.Tensor | None = None, config: tuple[int, int, int] | None = None) -> torch.Tensor:
+         bias: torch.Tensor | None = None, config: tuple[int, int, int] | None = None,
+         residual: torch.Tensor | None = None, norm: tuple[torch.Tensor, float] | None = None,
+         gated: bool = False) -> torch.Tensor:
     """``x`` [1, K] (fp16/bf16/fp32) times the int4 weight [N, K] transposed, plus ``bias`` [N] -> [1, N] in
-    ``x.dtype``. ``config`` overrides ``gemv_config`` (the sweep that chose it)."""
+    ``x.dtype``. ``config`` overrides ``gemv_config`` (the sweep that chose it). Folded in, for the decode step:
+    ``norm = (weight [K], eps)`` multiplies x by RMSNorm first (rounded to x's dtype before the weight, as
+    transformers' Llama / Qwen2 norms do); ``gated``: x is [1, 2K] and the product takes silu(x[:K]) * x[K:];
+    ``residual`` [N] (any shape of N values) is added to the result."""
     n, k_half = packed.shape
     out = torch.empty((1, n), dtype=x.dtype, device=x.device)
     block_n, block_b, warps = config or gemv_config(n, k_half, x.device)
     block_b = max(block_b, group // 2)
     grid = (-(-n // block_n),)
-    _build()["gemv"][grid](x, packed, scales, zeros, out if bias is None else bias, out, n, k_half, scales.shape[1],
+    norm_weight, eps = norm if norm is not None else (out, 0.0)
+    _build()["gemv"][grid](x, packed, scales, zeros, out if bias is None else bias, out,
+                           out if residual is None else residual, norm_weight, eps, n, k_half, scales.shape[1],
                            GROUP=group, BLOCK_N=block_n, BLOCK_B=block_b, HAS_BIAS=bias is not None,
-                           num_warps=warps)
+                           HAS_RES=residual is not None, HAS_NORM=norm is not None, GATED=gated, num_warps=warps)
     return out
 
 
