@@ -186,7 +186,8 @@ def run_row(name, model, cfg, ids, args, tier, step, kwarg, device) -> dict:
     if device.type == "cuda":
         torch.cuda.empty_cache()
         if budget is not None:
-            apply_vram_budget(budget - measure_cuda_context(device), device)
+            context = getattr(args, "cuda_context", None) or measure_cuda_context(device)
+            apply_vram_budget(budget - context, device)
         else:
             torch.cuda.set_per_process_memory_fraction(1.0, device)
         torch.cuda.reset_peak_memory_stats(device)
@@ -317,10 +318,19 @@ def main(argv=None) -> int:
     from flashguard.kv import peer
 
     tier = None
+    if device.type == "cuda":   # the CUDA context alone, before NCCL's buffers (which the rows' budget must hold:
+        from flashguard.engine.engine import measure_cuda_context   # the peer tier's own cost, reported below)
+        from flashguard.vram.accounting import nvml_process_bytes
+
+        args.cuda_context = measure_cuda_context(device)
+        before = nvml_process_bytes(0, os.getpid())
     if {"peer", "split"} & set(args.rows) or device.type == "cuda":
         peer_dev = "cuda:1" if device.type == "cuda" else "cpu"
         tier = peer.start([peer_dev], device, page_size=PAGE, timeout_s=args.peer_timeout)
         watch.tiers.append(tier)
+        if device.type == "cuda" and before is not None:
+            after = nvml_process_bytes(0, os.getpid())
+            result["nccl_gib_on_gpu0"] = None if after is None else (after - before) / 2**30
     t0 = time.perf_counter()
     model, cfg = build_model(device, shape)
     result["model_s"] = time.perf_counter() - t0
@@ -371,9 +381,13 @@ def render(result) -> str:
              ""]
     if result.get("partial"):
         lines += [f"**PARTIAL: {result['partial']}**", ""]
+    if a.get("cuda_context"):
+        lines += [f"GPU 0's cap for l2/peer: the budget less the CUDA context measured before the process group "
+                  f"({a['cuda_context'] / 2**30:.2f} GiB); NCCL's own buffers come on top (GPU 0 NVML growth at the "
+                  f"tier's start: {result.get('nccl_gib_on_gpu0') or 0:.2f} GiB; its communicators start lazily)", ""]
     lines += ["command: python -m flashguard.bench.peer " + " ".join(
                  f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
-                 for k, v in a.items() if k not in ("out", "json", "dead_peer") and v is not None), "",
+                 for k, v in a.items() if k not in ("out", "json", "dead_peer", "cuda_context") and v is not None), "",
               "| row | pool tokens | off-pool pages | fill s | decode tok/s | ms/step | L2 page reads/step | "
               "GPU 0 cap GiB | GPU 0 peak GiB | peer GiB | logits vs resident (max abs) |",
               "|---|---|---|---|---|---|---|---|---|---|---|"]
