@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # The third session's H200 call behind docs/benchmarks/e2e_h200.md ("Third session"), one device call (repo root;
 # carry .whl and .devcarry, where .devcarry/src.tar is `git archive HEAD` of the commit measured):
-#   ROWS="default l3-half" bash docs/benchmarks/run_2026-11-30c/run.sh "$OUT" 8192 32768 131072
+#   ROWS="default l3-half" bash docs/benchmarks/run_2026-11-30c/run.sh "$OUT" 8192 32768 131072   (TESTS=1: GPU tests)
 # 1. llama.cpp builds on cores 0-11 in the background (llama-bench, llama-quantize, and llama-fit-params, which
 #    docs/benchmarks/run_7b/run.sh uses when it runs next on the same machine);
 # 2. meanwhile, on cores 12-15: the GPU tests, the random-weight DeepSeek-R1-Distill-Qwen-1.5B-shape checkpoints
 #    (real tokenizer), then `python -m flashguard.bench.e2e --rows $ROWS` (LLMRails on configs/flash);
-# 3. then llama-bench on the same GPU, alone: decode (tg32) at 8K / 32K / 128K depth with q8_0 KV, prefill of 32K
+# 3. `python -m flashguard.bench.profile` (a prefill chunk past the pool and sparse decode steps at 64K, profiled);
+# 4. then llama-bench on the same GPU, alone: decode (tg32) at 8K / 32K / 128K depth with q8_0 KV, prefill of 32K
 #    and of 128K (the 128K TTFT anchor).
 set -uo pipefail
 OUT=${1:?usage: run.sh OUTDIR [contexts]}; shift
@@ -30,20 +31,22 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/smi
 python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', \
   transformers.__version__, 'triton', triton.__version__)" >> "$OUT/smi.txt"
 el "installed"
-(cd $S && timeout 150 taskset -c 12-15 python3 -m pytest -q tests/test_gpu.py -p no:cacheprovider 2>&1 | tail -6) \
-  | tee "$OUT/gpu_tests.txt"
-el "gpu tests done"
+[ -n "${TESTS:-}" ] && (cd $S && timeout 150 taskset -c 12-15 python3 -m pytest -q tests/test_gpu.py -p no:cacheprovider \
+  2>&1 | tail -6) | tee "$OUT/gpu_tests.txt" && el "gpu tests done"
 (cd /tmp && python3 -c "from flashguard.bench.e2e import make_checkpoints; from pathlib import Path; \
   print(make_checkpoints(Path('$W'), '$R/.devcarry/ds-tokenizer'))" 2>&1 | tail -2)
 (cd /tmp && timeout 330 taskset -c 12-15 python3 -m flashguard.bench.e2e --workdir "$W" --tokenizer \
   $R/.devcarry/ds-tokenizer --config $S/configs/flash --rows $ROWS --contexts $CONTEXTS --out "$OUT/e2e.md" \
   --json "$OUT/e2e.json" 2> "$OUT/e2e.err" | tee "$OUT/e2e.jsonl" | grep -v '^{"row"' | tail -30)
 el "our rows done"
+(cd /tmp && timeout 75 taskset -c 12-15 python3 -m flashguard.bench.profile --model $W/ds15b-int4 --budget 4GiB \
+  --context 65536 --out "$OUT/profile.txt" > /dev/null 2> "$OUT/profile.err"); tail -2 "$OUT/profile.err"
+el "profile done"
 while [ ! -f "$W/llama.built" ]; do sleep 2; done; tail -2 $L/build.log
 el "llama.cpp built"
 sed -e "s/for kv in q8_0 f16/for kv in q8_0/" \
     -e "s/run -ctk q8_0 -ctv q8_0 -p 32768 -n 0;/run -ctk q8_0 -ctv q8_0 -p 32768 -n 0; run -ctk q8_0 -ctv q8_0 -p 131072 -n 0;/" \
     .devcarry/llamacpp_bench.sh > /tmp/llamacpp_bench.sh
 grep -c "131072 -n 0" /tmp/llamacpp_bench.sh
-timeout 200 bash /tmp/llamacpp_bench.sh $W/ds15b-fp16 "$OUT" 2>&1 | tail -12   # alone on the GPU: $OUT/llamacpp.md
+timeout 170 bash /tmp/llamacpp_bench.sh $W/ds15b-fp16 "$OUT" 2>&1 | tail -12   # alone on the GPU: $OUT/llamacpp.md
 el "done"
