@@ -163,7 +163,7 @@ def test_the_kernel_step_of_an_int4_model_equals_its_torch_step(interpreted):
     from flashguard.quant.int4_linear import Int4Linear, quantize_linears_rtn
     from transformers import DynamicCache
 
-    model = _qwen2(seed=3)
+    model = _qwen2(layers=1, seed=3)   # (one layer: the interpreter's gemv is slow)
     quantize_linears_rtn(model, group_size=64, backend="dequant")
     ids = torch.randint(0, 300, (60,), generator=torch.Generator().manual_seed(2)).tolist()
     cache = DynamicCache(config=model.config)
@@ -174,7 +174,7 @@ def test_the_kernel_step_of_an_int4_model_equals_its_torch_step(interpreted):
     a, b = StaticKV.from_cache(cache, 96), StaticKV.from_cache(cache, 96)
     fast, plain = DecodeStep(model, graphs=False, kernels=True), DecodeStep(model, graphs=False, kernels=False)
     assert fast.fused[0] is not None
-    for _ in range(3):
+    for _ in range(2):
         got, want = fast.step(token, a), plain.step(token, b)
         torch.testing.assert_close(got, want, atol=2e-4, rtol=2e-4)
         token = int(want.argmax())
