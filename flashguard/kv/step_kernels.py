@@ -200,11 +200,13 @@ def _build() -> dict:
         c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
         offs_g = tl.arange(0, BLOCK_G)
         offs_d = tl.arange(0, D)
-        q = tl.load(Q + (h * G + offs_g)[:, None] * D + offs_d[None, :], mask=offs_g[:, None] < G, other=0.0)
+        q = tl.load(Q + (h * G + offs_g)[:, None] * D + offs_d[None, :], mask=offs_g[:, None] < G,
+                    other=0.0).to(tl.float32)
         c_ok = c < cols
         at = B + h.to(tl.int64) * s_bh + offs_d[:, None] * s_bd + c[None, :]
-        kmax = tl.load(at, mask=c_ok[None, :], other=0.0)   # (in the bounds' dtype, as torch's bmm of them)
-        kmin = tl.load(at + D * s_bd, mask=c_ok[None, :], other=0.0)
+        # fp32 (the bounds may be kept in another 16-bit type than q; tf32 holds both exactly)
+        kmax = tl.load(at, mask=c_ok[None, :], other=0.0).to(tl.float32)
+        kmin = tl.load(at + D * s_bd, mask=c_ok[None, :], other=0.0).to(tl.float32)
         sc = tl.dot(tl.maximum(q, 0.0), kmax) + tl.dot(tl.minimum(q, 0.0), kmin)      # [BLOCK_G, BLOCK_C]
         sc = tl.where((offs_g < G)[:, None], sc, float("-inf"))
         bound = tl.reduce(sc, 0, _max)
