@@ -393,3 +393,95 @@ def test_cli_plan_plans_the_peer_gpus(capsys):
                      "--peer-gpus", "1"]) == 0
     out = capsys.readouterr().out
     assert "each peer GPU (kv.peer_gpus)" in out and "pages (16-bit, in blocks)" in out
+
+
+# ---- the step protocol: one header a step, steps closed in order, a peer lost mid-step ----------------------------
+def _protocol() -> dict:
+    import os
+    import signal
+    import time
+
+    g = torch.Generator().manual_seed(11)
+    layers, kvh, n, p, d, group = 3, 2, 9, 4, 8, 2
+    k, v = torch.randn(layers, kvh, n, p, d, generator=g), torch.randn(layers, kvh, n, p, d, generator=g)
+    tier = peer.start(["cpu"], "cpu", page_size=p, timeout_s=GLOO_TIMEOUT_S, block_pages=2)
+    errors, steps = [], []
+
+    def check(layer, q, first, last):
+        o, lse = tier.attend(layer, q, 0.3, first, last)
+        kk, vv = k[layer, :, first:last].reshape(kvh, -1, d), v[layer, :, first:last].reshape(kvh, -1, d)
+        ro, rl = attention.partial_attention(q.double(), kk.double(), vv.double(), 0.3)
+        errors.append(max((o.double() - ro).abs().max().item(), (lse.double() - rl).abs().max().item()))
+
+    out = {}
+    try:
+        tier.put(0, k, v)
+        q = torch.randn(kvh, group, 1, d, generator=g)
+        for _ in range(2):                       # two decode steps: every layer in order, one header each
+            for layer in range(layers):
+                check(layer, q, 1, 9)
+        steps.append(tier.info()["steps"])       # 2
+        check(0, q, 1, 9)                        # a step left open after layer 0 ...
+        check(0, q, 2, 7)                        # ... closed (layers 1, 2 get empty queries) by another range
+        check(1, q, 2, 7)
+        check(2, torch.randn(kvh, group, 3, d, generator=g), 0, 9)   # another shape: its own step, from layer 2
+        steps.append(tier.info()["steps"])       # 2 + 3
+        check(0, q, 0, 9)                        # a put while a step is open closes it first
+        k[:, :, 4:6], v[:, :, 4:6] = -k[:, :, 4:6], 2 * v[:, :, 4:6]
+        tier.put(4, k[:, :, 4:6], v[:, :, 4:6])
+        for layer in range(layers):
+            check(layer, q, 0, 9)
+        steps.append(tier.info()["steps"])       # 5 + 2
+        check(0, q, 0, 9)                        # the peer dies between two layers of a step
+        os.kill(tier.processes[0].pid, signal.SIGKILL)
+        tier.processes[0].join()
+        t0 = time.monotonic()
+        try:
+            tier.attend(1, q, 0.3, 0, 9)
+        except peer.PeerLostError as err:        # gloo: every layer was verified as it came: not a PeerStepLost
+            out["lost"] = (type(err).__name__, err.status_code, time.monotonic() - t0)
+        out["info"] = tier.info()
+    finally:
+        tier.close()
+    out.update(errors=errors, steps=steps)
+    return out
+
+
+@pytest.mark.slow
+def test_the_step_protocol_one_header_a_step_and_an_open_step_closed_in_order(tmp_path):
+    out = _spawn(_protocol, tmp_path / "out.pt")
+    assert len(out["errors"]) == 15 and max(out["errors"]) < 1e-5
+    assert out["steps"] == [2, 5, 7]
+    name, status, seconds = out["lost"]
+    assert name == "PeerLostError" and status == 503 and seconds < GLOO_TIMEOUT_S + 5
+    assert out["info"]["lost"].startswith("attend failed")
+
+
+class _FailedWork:
+    def is_completed(self):
+        return True
+
+    def wait(self):
+        raise RuntimeError("the peer is gone")
+
+
+@pytest.mark.parametrize("unverified", [0, 1])
+def test_a_peer_lost_after_unverified_layers_is_a_page_lost_step(unverified):
+    """On NCCL the layers of a step use the peers' partials before the host sees them arrive; a loss found at the
+    step's end is then a PeerStepLost (a PageLost: the engine recomputes from the store; not a PeerLostError, which
+    the cache would answer by attending only the rest of the step from the store). Without unverified layers it is
+    the plain PeerLostError, and the cache falls back layer by layer."""
+    from flashguard.kv.disk import PageLost
+
+    assert issubclass(peer.PeerStepLost, PageLost) and not issubclass(peer.PeerStepLost, peer.PeerLostError)
+    tier = peer.PeerTier.__new__(peer.PeerTier)
+    tier.comm, tier.lost, tier.timeout_s = torch.device("cpu"), None, 1.0
+    tier._step = peer._Step((0, 4, 1, 1, 1, 8, torch.float32, 0.5), 0, 1)
+    tier._step.next, tier._step.works, tier._step.unverified = 1, [_FailedWork()], unverified
+    pending = peer.Pending(tier, tier._step, [], [], (1, 1, 1, 8), torch.device("cpu"), final=True)
+    with pytest.raises(peer.PeerStepLost if unverified else peer.PeerLostError) as info:
+        pending.wait()
+    assert info.value.status_code == 503 and "kv.peer_gpus" in str(info.value)
+    assert tier.lost is not None and tier._step is None
+    with pytest.raises(peer.PeerLostError):   # later calls: at once
+        tier.ask(0, torch.zeros(1, 1, 1, 8), 0.5, 0, 4)

@@ -12,8 +12,11 @@ and on the CPU (gloo, a tiny shape: the smoke test of the same code)::
     python -m flashguard.bench.peer --device cpu --dead-peer
 
 The model: random weights of the DeepSeek-R1-Distill-Qwen-7B shape (Qwen2: 28 layers, hidden 3584, 28 heads,
-4 KV heads, head_dim 128), int4 decoder linears (RTN, group 128), the embedding table in host RAM (as the engine
-does with int4 weights: ``engine/host_embedding.py``), fp16 lm_head, on GPU 0. The cache is filled with random K/V
+4 KV heads, head_dim 128), random int4 codes made in host RAM for the decoder linears and lm_head (group 128,
+``bench.big.make_model``: no 16-bit copy of the model ever reaches the GPU, so nothing fragments GPU 0's allocator
+before the cap) and placed on GPU 0 with the Triton kernels (``layer_stream.place``), the embedding table in host
+RAM (as the engine does with int4 weights: ``engine/host_embedding.py``): ~3.7 GiB of weights on GPU 0. The CUDA
+allocator runs with expandable segments from the start, and each row starts from an emptied cache. The cache is filled with random K/V
 (``--fill random``, the default: the same values in every row, written through ``TieredCache.update`` as a
 prefill writes them, so pages leave L1 for L2 and the peers exactly as in a prefill; the model's own 128K prefill
 costs minutes per row under the 6 GiB cap). ``--fill model`` runs the model's chunked prefill instead. Then greedy
@@ -40,6 +43,7 @@ logits; a later call raises at once (503); GPU 0 still runs; ``close`` returns.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
@@ -93,7 +97,8 @@ class Deadline:
 
 
 def build_model(device: torch.device, shape: str):
-    """Random weights: the 7B shape with int4 decoder linears and a host embedding (GPU), or a tiny fp32 Qwen2."""
+    """Random weights: the 7B shape with int4 decoder linears and lm_head and a host embedding (GPU; built in
+    host RAM as codes, only they reach the GPU), or a tiny fp32 Qwen2."""
     from transformers import Qwen2ForCausalLM
 
     torch.manual_seed(0)
@@ -101,20 +106,14 @@ def build_model(device: torch.device, shape: str):
         cfg = tiny_config()
         model = Qwen2ForCausalLM(cfg).to(device).eval()
         return model, cfg
+    from flashguard.bench.big import make_model
     from flashguard.engine.host_embedding import install
-    from flashguard.quant.int4_linear import quantize_linears_rtn
+    from flashguard.engine.layer_stream import place
 
     cfg = deepseek_7b_config()
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float16)   # built in 16-bit (15 GB), not fp32 (30 GB) then cast
-    try:
-        with torch.device(device):
-            model = Qwen2ForCausalLM(cfg).eval()
-    finally:
-        torch.set_default_dtype(old)
-    model = model.to(torch.float16)
-    quantize_linears_rtn(model, 128)
+    model = make_model(cfg, dtype=torch.float16, lm_head="int4")
     install(model, device)
+    place(model, device, [])
     gc.collect()
     torch.cuda.empty_cache()
     return model, cfg
@@ -168,8 +167,15 @@ def row_kv(name: str, cfg, ctx: int, args, device):
             pool = args.pool or max(4 * PAGE, ctx // 8)
             return base.replace(l1_tokens=pool, l1_max_tokens=pool), None
         budget = parse_bytes(args.gpu0_budget, key="--gpu0-budget")
-        kv = planner.sized_kv(planner.Shape.from_config(cfg), budget=budget, context=ctx, weights="int4",
-                              prefill_chunk=args.plan_chunk, kv=base)
+        shape = dataclasses.replace(planner.Shape.from_config(cfg), lm_head="int4")
+        context = getattr(args, "cuda_context", None) or planner.CUDA_CONTEXT
+        kv = planner.sized_kv(shape, budget=budget, context=ctx, weights="int4", prefill_chunk=args.plan_chunk,
+                              kv=base, cuda_context=context)
+        p = planner.plan(shape, gpu_mem=planner.planned(budget), context=ctx, weights="int4",
+                         prefill_chunk=args.plan_chunk, kv=kv, cuda_context=context)
+        args.plan = {"budget_gib": budget / 2**30, "planned_gib": planner.planned(budget) / 2**30,
+                     "pool_tokens": kv.l1_tokens, "pool_max_tokens": kv.l1_max_tokens,
+                     **{f"{k}_gib": v / 2**30 for k, v in p.parts.items()}, "total_gib": p.total / 2**30}
         return kv.replace(l2_tokens=ctx + 4096), budget
     pool = ctx + room if name == "resident" else ctx // 2
     return base.replace(l1_tokens=pool, l1_max_tokens=pool), None
@@ -183,8 +189,11 @@ def run_row(name, model, cfg, ids, args, tier, step, kwarg, device) -> dict:
     ctx = ids.shape[1]
     kv, budget = row_kv(name, cfg, ctx, args, device)
     gc.collect()
+    held = None
     if device.type == "cuda":
-        torch.cuda.empty_cache()
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()   # no stale cached blocks from earlier rows (expandable segments: unmapped)
+        held = (torch.cuda.memory_allocated(device) / 2**30, torch.cuda.memory_reserved(device) / 2**30)
         if budget is not None:
             context = getattr(args, "cuda_context", None) or measure_cuda_context(device)
             apply_vram_budget(budget - context, device)
@@ -224,6 +233,8 @@ def run_row(name, model, cfg, ids, args, tier, step, kwarg, device) -> dict:
            "page_reads_per_step": (cache.page_reads - reads0) / args.steps,
            "gpu0_cap_gib": None if budget is None else budget / 2**30,
            "gpu0_peak_gib": torch.cuda.max_memory_reserved(device) / 2**30 if device.type == "cuda" else None,
+           "gpu0_before_gib": held,   # (allocated, reserved) when the row started, after empty_cache
+           "plan": getattr(args, "plan", None) if budget is not None else None,
            "peers": tier.info() if name in ("peer", "split") else None, "first_logits": first}
     cache.release(keep_pages=False)
     del cache
@@ -290,6 +301,9 @@ def main(argv=None) -> int:
     device = torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")   # no NVLink multicast (the shared hosts' rule)
+        # every segment expandable from the first allocation on (the peers inherit it): empty_cache then returns
+        # what earlier rows freed, so a capped row starts from its own weights alone
+        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
         if torch.cuda.device_count() < 2:
             raise SystemExit("needs two GPUs of one host (the nvidia-h200-x2 kind); --device cpu runs gloo")
         torch.cuda.set_device(device)
@@ -387,7 +401,7 @@ def render(result) -> str:
                   f"tier's start: {result.get('nccl_gib_on_gpu0') or 0:.2f} GiB; its communicators start lazily)", ""]
     lines += ["command: python -m flashguard.bench.peer " + " ".join(
                  f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
-                 for k, v in a.items() if k not in ("out", "json", "dead_peer", "cuda_context") and v is not None), "",
+                 for k, v in a.items() if k not in ("out", "json", "dead_peer", "cuda_context", "plan") and v is not None), "",
               "| row | pool tokens | off-pool pages | fill s | decode tok/s | ms/step | L2 page reads/step | "
               "GPU 0 cap GiB | GPU 0 peak GiB | peer GiB | logits vs resident (max abs) |",
               "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -405,6 +419,15 @@ def render(result) -> str:
                      f"{'' if diff is None else f'{diff:.3g}'}"
                      f"{'' if r.get('same_argmax_as_resident', True) else ' (other argmax)'} |")
     lines.append("")
+    pl = next((r["plan"] for r in result["rows"] if r.get("plan")), None)
+    if pl:
+        lines += ["GPU 0's plan for l2/peer (vram/plan.py, int4 lm_head, GiB): " + ", ".join(
+            f"{k[:-4]} {v:.3f}" for k, v in pl.items() if k.endswith("_gib")) +
+            f"; pool {pl['pool_tokens']} tokens (max {pl['pool_max_tokens']})", ""]
+    held = [(r["row"], r["gpu0_before_gib"]) for r in result["rows"] if r.get("gpu0_before_gib")]
+    if held:
+        lines += ["GPU 0 allocated / reserved GiB as each row started (after empty_cache): " + ", ".join(
+            f"{n} {a:.2f} / {b:.2f}" for n, (a, b) in held), ""]
     if result.get("logit_scale") is not None:
         lines.append(f"resident first-step logits: max |logit| {result['logit_scale']:.3g}")
     if "peer" in by and "l2" in by:
