@@ -14,6 +14,7 @@ from nemoguardrails.actions import action
 from nemoguardrails.actions.rail_outcome import RailOutcome
 
 from flashguard.errors import ConfigError
+from flashguard.guardrails.server import record_block
 
 from .moderation import ModerationSettings, moderate, moderate_input
 
@@ -45,6 +46,8 @@ async def flashguard_moderate_input(llm=None, config=None, context: Optional[dic
     settings = ModerationSettings.from_custom_data(getattr(config, "custom_data", None), side="input")
     messages = conversation(user)
     verdict = await asyncio.to_thread(moderate_input, engine, messages, settings)
+    if not verdict.allowed:   # the server's usage and finish_reason (NeMo streams the refusal as plain text)
+        record_block("input")
     return _outcome(verdict)
 
 

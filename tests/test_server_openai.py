@@ -160,3 +160,38 @@ def test_a_blocked_reply_is_the_same_refusal_in_both_modes(blocking_server):
     # --verbose: the log shows the conversation (and the rail's verdict)
     log = blocking_server.log()
     assert "capital of France" in log and "flashguard moderation: BLOCK" in log
+
+
+@pytest.fixture(scope="module")
+def input_blocking_server(tmp_path_factory):
+    """A server whose input rail blocks every question (its Yes/No question decides, probe off, at threshold
+    0.001), so no LLM call is made."""
+    tmp = tmp_path_factory.mktemp("input_blocking")
+    cfg = make_config(tmp)
+    yml = (cfg / "config.yml").read_text()
+    rail = "  flashguard_input_moderation:\n    probe: auto"
+    assert rail in yml
+    (cfg / "config.yml").write_text(yml.replace(rail, "  flashguard_input_moderation:\n    probe: off\n"
+                                                      "    threshold: 0.001"))
+    s = _start(cfg, tmp / "server.log")
+    yield s
+    s.stop()
+
+
+def test_a_question_the_input_rail_blocks_counts_its_prompt_and_the_refusal(input_blocking_server, client):
+    """The model read the prompt (the rail judged it) and the reply is the refusal: usage counts both, in both
+    modes, with finish_reason content_filter (NeMo streams an input rail's refusal as plain text)."""
+    blocked = _client(input_blocking_server)
+    r = blocked.chat.completions.create(model="flashguard", messages=Q)
+    assert r.choices[0].message.content == "I'm sorry, I can't respond to that."
+    assert r.choices[0].finish_reason == "content_filter"
+    allowed = client.chat.completions.create(model="flashguard", messages=Q, max_tokens=1)
+    u = r.usage
+    assert u.prompt_tokens == allowed.usage.prompt_tokens > 10   # the same prompt, as the generation counts it
+    assert 5 <= u.completion_tokens <= 20 and u.total_tokens == u.prompt_tokens + u.completion_tokens
+    chunks, text = _stream(blocked, stream_options={"include_usage": True})
+    assert text == r.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "content_filter"
+    assert chunks[-1].choices == [] and chunks[-1].usage == u
+    assert "POST /v1/chat/completions 200 prompt_tokens=%d completion_tokens=%d" % (
+        u.prompt_tokens, u.completion_tokens) in input_blocking_server.log()

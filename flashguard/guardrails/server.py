@@ -6,7 +6,8 @@
   every response (and as a last chunk when ``stream_options.include_usage``), ``role`` in the first delta,
   ``finish_reason`` on the last chunk (``"length"`` when ``max_tokens`` / ``max_completion_tokens`` cut the
   reply), content as a string or a list of text parts. A reply a rail blocks is the config's refusal
-  (``bot refuse to respond``) with ``finish_reason: "content_filter"`` in both modes.
+  (``bot refuse to respond``) with ``finish_reason: "content_filter"`` in both modes. A request the input rail
+  blocks counts its prompt's tokens (the rail read them) and the refusal's as the completion (no LLM call made).
 - ``GET /v1/models`` (and ``/v1/models/{id}``): the config's main model names. Any name is accepted in a
   request; it is a label, the weights come from ``model_path``.
 - ``GET /v1/flashguard/memory`` and ``/metrics``.
@@ -25,6 +26,7 @@ logger; prompt and reply text only with ``verbose``.
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import json
 import logging
@@ -206,8 +208,6 @@ def prometheus(report: dict) -> str:
 
 
 async def _memory(path: str, send) -> None:
-    import asyncio
-
     report = await asyncio.to_thread(memory_report)
     if path == METRICS_PATH:
         body, ctype = prometheus(report).encode(), b"text/plain; version=0.0.4"
@@ -294,7 +294,7 @@ class ChatCompletions:
                 return Response(*_error_response(usage.error or RuntimeError(failed.get("message"))),
                                 media_type="application/json")
             include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-            return StreamingResponse(self._events(reply, first, stream, usage, include_usage),
+            return StreamingResponse(self._events(reply, first, stream, usage, include_usage, messages),
                                      media_type="text/event-stream")
         try:
             res = await self.rails.generate_async(messages=messages, options={"llm_params": params,
@@ -310,11 +310,35 @@ class ChatCompletions:
         blocked = any(r.type in ("input", "output") for r in stopped)
         if blocked:
             content = self.refusal
+            await self._count_refusal(usage, messages)
         if self.verbose:
             log.info("reply: %s", content)
         return JSONResponse(reply.completion(content, "content_filter" if blocked else usage.finish_reason, usage))
 
-    async def _events(self, reply: "_Reply", first, stream, usage: "RequestUsage", include_usage: bool):
+    async def _count_refusal(self, usage: "RequestUsage", messages: list[dict]) -> None:
+        """A reply blocked before any LLM call (the input rail): the usage is the prompt's tokens, which the rail
+        read, and the refusal's tokens as the completion. A call already counted (an output rail's block) stays."""
+        if usage.prompt_tokens or usage.completion_tokens:
+            return
+        llm = getattr(self.rails, "llm", None)
+        model = llm if hasattr(llm, "prompt_ids") else getattr(llm, "raw_llm", None)   # a LangChain wrapper's
+        engine = getattr(model, "engine", None)
+        if engine is None:
+            return
+
+        def count() -> tuple[int, int]:
+            return (len(model.prompt_ids(messages)),
+                    len(engine.tokenizer(self.refusal, add_special_tokens=False)["input_ids"]))
+
+        try:
+            prompt, completion = await asyncio.to_thread(count)
+        except Exception as exc:   # an uncountable prompt leaves the usage at zero; the refusal still goes out
+            log.warning("flashguard: the blocked request's tokens could not be counted: %s", exc)
+            return
+        usage.add(prompt, completion, "content_filter")
+
+    async def _events(self, reply: "_Reply", first, stream, usage: "RequestUsage", include_usage: bool,
+                      messages: list[dict]):
         usage_field = {"usage": None} if include_usage else {}
         yield reply.event({"role": "assistant", "content": ""}, **usage_field)
         blocked, parts = False, []
@@ -341,6 +365,10 @@ class ChatCompletions:
                     break
         finally:
             await _close(stream)
+        if usage.blocked == "input" and not blocked:   # NeMo streams an input rail's refusal as plain text
+            blocked = True
+        if blocked:
+            await self._count_refusal(usage, messages)
         if self.verbose:
             log.info("reply: %s", self.refusal if blocked else "".join(parts))
         yield reply.event({}, "content_filter" if blocked else usage.finish_reason or "stop", **usage_field)
@@ -423,6 +451,7 @@ class RequestUsage:
         self.completion_tokens = 0
         self.finish_reason: str | None = None
         self.error: BaseException | None = None   # a flashguard error an LLM call raised (its status and message)
+        self.blocked: str | None = None   # "input": flashguard's input rail blocked the request (record_block)
 
     def add(self, prompt_tokens: int, completion_tokens: int, finish_reason: str | None) -> None:
         self.prompt_tokens += prompt_tokens
@@ -455,6 +484,15 @@ def record_error(exc: BaseException) -> None:
     usage = _usage.get()
     if usage is not None:
         usage.error = exc
+
+
+def record_block(rail: str) -> None:
+    """Called by flashguard's input rail when it blocks (``rail``: "input"): a streamed reply then ends with
+    ``finish_reason: "content_filter"`` and counts the prompt and the refusal, though NeMo streams the refusal as
+    plain text."""
+    usage = _usage.get()
+    if usage is not None:
+        usage.blocked = rail
 
 
 class RequestLog:
