@@ -221,7 +221,7 @@ def cmd_plan(args) -> int:
     # vram_budget and the smallest budget when not even that fits)
     streamed, args.prefill_chunk = planner.layer_placement(
         shape, budget=gpu, context=args.context, weights=args.weights, cache=args.kv_cache,
-        prefill_chunk=args.prefill_chunk, kv=kv)
+        prefill_chunk=args.prefill_chunk or 2048, kv=kv, shrink_chunk=args.prefill_chunk is None)
     p = planner.plan(shape, gpu_mem=gpu, context=args.context, weights=args.weights, cache=args.kv_cache,
                      prefill_chunk=args.prefill_chunk, kv=kv, streamed=streamed)
     if args.kv_cache == "tiered" and not args.json:
@@ -341,7 +341,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--weights", choices=("int4", "float", "fp16"), default="int4",
                    help="the weights key's values (fp16: the old name of float)")
     p.add_argument("--kv-cache", choices=("tiered", "dynamic"), default="tiered", help="the kv_cache key")
-    p.add_argument("--prefill-chunk", type=int, default=2048, help="tokens per prefill pass (the engine's auto on a GPU)")
+    p.add_argument("--prefill-chunk", type=int, default=None,
+                   help="tokens per prefill pass (default: the engine's auto on a GPU, 2048, or down to 512 where "
+                        "that keeps more streamed layers resident)")
     p.add_argument("--l1-tokens", type=int, default=None, help="kv.l1_tokens (default auto: the largest pool)")
     p.add_argument("--peer-gpus", type=int, default=None,
                    help="kv.peer_gpus as a count: GPUs beside the first that hold the off-pool pages")

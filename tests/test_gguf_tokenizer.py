@@ -75,3 +75,23 @@ def test_truncated_gguf_fails_with_a_clear_error(header):
 
     with pytest.raises(ModelLoadError, match="model_path"):
         loader.materialize(source)
+
+
+def test_incremental_text_is_the_decoded_text_token_by_token(tok):
+    """The engine's streamed text (sampling.IncrementalText: a short tail decoded per token) is, at every token,
+    a prefix of decoding every token so far, and all of it once the last token is in: multi-byte characters
+    split over byte-level tokens, CJK, emoji, digits, spaces and specials among them."""
+    from flashguard.engine.sampling import IncrementalText
+
+    text = ("<think>Plan: ünïcödé — 東京の天気は晴れ 🌤️🚀 naïve café, 12345 + 67 = 12412.</think>\n\n"
+            "Answer:\tdone  ...  «quoted» ‘single’ \u00a0nbsp; ∑∫√ 𝔘𝔫𝔦 👩‍👩‍👧‍👦 end")
+    ids = tok(text, add_special_tokens=False).input_ids
+
+    def decode(part):
+        return tok.decode(part, skip_special_tokens=True)
+
+    inc = IncrementalText(decode)
+    for n, t in enumerate(ids, 1):
+        got = inc.add(t)
+        assert decode(ids[:n]).startswith(got)
+    assert inc.text == decode(ids)

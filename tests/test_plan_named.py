@@ -43,11 +43,12 @@ def test_the_7b_plan(no_network, capsys):
                      "--vram-budget", "4GiB"]) == 0
     out = capsys.readouterr().out
     assert "plan: deepseek-r1-distill-qwen-7b, int4 weights" in out and "fits" in out
-    assert "placement: embedding host RAM, lm_head GPU (float), decoder layers 5 resident + 23 streamed" in out
+    # (prefill_chunk auto: 512 where a smaller chunk keeps more layers resident)
+    assert "placement: embedding host RAM, lm_head GPU (float), decoder layers 11 resident + 17 streamed" in out
     assert "streamed decoder layers (pinned RAM)" in out
     assert cli.main(["plan", "--model", "deepseek-r1-distill-qwen-7b", "--context", "32768", "--gpu-mem", "8GiB"]) == 0
     out = capsys.readouterr().out
-    assert "fits" in out and "off the pool, in L2" in out and "decoder layers 28 resident\n" in out
+    assert "fits" in out and "every token resident" in out and "decoder layers 28 resident\n" in out
 
 
 def test_the_7b_placement(no_network):
@@ -63,7 +64,9 @@ def test_the_7b_placement(no_network):
                 kv=CacheConfig(), cuda_context=900 * 2**20, group=128)
     streamed, chunk = planner.layer_placement(seven, **args)
     head4, _ = planner.layer_placement(dataclasses.replace(seven, lm_head="int4"), **args)
-    assert (streamed, chunk) == (26, 2048) and head4 == 20
+    assert (streamed, chunk) == (24, 2048) and head4 == 18
+    # prefill_chunk auto: a smaller chunk where it keeps more layers resident (4 of them here)
+    assert planner.layer_placement(seven, shrink_chunk=True, **args) == (20, 512)
     one = planner.layer_bytes(seven, "int4", 128)
     assert one == 28 * 0 + (233_046_016 // 2 + 233_046_016 // 128 * 4)   # a layer's codes, scales and zeros
     kv = planner.sized_kv(seven, budget=args["budget"], context=32768, weights="int4", prefill_chunk=2048,
@@ -88,11 +91,11 @@ def test_a_budget_too_small_to_stream_names_the_smallest(no_network):
     with pytest.raises(ConfigError) as err:
         planner.layer_placement(seven, budget=2**30, **args)
     message = str(err.value)
-    assert "vram_budget" in message and "the smallest vram_budget that works is 2.25 GiB" in message
-    streamed, chunk = planner.layer_placement(seven, budget=int(2.25 * 2**30), **args)   # that budget works
+    assert "vram_budget" in message and "the smallest vram_budget that works is 2.12 GiB" in message
+    streamed, chunk = planner.layer_placement(seven, budget=int(2.125 * 2**30), **args)   # that budget works
     assert streamed == 28 and chunk == 256
-    with pytest.raises(ConfigError, match="smallest vram_budget that works is 2.25 GiB"):   # and less does not
-        planner.layer_placement(seven, budget=int(2.25 * 2**30) - 2**25, **args)
+    with pytest.raises(ConfigError, match="smallest vram_budget that works is 2.12 GiB"):   # and less does not
+        planner.layer_placement(seven, budget=int(2.125 * 2**30) - 2**25, **args)
 
 
 @pytest.mark.parametrize("name", ["deepseek-r1-distill-qwen-8b", "Qwen/Qwen2.5-7B-Instruct"])

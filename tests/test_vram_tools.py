@@ -85,7 +85,7 @@ def test_smi_without_a_gpu_or_server():
 def test_fit_to_budget_shrinks_chunk_and_window_then_names_keys():
     s = deepseek()
     kv = CacheConfig(page_size=64, l1_tokens=4096, l1_max_tokens=8192, sink_tokens=64, l2_tokens=65536)
-    budget = 3 << 30    # the process's whole GPU memory
+    budget = 2816 << 20   # the process's whole GPU memory (2.75 GiB)
     assert not planner.plan(s, gpu_mem=planner.planned(budget), context=131072, weights="int4", cache="tiered",
                             prefill_chunk=4096, kv=kv).fits
     new_kv, chunk, final, notes = planner.fit_to_budget(s, budget=budget, context=131072, weights="int4",

@@ -30,7 +30,7 @@ from ..errors import ConfigError, GpuMemoryError, PromptError
 from ..kv import peer
 from . import loader
 from .decode_step import DecodeStep
-from .sampling import SamplingParams, StopMatcher, choose
+from .sampling import IncrementalText, SamplingParams, StopMatcher, choose
 from .stats import EngineStats
 
 log = logging.getLogger("flashguard")
@@ -236,6 +236,7 @@ class Engine:
             logits, reused = self._prefill(ids)
             first_token_s = time.perf_counter() - t0
             out: list[int] = []
+            incremental = IncrementalText(self.decode)
             emitted, finish = 0, "length"
             try:
                 while len(out) < max_new:
@@ -244,7 +245,7 @@ class Engine:
                         finish = "stop"
                         break
                     out.append(token)
-                    text = self.decode(out)
+                    text = incremental.add(token)
                     cut = stopper.find(text)
                     if cut is not None:
                         finish = "stop"
@@ -409,7 +410,7 @@ class Engine:
         streamed, self.prefill_chunk = planner.layer_placement(
             self._plan_shape(), budget=self.vram_budget, context=self.context_length, weights="int4",
             cache=self.config.kv_cache, prefill_chunk=self.prefill_chunk, kv=self.kv, cuda_context=self.cuda_context,
-            group=self._int4_group())
+            group=self._int4_group(), shrink_chunk=self.config.prefill_chunk is None)
         return streamed
 
     def _place_layers(self):

@@ -81,3 +81,34 @@ class StopMatcher:
             if any(s.startswith(tail) for s in self.stop):
                 return end - k
         return end
+
+
+class IncrementalText:
+    """The text of a growing list of generated tokens, decoding only a short tail per token.
+
+    Why: decoding the whole list at every token is quadratic; after 2K tokens (a DeepSeek-R1 answer with its
+    reasoning) it cost ~0.9 ms a token on the host, a third of an 8K decode step on an H200. As in the incremental
+    detokenizers of vLLM and TGI, ``add`` decodes the tokens since ``prefix`` twice (with and without the newest
+    ones) and appends the difference once it no longer ends in an incomplete UTF-8 sequence; a few tokens of left
+    context keep tokenizers whose pieces depend on their neighbours (SentencePiece's leading spaces) right.
+
+    Contract: after ``add(t)`` for each token, ``text`` equals ``decode(all tokens)`` except for a held-back tail
+    of tokens that do not yet form whole characters (the caller decodes the whole list once at the end).
+    """
+
+    def __init__(self, decode):
+        self.decode = decode
+        self.ids: list[int] = []
+        self.text = ""
+        self.prefix = 0    # the left context starts here
+        self.read = 0      # tokens before this are in ``text``
+
+    def add(self, token: int) -> str:
+        self.ids.append(token)
+        head = self.decode(self.ids[self.prefix:self.read])
+        full = self.decode(self.ids[self.prefix:])
+        if len(full) > len(head) and not full.endswith("\ufffd"):
+            self.text += full[len(head):]
+            self.prefix, self.read = max(0, self.read - 4), len(self.ids)
+        return self.text
+
