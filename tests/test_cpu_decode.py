@@ -37,6 +37,7 @@ def test_the_fused_int4_decode_step_is_the_models_forward(tmp_path, arch):
     model = gguf_load.load_int4(str(tmp_path / "tiny.gguf"), config, torch.device("cpu"), torch.float32, "cpu")
     step = DecodeStep(model)
     assert all(f is not None for f in step.fused)
+    assert step.cpu is not None   # the CPU's own step (engine/cpu_step.py) runs it
     q_proj = model.model.layers[0].self_attn.q_proj
     assert q_proj.packed.data_ptr() == step.fused[0][0].packed.data_ptr()   # a view, not a copy
     assert DecodeStep(model).fused[0] is step.fused[0]
@@ -50,3 +51,44 @@ def test_the_fused_int4_decode_step_is_the_models_forward(tmp_path, arch):
             got = step.step(int(ids[0, t]), ours)
             expected = model(input_ids=ids[:, t:t + 1], **{kwarg: theirs}).logits[0, -1]
             torch.testing.assert_close(got, expected, rtol=1e-3, atol=1e-3 * expected.abs().max().item())
+
+
+def test_the_cpu_step_over_a_tiered_cache_is_the_models_forward(tmp_path):
+    """``CpuStep`` writes a resident TieredCache's L1 itself and attends the keys in use (``static_view`` /
+    ``advance``), and goes through the cache's own update and attention once pages leave the window: the logits
+    are the model's forward's all along, and the cache stays whole."""
+    from transformers import AutoConfig, DynamicCache
+
+    from flashguard import CacheConfig
+    from flashguard.engine.decode_step import DecodeStep
+    from flashguard.kv.cache import TieredCache
+    from flashguard.quant import gguf_load
+    from tests.test_gguf_load import VOCAB, T, write_tiny_gguf
+
+    write_tiny_gguf(tmp_path / "tiny.gguf", "llama", v_type=T.Q4_1)
+    config = AutoConfig.from_pretrained(tmp_path, gguf_file="tiny.gguf")
+    model = gguf_load.load_int4(str(tmp_path / "tiny.gguf"), config, torch.device("cpu"), torch.float32, "cpu")
+    step = DecodeStep(model)
+    assert step.cpu is not None
+    ids = torch.randint(0, len(VOCAB), (90,), generator=torch.Generator().manual_seed(5)).tolist()
+    ours = TieredCache(config, CacheConfig(page_size=16, sink_tokens=16, l1_tokens=96, l1_max_tokens=96,
+                                           l2_tokens=512, policy="exact", l2_codec="fp16")).attach(model)
+    theirs = DynamicCache(config=config)
+    with torch.inference_mode():
+        ours.feed(ids)
+        model(input_ids=torch.tensor([ids]), past_key_values=ours)
+        token = int(model(input_ids=torch.tensor([ids]), past_key_values=theirs).logits[0, -1].argmax())
+    statics = 0
+    for _ in range(60):
+        ours.feed([token])
+        statics += ours.static_view() is not None
+        got = step.step(token, ours)
+        with torch.inference_mode():
+            want = model(input_ids=torch.tensor([[token]]), past_key_values=theirs).logits[0, -1]
+        # the int4 lm_head writes bf16 logits: an fp32 rounding that differs upstream (RMSNorm as a dot product,
+        # rotary as a matmul, attention) may flip one bf16 rounding of an activation, one bf16 step of a logit
+        torch.testing.assert_close(got, want, rtol=0, atol=want.abs().max().item() / 128)
+        assert int(got.argmax()) == int(want.argmax())
+        token = int(want.argmax())
+    assert 0 < statics < 60 and ours.length == 150 and ours.layers[0].win_start > 16
+    ours.check_integrity()

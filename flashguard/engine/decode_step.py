@@ -30,6 +30,7 @@ import torch
 from ..kv import attention, int8_pool
 from ..kv import step_kernels
 from ..kv.sparse_step import SparseKV
+from . import cpu_step
 from .host_embedding import HostEmbedding
 
 log = logging.getLogger("flashguard")
@@ -120,6 +121,7 @@ class DecodeStep:
         # int4 q/k/v and gate/up as one kernel call each: on the CPU, where each call costs host time, and in the
         # step kernels' one-graph step, where each launch costs GPU time
         self.fused = [_fuse(layer) for layer in self.layers] if self.kernels or not self.use_graphs else [None] * n
+        self.cpu = cpu_step.CpuStep.make(self)   # the CPU's eager step for int4 models (cpu_step.py), else None
 
     @staticmethod
     def supports(model) -> bool:
@@ -277,7 +279,7 @@ class DecodeStep:
         if self.use_graphs and self.graphs is None:
             self._capture()
         if self.graphs is None:  # eager: the same parts
-            return self._layers(self._attend, cache)
+            return self.cpu.run(cache) if self.cpu is not None else self._layers(self._attend, cache)
         n = len(self.layers)
         for i in range(n):
             self.graphs[i].replay()
