@@ -123,6 +123,23 @@ class DecodeStep:
         self.fused = [_fuse(layer) for layer in self.layers] if self.kernels or not self.use_graphs else [None] * n
         self.cpu = cpu_step.CpuStep.make(self)   # the CPU's eager step for int4 models (cpu_step.py), else None
 
+    @torch.inference_mode()
+    def warm_up(self) -> None:
+        """Build the step kernels now, eagerly over a throwaway 64-token StaticKV: Triton compiles each kernel at
+        its first use (1-3 s on a machine whose cache does not hold them yet), which would otherwise land in the
+        first answer's latency. Nothing of the engine's state is touched but the step's own input buffers."""
+        if not self.kernels:
+            return
+        config = self.layers[0].self_attn.config
+        shape = (len(self.layers), config.num_key_value_heads, 64, self.head_dim)
+        kv = StaticKV(torch.zeros(shape, dtype=self.dtype, device=self.device),
+                      torch.zeros(shape, dtype=self.dtype, device=self.device), 0)
+        self.token.zero_()
+        self.position.zero_()
+        if self.embedded is not None:
+            self.embedded.zero_()
+        self._kernel_layers(kv)
+
     @staticmethod
     def supports(model) -> bool:
         inner = getattr(model, "model", None)

@@ -175,6 +175,8 @@ class Engine:
         self.layer_stream = self._place_layers()   # before DecodeStep: it must see the streamed layers
         self._step = DecodeStep(self.model, graphs=config.cuda_graphs and self.device.type == "cuda") \
             if DecodeStep.supports(self.model) else None
+        if self.device.type == "cuda":
+            self._warm_up()
         self.session = None   # the KVSession of the last sequence run (kv/session.py)
         self._hidden: list | None = None  # next_token_state(hidden=True) collects the last forward's states here
         self.store = None  # the tiered cache's PageStore (kv_cache: tiered)
@@ -188,6 +190,20 @@ class Engine:
         self.peers = None   # kv/peer.PeerTier: the conversation's off-window pages on the peer GPUs (kv.peer_gpus)
         if self.peer_devices:
             self.peers = peer.start([f"cuda:{i}" for i in self.peer_devices], self.device, self.kv.page_size)
+
+    def _warm_up(self) -> None:
+        """At start on a GPU: one 8-token forward (the int4 prompt kernels) and the decode step's kernels
+        (``DecodeStep.warm_up``), so that their one-time builds are part of starting, not of the first answer's
+        time to first token. A failure here is only logged: the first request builds them instead."""
+        try:
+            with torch.inference_mode():
+                ids = torch.zeros((1, 8), dtype=torch.long, device=self.device)
+                self.model(input_ids=ids, use_cache=False, logits_to_keep=1)
+                if self._step is not None:
+                    self._step.warm_up()
+            torch.cuda.synchronize(self.device)
+        except Exception as exc:   # noqa: BLE001 - a warm-up must never stop the engine from starting
+            log.info("flashguard: warm-up skipped (%s: %s)", type(exc).__name__, exc)
 
     # ---- prompts -------------------------------------------------------------------------
     def encode_messages(self, messages: Sequence[dict]) -> list[int]:

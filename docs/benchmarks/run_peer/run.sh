@@ -14,7 +14,7 @@ export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false OMP_
 if [ -f .devcarry/src.tar ]; then tar xf .devcarry/src.tar -C $S; else S=$R; fi   # else: the tree as carried
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   || exit 1
-(cd $S && python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target /tmp/site . 2>&1 \
+(cd $S && python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/site . 2>&1 \
   | tail -2)
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/smi.txt"
 nvidia-smi topo -m >> "$OUT/smi.txt" 2>&1
