@@ -115,3 +115,23 @@ def test_after_a_crop_below_the_window_the_one_graph_step_reads_the_new_pages(mo
         outs.append(torch.stack(rows))
         cache.check_integrity()
     torch.testing.assert_close(outs[0], outs[1], atol=1e-4, rtol=1e-4)
+
+
+def test_a_crop_and_a_release_outside_inference_mode_after_sparse_steps(model):
+    """The engine crops (a new prompt sharing a prefix) and releases (a reset) outside inference mode, while the
+    sparse step's device state was made inside one (DecodeStep.step): the H200's 128K turns failed there."""
+    ids = torch.randint(0, 300, (400,), generator=torch.Generator().manual_seed(8)).tolist()
+    cache = TieredCache(model.config, CacheConfig(**TIERS)).attach(model)
+    step = DecodeStep(model, graphs=False, whole_step=True)
+    with torch.inference_mode():
+        cache.feed(ids)
+        logits = model(input_ids=torch.tensor([ids]), past_key_values=cache).logits[0, -1]
+    for _ in range(4):
+        token = int(logits.argmax())
+        cache.feed([token])
+        logits = step.step(token, cache)
+    assert cache.sparse_state is not None
+    cache.crop_to(300)
+    assert cache.length == 300 and cache.sparse_state.slots_key is None
+    cache.release()
+    assert cache.length == 0

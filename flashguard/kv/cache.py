@@ -949,8 +949,7 @@ class TieredCache(Cache):
             return
         self._adapted_at = -1
         if self.sparse_state is not None:   # page i may be another page after the crop: refill the slot table
-            self.sparse_state.slots_key = None
-            self.sparse_state.seen.fill_(-1)
+            self.sparse_state.forget_slots()
         self._warmed_at = -1
         if self.layers[0].is_initialized:
             self._settle_pages()
@@ -1008,8 +1007,7 @@ class TieredCache(Cache):
         Idempotent; the cache is empty afterwards."""
         self.peers = None            # the next session resets the peers: nothing to send them now
         if self.sparse_state is not None:
-            self.sparse_state.slots_key = None
-            self.sparse_state.seen.fill_(-1)
+            self.sparse_state.forget_slots()
         self._warmed_at, self._on_disk = -1, False
         if keep_pages and self.store is not None and self.layers[0].is_initialized and self.page_keys:
             try:

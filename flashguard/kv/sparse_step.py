@@ -46,6 +46,15 @@ class SparseState:
         self.missed = torch.full((layers, 0), -1, dtype=torch.long, device=device)
 
 
+    def forget_slots(self) -> None:
+        """After a crop or a release (page i may be another page now): the slot table is refilled at the next step
+        and the steps' picks are forgotten. The tensors were made inside a step, under inference mode: updating
+        them outside it (a crop, a release) needs it too."""
+        self.slots_key = None
+        with torch.inference_mode():
+            self.seen.fill_(-1)
+
+
 class SparseKV:
     def __init__(self, cache, key: tuple, length: int, budget_pages: int):
         self.cache, self.owner, self.key, self.length = cache, cache, key, length
