@@ -61,9 +61,8 @@ class CpuStep:
                                                                       layer.post_attention_layernorm)):
                 return None
             qkv, (nq, nk, nv), gate_up = fused
-            layers.append((_norm(layer.input_layernorm), _kernel(qkv), nq, nk, _kernel(attn.o_proj),
-                           _norm(layer.post_attention_layernorm), _kernel(gate_up), gate_up.out_features // 2,
-                           _kernel(mlp.down_proj)))
+            layers.append((_norm(layer.input_layernorm), _kernel(qkv), nq, nk, nv, _kernel(attn.o_proj),
+                           _norm(layer.post_attention_layernorm), _kernel(gate_up), _kernel(mlp.down_proj)))
         return cls(step, layers)
 
     def _rms(self, h: torch.Tensor, norm: tuple, out: torch.Tensor) -> torch.Tensor:
@@ -94,25 +93,23 @@ class CpuStep:
         if view is not None and view.scales is not None:   # an int8 pool: its own update and attention
             view = None
         pos = None if view is None else view.length
-        for i, (n_in, qkv_k, nq, nk, o_k, n_post, gu_k, inter, down_k) in enumerate(self.layers):
-            qkv = self._linear(self._rms(h, n_in, x), qkv_k).to(dtype)       # [1, nq + nk + nv]
-            qk = torch.mm(qkv[:, :nq + nk].view(-1, d), rotary)              # [Hq + Hkv, D], rotated
-            hq = nq // d
+        for i, (n_in, qkv_k, nq, nk, nv, o_k, n_post, gu_k, down_k) in enumerate(self.layers):
+            qk, v = self._linear(self._rms(h, n_in, x), qkv_k).to(dtype).split((nq + nk, nv), -1)
+            q, k = torch.mm(qk.view(-1, d), rotary).split((nq // d, nk // d))   # [H, D] each, rotated
             if view is None:
-                step._attend(i, cache, qk[:hq].view(1, hq, 1, d), qk[hq:].view(1, -1, 1, d),
-                             qkv[:, nq + nk:].view(1, -1, 1, d))
+                step._attend(i, cache, q.view(1, -1, 1, d), k.view(1, -1, 1, d), v.view(1, -1, 1, d))
                 o = step.attn_out[i].view(1, -1).to(torch.bfloat16)
             else:   # resident: write this token's k, v into L1 and attend the keys in use
                 keys, values = view.keys[i], view.values[i]                  # [kvh, capacity, D]
                 kvh = keys.shape[0]
-                keys.select(1, pos).copy_(qk[hq:])
-                values.select(1, pos).copy_(qkv[:, nq + nk:].view(kvh, d))
-                scores = torch.baddbmm(self.zero, qk[:hq].view(kvh, hq // kvh, d),
-                                       keys[:, :pos + 1].transpose(1, 2), beta=0, alpha=step.scaling)
+                keys.select(1, pos).copy_(k)
+                values.select(1, pos).copy_(v.view(kvh, d))
+                scores = torch.baddbmm(self.zero, q.view(kvh, -1, d), keys[:, :pos + 1].transpose(1, 2), beta=0,
+                                       alpha=step.scaling)
                 o = torch.bmm(torch.softmax(scores, -1), values[:, :pos + 1]).view(1, -1).to(torch.bfloat16)
             h = h + self._linear(o, o_k)
-            gu = self._linear(self._rms(h, n_post, x), gu_k).to(dtype)
-            act = torch.mul(torch.nn.functional.silu(gu[:, :inter]), gu[:, inter:], out=self._act(inter))
+            gate, up = self._linear(self._rms(h, n_post, x), gu_k).to(dtype).chunk(2, -1)
+            act = torch.mul(torch.nn.functional.silu(gate), up, out=self._act(gate.shape[1]))
             h.add_(self._linear(act, down_k))
         if view is not None:
             cache.advance(1)
