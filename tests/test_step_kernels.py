@@ -147,7 +147,7 @@ def test_the_kernel_step_equals_the_models_forward_on_a_static_pool(interpreted)
     ours = StaticKV.from_cache(theirs, capacity=160)
     step = DecodeStep(model, graphs=False, kernels=True)
     assert step.kernels
-    step.warm_up()   # (what the engine does at start on a GPU: it must leave nothing behind)
+    step.warm_up(page_size=16, pages=4)   # (what the engine does at start on a GPU: it must leave nothing behind)
     for _ in range(4):
         got = step.step(token, ours)
         with torch.inference_mode():

@@ -124,14 +124,17 @@ class DecodeStep:
         self.cpu = cpu_step.CpuStep.make(self)   # the CPU's eager step for int4 models (cpu_step.py), else None
 
     @torch.inference_mode()
-    def warm_up(self) -> None:
+    def warm_up(self, page_size: int | None = None, pages: int = 0) -> None:
         """Build the step kernels now, eagerly over a throwaway 64-token StaticKV: Triton compiles each kernel at
         its first use (1-3 s on a machine whose cache does not hold them yet), which would otherwise land in the
-        first answer's latency. Nothing of the engine's state is touched but the step's own input buffers."""
+        first answer's latency. With ``page_size`` and ``pages`` (the pages a sparse step reads: kv_heads x
+        budget pages), the sparse step's kernels too, over a one-page int8 arena. Nothing of the engine's state
+        is touched but the step's own input buffers."""
         if not self.kernels:
             return
         config = self.layers[0].self_attn.config
-        shape = (len(self.layers), config.num_key_value_heads, 64, self.head_dim)
+        kvh = config.num_key_value_heads
+        shape = (len(self.layers), kvh, 64, self.head_dim)
         kv = StaticKV(torch.zeros(shape, dtype=self.dtype, device=self.device),
                       torch.zeros(shape, dtype=self.dtype, device=self.device), 0)
         self.token.zero_()
@@ -139,6 +142,24 @@ class DecodeStep:
         if self.embedded is not None:
             self.embedded.zero_()
         self._kernel_layers(kv)
+        if page_size and pages:
+            from ..kv import codecs
+            from ..kv.store import L2Arena
+
+            page = torch.zeros((1, kvh, page_size, self.head_dim), dtype=self.dtype)
+            arena = L2Arena(pin=self.device.type == "cuda")
+            slot = arena.write(codecs.encode(page, page, "int8"))
+            if not step_kernels.PageRead.takes(arena.layout, page_size, self.head_dim):
+                return
+            q = torch.zeros((config.num_attention_heads, self.head_dim), dtype=self.dtype, device=self.device)
+            one = torch.ones(1, dtype=torch.long, device=self.device)
+            step_kernels.page_bounds(q, torch.zeros((kvh, 2 * self.head_dim, 64), dtype=self.dtype,
+                                                    device=self.device), one - 1, one)
+            read = step_kernels.PageRead(torch.full((pages,), slot, dtype=torch.long, device=self.device),
+                                         arena.data[0], arena.layout, page_size)
+            step_kernels.decode_attention(q, kv.keys[0], kv.values[0], one.to(torch.int32), self.scaling, pages=read)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)   # (the arena is read by the kernel: keep it until done)
 
     @staticmethod
     def supports(model) -> bool:

@@ -199,8 +199,12 @@ class Engine:
             with torch.inference_mode():
                 ids = torch.zeros((1, 8), dtype=torch.long, device=self.device)
                 self.model(input_ids=ids, use_cache=False, logits_to_keep=1)
-                if self._step is not None:
-                    self._step.warm_up()
+                if self._step is not None:   # (and the sparse step's kernels where the cache may take it)
+                    kv = self.config.kv
+                    sparse = self.config.kv_cache == "tiered" and kv.policy == "sparse"
+                    heads = self.model.config.num_key_value_heads
+                    self._step.warm_up(page_size=kv.page_size if sparse else None,
+                                       pages=heads * max(1, kv.budget_tokens // kv.page_size) if sparse else 0)
             torch.cuda.synchronize(self.device)
         except Exception as exc:   # noqa: BLE001 - a warm-up must never stop the engine from starting
             log.info("flashguard: warm-up skipped (%s: %s)", type(exc).__name__, exc)
