@@ -57,7 +57,7 @@ _kernels: dict = {}
 
 def _build() -> dict:
     """The kernels, made on first use (under ``TRITON_INTERPRET=1`` as interpreted functions: the tests)."""
-    global _add, _max, _round, _quantized_store
+    global _add, _max, _round, _quantized_store, _store_row
     if _kernels:
         return _kernels
     if triton is None:
@@ -91,6 +91,18 @@ def _build() -> dict:
         tl.store(scales_ptr + tl.arange(0, NG), scale)
 
     @triton.jit
+    def _store_row(y1, y2, dst, sdst, ref, HALF: tl.constexpr, GRP: tl.constexpr, INT8: tl.constexpr):
+        # one head's new row of the pool from its two fp32 halves: in the pool's dtype, or (INT8) int8 codes and
+        # scales quantized from the values rounded to the model's dtype (``ref``'s), as int8_pool.quantize does
+        if INT8:
+            _quantized_store(y1.to(ref.dtype.element_ty).to(tl.float32), dst, sdst, HALF, GRP)
+            _quantized_store(y2.to(ref.dtype.element_ty).to(tl.float32), dst + HALF, sdst + HALF // GRP, HALF, GRP)
+        else:
+            lo = tl.arange(0, HALF)
+            tl.store(dst + lo, y1.to(dst.dtype.element_ty))
+            tl.store(dst + HALF + lo, y2.to(dst.dtype.element_ty))
+
+    @triton.jit
     def _rope_write_kernel(Q, K, V, COS, SIN, POS, QO, KC, VC, KS, VS,
                            s_kh, s_kn, s_vh, s_vn, s_ksh, s_ksn, s_vsh, s_vsn,
                            HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, INT8: tl.constexpr,
@@ -119,28 +131,12 @@ def _build() -> dict:
                 tl.store(QO + p * D + HALF + lo, y2.to(QO.dtype.element_ty))
             else:
                 h = (p - HQ).to(tl.int64)
-                dst = KC + h * s_kh + pos * s_kn
-                if INT8:
-                    y1 = y1.to(tl.float16).to(tl.float32)   # the 16-bit key the reference quantizes
-                    y2 = y2.to(tl.float16).to(tl.float32)
-                    sdst = KS + h * s_ksh + pos * s_ksn
-                    _quantized_store(y1, dst, sdst, HALF, GRP)
-                    _quantized_store(y2, dst + HALF, sdst + HALF // GRP, HALF, GRP)
-                else:
-                    tl.store(dst + lo, y1.to(KC.dtype.element_ty))
-                    tl.store(dst + HALF + lo, y2.to(KC.dtype.element_ty))
+                _store_row(y1, y2, KC + h * s_kh + pos * s_kn, KS + h * s_ksh + pos * s_ksn, QO, HALF, GRP, INT8)
         else:
             h = (p - HQ - HKV).to(tl.int64)
             x1 = tl.load(V + h * D + lo).to(tl.float32)
             x2 = tl.load(V + h * D + HALF + lo).to(tl.float32)
-            dst = VC + h * s_vh + pos * s_vn
-            if INT8:
-                sdst = VS + h * s_vsh + pos * s_vsn
-                _quantized_store(x1, dst, sdst, HALF, GRP)
-                _quantized_store(x2, dst + HALF, sdst + HALF // GRP, HALF, GRP)
-            else:
-                tl.store(dst + lo, x1.to(VC.dtype.element_ty))
-                tl.store(dst + HALF + lo, x2.to(VC.dtype.element_ty))
+            _store_row(x1, x2, VC + h * s_vh + pos * s_vn, VS + h * s_vsh + pos * s_vsn, QO, HALF, GRP, INT8)
 
     @triton.jit
     def _split_kernel(Q, KC, VC, KS, VS, USED, O, L, scale,
