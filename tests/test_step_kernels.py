@@ -214,3 +214,44 @@ def test_the_kernel_step_over_an_int8_pool_and_off_the_pool(interpreted):
         tol = 5e-2 if name == "int8" else 2e-4
         torch.testing.assert_close(a, b, atol=tol, rtol=tol)
         assert a.argmax(-1).tolist() == b.argmax(-1).tolist(), name
+
+
+def test_page_bounds_takes_bounds_in_another_16_bit_type(interpreted):
+    """Quest's ranking with fp16 queries against bf16 bounds (the H200's 128K rows mixed them): = the torch
+    bound, pages outside [first, last) at -inf."""
+    gen = torch.Generator().manual_seed(9)
+    hkv, g, d, cols = 2, 6, 64, 100
+    q = torch.randn(hkv * g, d, generator=gen).half()
+    kmax = torch.randn(hkv, d, cols, generator=gen)
+    bounds = torch.cat([kmax, kmax - torch.rand(hkv, d, cols, generator=gen)], 1).bfloat16()
+    got = step_kernels.page_bounds(q, bounds, torch.tensor([3]), torch.tensor([90]))
+    qq = q.float().view(hkv, g, d)
+    want = torch.bmm(torch.cat([qq.clamp(min=0), qq.clamp(max=0)], -1), bounds.float()).amax(1)
+    torch.testing.assert_close(got[:, 3:90], want[:, 3:90], atol=1e-3, rtol=1e-3)
+    assert torch.isinf(got[:, :3]).all() and torch.isinf(got[:, 90:]).all()
+
+
+def test_a_failing_step_kernel_falls_back_to_the_torch_kernels(interpreted, monkeypatch):
+    """A step kernel that fails to build or run (Triton's errors are not RuntimeErrors) turns the kernels off,
+    once, and the step runs on torch's kernels: the same logits as a step that never had them. An int8 pool
+    whose head does not split into whole scale groups never takes them."""
+    from transformers import DynamicCache
+
+    model = _qwen2(layers=1, seed=4)
+    ids = torch.randint(0, 300, (40,), generator=torch.Generator().manual_seed(5)).tolist()
+    cache = DynamicCache(config=model.config)
+    token = int(_prefill(model, cache, ids).argmax())
+    want = DecodeStep(model, graphs=False, kernels=False).step(token, StaticKV.from_cache(cache, 64))
+
+    def broken(*args, **kwargs):
+        raise ValueError("a kernel that does not build here")
+
+    monkeypatch.setattr(step_kernels, "rope_write", broken)
+    step = DecodeStep(model, graphs=False, kernels=True)
+    step.warm_up()                      # the gate: the failure turns them off at start
+    assert not step.kernels
+    step = DecodeStep(model, graphs=False, kernels=True)
+    got = step.step(token, StaticKV.from_cache(cache, 64))   # or at the first step
+    assert not step.kernels
+    torch.testing.assert_close(got, want)
+    assert not step_kernels.supported(32, int8=True) and step_kernels.supported(64, int8=True)

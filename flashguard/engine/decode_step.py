@@ -14,10 +14,13 @@ Contract:
 - ``step(token_id, cache) -> logits [vocab]`` appends one token at position ``cache.get_seq_length()``, updating
   ``cache`` exactly as the model's forward would (``cache.update``; a TieredCache then ``attend``s, any other
   Cache gets one fused attention call over what ``update`` returned).
-- With a ``StaticKV`` (a fixed-capacity cache on the device), the *whole* step, attention included, is one CUDA
-  graph: no host work between layers, so the step costs what the GPU needs. Captured again when the StaticKV
-  changes. This is the loop the int4 benchmark compares weights in (bench/int4.py); the engine's caches grow or
-  page, so it keeps the per-part graphs.
+- With a ``StaticKV`` (a fixed-capacity cache on the device: a resident TieredCache's pool, ``static_view``) or a
+  ``SparseKV`` (off the pool, ``kv/sparse_step.py``), the *whole* step, attention included, is one CUDA graph: no
+  host work between layers, so the step costs what the GPU needs. Captured again when its buffers change. On a GPU
+  with Triton its kernels are ``kv/step_kernels.py``'s (seven launches a layer for an int4 model: norms, gating
+  and residuals folded into the int4 gemv, rotary + pool write, split-K attention), built by ``warm_up`` at engine
+  start; a kernel that fails to build or run turns them off once (``kernels_failed``) and the step runs on torch's
+  kernels. Other caches (a DynamicCache, a cache in the middle of paging) keep the per-part graphs.
 - Batch size 1. The graphs hold a few MB of activations; they are made at the first step.
 """
 
@@ -124,14 +127,23 @@ class DecodeStep:
         self.cpu = cpu_step.CpuStep.make(self)   # the CPU's eager step for int4 models (cpu_step.py), else None
 
     @torch.inference_mode()
-    def warm_up(self, page_size: int | None = None, pages: int = 0) -> None:
-        """Build the step kernels now, eagerly over a throwaway 64-token StaticKV: Triton compiles each kernel at
-        its first use (1-3 s on a machine whose cache does not hold them yet), which would otherwise land in the
-        first answer's latency. With ``page_size`` and ``pages`` (the pages a sparse step reads: kv_heads x
-        budget pages), the sparse step's kernels too, over a one-page int8 arena. Nothing of the engine's state
-        is touched but the step's own input buffers."""
+    def warm_up(self, page_size: int | None = None, pages: int = 0, int8: bool = False) -> None:
+        """Build the step kernels now, eagerly over a throwaway 64-token StaticKV (``int8``: an int8 one too):
+        Triton compiles each kernel at its first use (1-3 s on a machine whose cache does not hold them yet),
+        which would otherwise land in the first answer's latency. With ``page_size`` and ``pages`` (the pages a
+        sparse step reads: kv_heads x budget pages), the sparse step's kernels too, over a one-page int8 arena.
+        This is also their gate: a kernel that fails to build or run here turns them off (``kernels_failed``).
+        Touched besides: the step's own input buffers, and a streamed layer's slots (filled again before use)."""
         if not self.kernels:
             return
+        try:
+            self._warm_up(page_size, pages, int8)
+        except torch.cuda.OutOfMemoryError:
+            raise
+        except Exception as exc:   # noqa: BLE001 - Triton's errors are not RuntimeErrors
+            self.kernels_failed(exc)
+
+    def _warm_up(self, page_size: int | None, pages: int, int8: bool) -> None:
         config = self.layers[0].self_attn.config
         kvh = config.num_key_value_heads
         shape = (len(self.layers), kvh, 64, self.head_dim)
@@ -142,7 +154,15 @@ class DecodeStep:
         if self.embedded is not None:
             self.embedded.zero_()
         self._kernel_layers(kv)
+        if int8 and step_kernels.supported(self.head_dim, int8=True):
+            codes = [int8_pool.quantize(kv.keys[i]) for i in range(shape[0])]
+            self._kernel_layers(StaticKV([c for c, _ in codes], [c for c, _ in codes], 0,
+                                         scales=([s for _, s in codes], [s for _, s in codes])))
         if page_size and pages:
+            one = torch.ones(1, dtype=torch.long, device=self.device)
+            q = torch.zeros((config.num_attention_heads, self.head_dim), dtype=self.dtype, device=self.device)
+            step_kernels.page_bounds(q, torch.zeros((kvh, 2 * self.head_dim, 64), dtype=self.dtype,
+                                                    device=self.device), one - 1, one)
             from ..kv import codecs
             from ..kv.store import L2Arena
 
@@ -151,10 +171,6 @@ class DecodeStep:
             slot = arena.write(codecs.encode(page, page, "int8"))
             if not step_kernels.PageRead.takes(arena.layout, page_size, self.head_dim):
                 return
-            q = torch.zeros((config.num_attention_heads, self.head_dim), dtype=self.dtype, device=self.device)
-            one = torch.ones(1, dtype=torch.long, device=self.device)
-            step_kernels.page_bounds(q, torch.zeros((kvh, 2 * self.head_dim, 64), dtype=self.dtype,
-                                                    device=self.device), one - 1, one)
             read = step_kernels.PageRead(torch.full((pages,), slot, dtype=torch.long, device=self.device),
                                          arena.data[0], arena.layout, page_size)
             step_kernels.decode_attention(q, kv.keys[0], kv.values[0], one.to(torch.int32), self.scaling, pages=read)
@@ -278,8 +294,23 @@ class DecodeStep:
         return self.lm_head(_rms_norm(self.norm, h.view(1, 1, -1)))[0, -1]
 
     def _static_layers(self, kv) -> torch.Tensor:
-        """The whole step over ``kv``: the step kernels where they run, else the parts with ``_attend_static``."""
-        return self._kernel_layers(kv) if self.kernels else self._layers(self._attend_static, kv)
+        """The whole step over ``kv``: the step kernels where they run (an int8 pool: where its head size splits
+        into whole scale groups), else the parts with ``_attend_static``."""
+        int8 = getattr(kv, "scales", None) is not None
+        if self.kernels and (not int8 or step_kernels.supported(self.head_dim, int8=True)):
+            return self._kernel_layers(kv)
+        return self._layers(self._attend_static, kv)
+
+    def kernels_failed(self, exc: Exception) -> bool:
+        """A step kernel that does not build or run on this GPU (a Triton compilation or launch error): torch's
+        kernels from now on, said once. True when that is what happened (the caller runs the step again); False
+        for an error the step kernels did not cause (they were off)."""
+        if not self.kernels:
+            return False
+        log.warning("flashguard: the decode step's Triton kernels failed here (%s: %s); decoding on torch's "
+                    "kernels instead", type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+        self.kernels = False
+        return True
 
     def _layers(self, attend, cache) -> torch.Tensor:
         """Every part with ``attend(i, cache, q, k, v)`` between them: the eager step, or (with
@@ -333,7 +364,14 @@ class DecodeStep:
         if self.use_graphs and entry is None:
             entry = self._capture_step(kv)
         if entry is None:
-            logits = self._static_layers(kv)
+            try:
+                logits = self._static_layers(kv)
+            except torch.cuda.OutOfMemoryError:
+                raise
+            except Exception as exc:   # noqa: BLE001 - a step kernel that fails here: torch's kernels, once
+                if not self.kernels_failed(exc):
+                    raise
+                logits = self._static_layers(kv)
         else:
             entry[0].replay()
             logits = entry[1].clone()  # the graph's own output changes at the next replay
@@ -353,7 +391,11 @@ class DecodeStep:
             return record()
         except torch.cuda.OutOfMemoryError:
             raise
-        except RuntimeError as exc:  # a module that cannot be captured
+        except Exception as exc:   # noqa: BLE001 - Triton's errors are not RuntimeErrors
+            if self.kernels_failed(exc):
+                return self._record(warm_up, record, sparse)
+            if not isinstance(exc, RuntimeError):   # (a module that cannot be captured raises a RuntimeError)
+                raise
             if sparse:
                 log.warning("flashguard: sparse decode steps run layer by layer (one-graph capture failed: %s)", exc)
                 self.sparse_graphs = False

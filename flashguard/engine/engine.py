@@ -175,8 +175,6 @@ class Engine:
         self.layer_stream = self._place_layers()   # before DecodeStep: it must see the streamed layers
         self._step = DecodeStep(self.model, graphs=config.cuda_graphs and self.device.type == "cuda") \
             if DecodeStep.supports(self.model) else None
-        if self.device.type == "cuda":
-            self._warm_up()
         self.session = None   # the KVSession of the last sequence run (kv/session.py)
         self._hidden: list | None = None  # next_token_state(hidden=True) collects the last forward's states here
         self.store = None  # the tiered cache's PageStore (kv_cache: tiered)
@@ -190,6 +188,8 @@ class Engine:
         self.peers = None   # kv/peer.PeerTier: the conversation's off-window pages on the peer GPUs (kv.peer_gpus)
         if self.peer_devices:
             self.peers = peer.start([f"cuda:{i}" for i in self.peer_devices], self.device, self.kv.page_size)
+        if self.device.type == "cuda":   # after sizing: the kernels of the pool and pages as planned
+            self._warm_up()
 
     def _warm_up(self) -> None:
         """At start on a GPU: one 8-token forward (the int4 prompt kernels) and the decode step's kernels
@@ -200,11 +200,13 @@ class Engine:
                 ids = torch.zeros((1, 8), dtype=torch.long, device=self.device)
                 self.model(input_ids=ids, use_cache=False, logits_to_keep=1)
                 if self._step is not None:   # (and the sparse step's kernels where the cache may take it)
-                    kv = self.config.kv
+                    kv = self.kv
                     sparse = self.config.kv_cache == "tiered" and kv.policy == "sparse"
                     heads = self.model.config.num_key_value_heads
                     self._step.warm_up(page_size=kv.page_size if sparse else None,
-                                       pages=heads * max(1, kv.budget_tokens // kv.page_size) if sparse else 0)
+                                       pages=heads * max(1, kv.budget_tokens // kv.page_size) if sparse else 0,
+                                       int8=kv.l1_codec == "int8")
+            torch.cuda.empty_cache()   # (the warm-up's throwaway buffers)
             torch.cuda.synchronize(self.device)
         except Exception as exc:   # noqa: BLE001 - a warm-up must never stop the engine from starting
             log.info("flashguard: warm-up skipped (%s: %s)", type(exc).__name__, exc)

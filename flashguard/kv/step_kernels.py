@@ -47,8 +47,7 @@ try:  # module globals, so that Triton's interpreter can patch ``tl`` inside the
 except ImportError:  # pragma: no cover - Windows without triton-windows: callers keep the torch ops
     triton = tl = None
 
-GROUP = 32        # channels per int8 scale (int8_pool.GROUP)
-QMAX = 127.0
+from .int8_pool import GROUP   # channels per int8 scale (the pool's layout)
 SPLITS = 64       # key ranges per KV head: 2 KV heads x 64 programs fill an H200's 132 multiprocessors
 BLOCK_N = 64      # keys per loop iteration of a split
 

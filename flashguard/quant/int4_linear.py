@@ -124,6 +124,8 @@ class Int4Linear(nn.Module):
                    norm: tuple[torch.Tensor, float] | None = None, gated: bool = False) -> torch.Tensor:
         """One token ``x`` [1, K] (``gated``: [1, 2K]) -> [1, N] with the decode step's folds (RMSNorm in, silu
         gating in, residual out: ``int4_triton.gemv``); ``triton`` backend only."""
+        if self.backend != "triton":
+            raise ValueError(f"fused_gemv runs the Triton backend's kernel; this layer's backend is {self.backend}")
         return int4_triton.gemv(x.reshape(1, -1), self.packed, self.scales, self.zeros, self.group_size, self.bias,
                                 residual=residual, norm=norm, gated=gated)
 
@@ -142,8 +144,8 @@ class Int4Linear(nn.Module):
 def concat_rows(layers: list[Int4Linear]) -> Int4Linear | None:
     """One layer computing ``torch.cat([layer(x) for layer in layers], -1)`` (a decode step's q/k/v or gate/up in one
     kernel call), or None where the layers differ in input size, group size, backend or bias, or their backend's
-    packing is not row by row (tinygemm's ``cuda`` tiles rows). The layers' packed codes become views of the new
-    layer's, so the weights are not held twice."""
+    packing is not row by row (tinygemm's ``cuda`` tiles rows). The layers' codes, scales, zeros and biases become
+    views of the new layer's (the ``cpu`` backend keeps its small scale_zeros), so the weights are not held twice."""
     first = layers[0]
     if first.backend not in ("cpu", *_NIBBLES) or any(
             (m.backend, m.in_features, m.group_size, m.bias is None) != (first.backend, first.in_features,
@@ -160,8 +162,13 @@ def concat_rows(layers: list[Int4Linear]) -> Int4Linear | None:
     if first.bias is not None:
         fused.bias = torch.cat([m.bias for m in layers])
     start = 0
-    for m in layers:
-        m.packed = fused.packed[start:start + m.out_features]   # rows: a contiguous view
+    for m in layers:   # rows: contiguous views of the fused layer's tensors, nothing held twice
+        rows = slice(start, start + m.out_features)
+        m.packed = fused.packed[rows]
+        if first.backend != "cpu":   # (the CPU kernel's scale_zeros [K/G, N, 2] would not slice contiguously)
+            m.scales, m.zeros = fused.scales[rows], fused.zeros[rows]
+        if m.bias is not None:
+            m.bias = fused.bias[rows]
         start += m.out_features
     return fused
 

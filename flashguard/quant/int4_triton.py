@@ -52,7 +52,7 @@ def _build() -> dict:
                     HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, HAS_NORM: tl.constexpr, GATED: tl.constexpr):
         # One program: BLOCK_N output rows; each iteration BLOCK_B packed bytes (2 * BLOCK_B weights) of each row.
         # Per group g: s_g * (sum_j q_j x_j - z_g * sum_j x_j), so scales and zeros are loaded once per group.
-        # Folded in (the one-graph decode step, engine/step_kernels.py): HAS_NORM, x is RMSNorm(x) * norm weight
+        # Folded in (the one-graph decode step, kv/step_kernels.py): HAS_NORM, x is RMSNorm(x) * norm weight
         # (each program sums x^2 itself: K values from L2, cheaper than a launch); GATED, x is silu(x[:K]) *
         # x[K:2K] (the MLP's gate and up halves); HAS_RES, a residual row is added to the output.
         GH: tl.constexpr = GROUP // 2               # bytes per group
