@@ -31,6 +31,8 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
+import torch
+
 from .probe import answer_log_odds
 from .state import rail_state
 
@@ -352,8 +354,13 @@ def moderate_input(engine, messages: list[dict], settings: Optional[ModerationSe
 
     With the model's input probe (``path="prompt"``, the default where one exists): the pass is the generation's
     own prefill (the chat template of ``messages`` with its generation prompt: the engine reuses what it holds of
-    the conversation and prefills the new message), and the probe reads the hidden state of its last token, where
-    the model is about to answer. Nothing is added, so the generation that follows prefills one token.
+    the conversation and prefills the new message), and the probe reads the hidden states of the message (their
+    mean over its turn, and/or the last token's, where the model is about to answer: ``probe.features``). Nothing
+    is added, so the generation that follows prefills one token. A message longer than the probe's ``window``
+    tokens (``path="head+tail"``) is judged by its first and by its last ``window`` tokens instead, each as the
+    user's message after the same conversation (two branches of at most ``window`` tokens and the template's,
+    cropped away after), blocked if either is: a probe reads short requests well, and a long pasted text's own
+    states are not what it was trained on; the generation then prefills the message itself.
 
     Without a probe (``probe: off``, or none for the model: ``path="branch"``): the question is asked as one more
     user turn after the message; its ids share every token with the generation's prompt up to the end of the
@@ -382,9 +389,33 @@ def moderate_input(engine, messages: list[dict], settings: Optional[ModerationSe
             last = next((m for m in reversed(messages) if m.get("role") == "user"), messages[-1])
             return _moderate_windows(engine, str(last.get("content") or ""), settings, probe, len(ids), t0,
                                      role="user")
-        if probe is not None:
-            p_unsafe, reused = _score_prompt(engine, ids, probe)
+        pieces = message_windows(engine, messages, probe.window) if probe is not None else None
+        if probe is not None and pieces is None:
+            start = message_start(engine, messages, conv) if probe.pools else 0
+            p_unsafe, reused = _score_prompt(engine, ids, probe, start)
             threshold, method, p_question, path = probe.threshold, "probe", float("nan"), "prompt"
+        elif probe is not None:
+            # a long message (a pasted document, code, a log, a long jailbreak): its first and its last
+            # probe.window tokens, each as the user's message after the same conversation (a branch off its pages,
+            # cropped away after), blocked if either is; the generation prefills the message itself
+            start = message_start(engine, messages, conv)
+            p_unsafe, prefilled, reused = 0.0, 0, 0
+            for piece in pieces:
+                branch = list(messages[:-1]) + [{**messages[-1], "content": piece}]
+                branch_ids = engine.encode_messages(branch)
+                p, r = _score_prompt(engine, branch_ids, probe, message_start(engine, branch, branch_ids))
+                p_unsafe, prefilled, reused = max(p_unsafe, p), prefilled + len(branch_ids) - r, max(reused, r)
+            held = engine.session_ids
+            if engine.session is not None and len(held) > start and held[:start] == conv[:start]:
+                engine.session.crop(start)
+            threshold, method, p_question, path = probe.threshold, "probe", float("nan"), "head+tail"
+            v = Verdict(allowed=p_unsafe < threshold, p_unsafe=p_unsafe, path=path, prompt_tokens=len(conv),
+                        prefilled_tokens=prefilled, reused_tokens=reused, seconds=time.perf_counter() - t0,
+                        method=method, threshold=threshold, p_question=p_question)
+            log.info("flashguard input moderation: %s (p_unsafe=%.3f, threshold=%.2f, probe on the first and last %d "
+                     "of the message's tokens) prefilled=%d in %.3fs", "allow" if v.allowed else "BLOCK", p_unsafe,
+                     threshold, probe.window, prefilled, v.seconds)
+            return v
         else:
             branch = 0
             while branch < min(len(conv), len(ids)) and conv[branch] == ids[branch]:
@@ -402,7 +433,93 @@ def moderate_input(engine, messages: list[dict], settings: Optional[ModerationSe
     return v
 
 
-def _score_prompt(engine, ids, probe) -> tuple[float, int]:
-    """An input probe on the last token of ``ids`` (a generation prompt): ``(p_unsafe, reused)``."""
-    _, hidden, reused = engine.next_token_state(ids, task="input_moderation", hidden=True)
-    return probe.p_unsafe(hidden, 0.0), reused
+def _score_prompt(engine, ids, probe, start: int = 0) -> tuple[float, int]:
+    """An input probe on the generation prompt ``ids``: the state of its last token and, for a probe that reads it,
+    the mean state over ``ids[start:]`` (the user's message: ``message_start``). ``(p_unsafe, reused)``."""
+    if not probe.pools:
+        _, hidden, reused = engine.next_token_state(ids, task="input_moderation", hidden=True)
+        return probe.p_unsafe(hidden, 0.0), reused
+    hidden, pooled, reused = pooled_state(engine, ids, start, (probe.layer,), task="input_moderation")
+    return probe.p_unsafe(hidden, 0.0, pooled[0]), reused
+
+
+def message_windows(engine, messages: list[dict], window: int) -> Optional[tuple[str, str]]:
+    """The first and the last ``window`` tokens of the user's last message, as text, when it is longer than
+    ``window`` tokens (else None: the probe judges the whole message)."""
+    last = messages[-1] if messages else {}
+    if not window or last.get("role") != "user":
+        return None
+    ids = engine.tokenizer(str(last.get("content") or ""), add_special_tokens=False)["input_ids"]
+    if len(ids) <= window:
+        return None
+    return engine.tokenizer.decode(ids[:window]), engine.tokenizer.decode(ids[-window:])
+
+
+def message_start(engine, messages: list[dict], ids: Optional[list[int]] = None) -> int:
+    """Where the user's last message starts in the generation prompt of ``messages`` (``ids``, if already encoded):
+    the first token that differs from the prompt of the conversation before it (0 for a first message: its mean then
+    covers the template's own system prompt too, in calibration as in the rail)."""
+    ids = engine.encode_messages(messages) if ids is None else ids
+    if len(messages) < 2:
+        return 0
+    before = engine.encode_messages(messages[:-1])
+    n = 0
+    while n < min(len(before), len(ids)) and before[n] == ids[n]:
+        n += 1
+    return n
+
+
+class _Pool:
+    """The running sum of the hidden states at ``layers`` over the positions >= ``start`` the forward computes."""
+
+    def __init__(self, start: int, layers):
+        self.start, self.layers, self.sum, self.count = start, tuple(layers), None, 0
+
+
+def _pool_hook(engine):
+    """A forward hook on the engine's model (registered once): while a pool is set (under the engine's lock), it
+    adds up the states of the positions at or after the pool's start. A chunk's first position is the number of
+    tokens the session holds (the session commits a chunk after its forward)."""
+    state = rail_state(engine)
+    if state.pool_hook is None:
+        def hook(module, args, output):
+            pool, states = state.pool, getattr(output, "hidden_states", None)
+            if pool is None or states is None:
+                return
+            first = len(engine.session_ids)
+            skip = max(0, pool.start - first)
+            if skip >= states[0].shape[1]:
+                return
+            part = torch.stack([states[layer][0, skip:].float().sum(0) for layer in pool.layers]).cpu()
+            pool.sum = part if pool.sum is None else pool.sum + part
+            pool.count += states[0].shape[1] - skip
+        state.pool_hook = engine.model.register_forward_hook(hook)
+    return state
+
+
+def pooled_state(engine, ids: list[int], start: int, layers, task: str = "input_moderation"):
+    """One forward over ``ids`` (its unseen part) with the hidden states kept: ``(hidden [layers + 1, d] of the last
+    token, the mean state over ids[start:] at each of ``layers`` [len(layers), d], reused)``. Tokens from ``start``
+    on must run through this forward for their mean, so a session that already holds them is cropped back to
+    ``start`` first (the same message checked twice pays its prefill twice)."""
+    state = _pool_hook(engine)
+    with engine.lock:
+        held = engine.session_ids
+        if len(held) > start and held[:start + 1] == ids[:start + 1]:
+            if start > 0:
+                engine.session.crop(start)
+            else:
+                engine.reset_session()
+        for attempt in range(2):
+            state.pool = _Pool(start, layers)
+            try:
+                _, hidden, reused = engine.next_token_state(ids, task=task, hidden=True)
+                pool = state.pool
+            finally:
+                state.pool = None
+            if reused <= start or attempt:   # stored pages adopted past the start (a tiered cache): once more
+                break
+            engine.session.crop(start) if start > 0 else engine.reset_session()
+        if pool.sum is None or pool.count < len(ids) - max(start, reused):
+            raise RuntimeError(f"the input probe's mean covered {pool.count} of {len(ids) - start} message tokens")
+        return hidden, pool.sum / pool.count, reused

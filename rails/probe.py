@@ -34,6 +34,7 @@ log = logging.getLogger("flashguard")
 FORMAT = "flashguard-probe/1"
 SHIPPED_DIR = Path(__file__).resolve().parent / "probes"
 CALIBRATE_HINT = "flashguard calibrate"
+FEATURES = ("last", "mean", "last+mean")
 
 
 class ProbeError(FlashguardError):
@@ -91,13 +92,29 @@ class Probe:
     weights: str
     metrics: dict = field(default_factory=dict, compare=False)
     rail: str = "output"   # "output": the moderation suffix's last token; "input": the generation prompt's last token
+    # what the weights read at ``layer``: "last" (the last token's state), "mean" (the mean of the states over the
+    # user's last message, input probes only: ``moderation.message_start``) or "last+mean" (both, concatenated)
+    features: str = "last"
+    # input probes: a message longer than ``window`` tokens is judged by its first and by its last ``window`` tokens,
+    # each as the user's message in the same conversation (moderation.message_windows); 0: always the whole message
+    window: int = 0
 
-    def p_unsafe(self, hidden: torch.Tensor, answer_log_odds: float) -> float:
-        """``hidden``: ``[layers + 1, hidden_size]`` from ``Engine.next_token_state``."""
-        if hidden.shape[0] <= self.layer or hidden.shape[1] != len(self.weight):
+    @property
+    def pools(self) -> bool:
+        return "mean" in self.features
+
+    def p_unsafe(self, hidden: torch.Tensor, answer_log_odds: float, pooled: Optional[torch.Tensor] = None) -> float:
+        """``hidden``: ``[layers + 1, hidden_size]`` from ``Engine.next_token_state``; ``pooled``: the mean state
+        at the probe's layer over the message (``[hidden_size]``), for a probe whose features use it."""
+        width = hidden.shape[1] * (2 if self.features == "last+mean" else 1)
+        if hidden.shape[0] <= self.layer or width != len(self.weight):
             raise ProbeError(f"the probe expects hidden states of size {len(self.weight)} at layer {self.layer}, "
                              f"the model gives {tuple(hidden.shape)}; run `{CALIBRATE_HINT}` for this model")
-        z = float(hidden[self.layer].double() @ torch.tensor(self.weight, dtype=torch.float64))
+        if self.pools and pooled is None:
+            raise ProbeError(f"the {self.features} probe needs the mean state over the message")
+        x = {"last": lambda: hidden[self.layer], "mean": lambda: pooled,
+             "last+mean": lambda: torch.cat([hidden[self.layer], pooled])}[self.features]()
+        z = float(x.double() @ torch.tensor(self.weight, dtype=torch.float64))
         z += self.answer_weight * answer_log_odds + self.bias
         return 1.0 / (1.0 + math.exp(-max(-60.0, min(60.0, z))))
 
@@ -111,7 +128,8 @@ class Probe:
     # ---- file ---------------------------------------------------------------------------
     def to_json(self) -> dict:
         return {"format": FORMAT, "layer": self.layer, "bias": self.bias, "answer_weight": self.answer_weight,
-                "threshold": self.threshold, "question": self.question, "rail": self.rail,
+                "threshold": self.threshold, "question": self.question, "rail": self.rail, "features": self.features,
+                "window": self.window,
                 "model": {"file": self.model_file, "bytes": self.model_bytes, "identity": self.model_identity,
                           "weights": self.weights},
                 "metrics": self.metrics, "weight": [float(f"{w:.6g}") for w in self.weight]}
@@ -139,9 +157,15 @@ class Probe:
                         threshold=float(data["threshold"]), question=str(data["question"]),
                         model_file=str(m["file"]), model_bytes=int(m["bytes"]), model_identity=str(m["identity"]),
                         weights=str(m["weights"]), metrics=dict(data.get("metrics") or {}),
-                        rail=str(data.get("rail", "output")))
+                        rail=str(data.get("rail", "output")), features=str(data.get("features", "last")),
+                        window=int(data.get("window", 0)))
             if probe.rail not in ("output", "input"):
                 raise ValueError(f"rail is {probe.rail!r}, expected output or input")
+            if probe.features not in FEATURES or (probe.pools and probe.rail != "input"):
+                raise ValueError(f"features is {probe.features!r}, expected one of {', '.join(FEATURES)} "
+                                 "(mean: input probes only)")
+            if probe.window < 0 or (probe.window and probe.rail != "input"):
+                raise ValueError(f"window is {probe.window}, expected 0 or (input probes) a number of tokens")
             numbers = probe.weight + (probe.bias, probe.answer_weight, probe.threshold)
             if not probe.weight or not all(math.isfinite(x) for x in numbers) or not 0 < probe.threshold < 1 \
                     or probe.layer < 0:
@@ -242,31 +266,35 @@ def folds(labels: Sequence[int], k: int, seed: int = 0) -> list[list[int]]:
     return out
 
 
-def design(hidden: torch.Tensor, log_odds: torch.Tensor, layer: int, use_answer: bool) -> torch.Tensor:
-    """Feature matrix ``[n, d (+1)]`` from stacked states ``[n, layers + 1, d]`` and log-odds ``[n]``."""
-    x = hidden[:, layer].double()
+def design(hidden: torch.Tensor, log_odds: torch.Tensor, layer: int, use_answer: bool,
+           features: str = "last", pooled: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Feature matrix ``[n, d (+ d) (+1)]`` from stacked states ``[n, layers + 1, d]`` (``pooled``: the message
+    means, same shape, for ``features`` "mean" / "last+mean") and log-odds ``[n]``."""
+    x = {"last": lambda: hidden[:, layer], "mean": lambda: pooled[:, layer],
+         "last+mean": lambda: torch.cat([hidden[:, layer], pooled[:, layer]], 1)}[features]().double()
     return torch.cat([x, log_odds.double()[:, None]], 1) if use_answer else x
 
 
 def cross_validate(hidden: torch.Tensor, log_odds: torch.Tensor, labels: Sequence[int], *, layers: Sequence[int],
-                   l2s: Sequence[float], answer_options: Sequence[bool] = (False, True), k: int = 5) -> list[dict]:
-    """Out-of-fold accuracy (threshold 0.5) for every (layer, l2, use_answer). Sorted best first; ties go to
-    the stronger regularisation, then the earlier layer."""
+                   l2s: Sequence[float], answer_options: Sequence[bool] = (False, True), k: int = 5,
+                   pooled: Optional[torch.Tensor] = None, feature_options: Sequence[str] = ("last",)) -> list[dict]:
+    """Out-of-fold accuracy (threshold 0.5) for every (features, layer, l2, use_answer). Sorted best first; ties go
+    to the stronger regularisation, then the earlier layer, then the order of ``feature_options``."""
     y = torch.tensor(labels, dtype=torch.float64)
     parts = folds(labels, k)
     rows = []
-    for layer in layers:
-        for use_answer in answer_options:
-            x = design(hidden, log_odds, layer, use_answer)
-            for l2 in l2s:
-                p = torch.empty(len(labels), dtype=torch.float64)
-                for part in parts:
-                    test = torch.tensor(part)
-                    train = torch.tensor(sorted(set(range(len(labels))) - set(part)))
-                    w, b = fit_logistic(x[train], y[train], l2)
-                    p[test] = torch.sigmoid(x[test] @ w + b)
-                acc = float(((p >= 0.5).double() == y).double().mean())
-                rows.append({"layer": layer, "l2": l2, "use_answer": use_answer, "cv_accuracy": acc,
-                             "oof_p": p})
-    rows.sort(key=lambda r: (-r["cv_accuracy"], -r["l2"], r["layer"], r["use_answer"]))
+    for layer, use_answer, features in [(a, b, c) for a in layers for b in answer_options for c in feature_options]:
+        x = design(hidden, log_odds, layer, use_answer, features, pooled)
+        for l2 in l2s:
+            p = torch.empty(len(labels), dtype=torch.float64)
+            for part in parts:
+                test = torch.tensor(part)
+                train = torch.tensor(sorted(set(range(len(labels))) - set(part)))
+                w, b = fit_logistic(x[train], y[train], l2)
+                p[test] = torch.sigmoid(x[test] @ w + b)
+            acc = float(((p >= 0.5).double() == y).double().mean())
+            rows.append({"layer": layer, "l2": l2, "use_answer": use_answer, "cv_accuracy": acc,
+                         "oof_p": p, "features": features})
+    order = {f: i for i, f in enumerate(feature_options)}
+    rows.sort(key=lambda r: (-r["cv_accuracy"], -r["l2"], r["layer"], r["use_answer"], order[r["features"]]))
     return rows

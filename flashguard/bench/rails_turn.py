@@ -3,12 +3,14 @@ pages) against NeMo's ``self check input`` / ``self check output`` prompts on th
 
     python -m flashguard.bench.rails_turn [--device cpu|cuda] [--weights float int4] [--turns 12]
                                           [--model-path DIR_OR_GGUF] [--max-tokens 32] [--out FILE.md] [--json F]
+                                          [--messages FILE.jsonl]
 
 One multi-turn conversation (the user messages of tests/data/moderation_input_test_b.jsonl, benign ones, so every
 turn is answered) is run three times on one engine, greedy, ``--max-tokens`` per reply:
 
 0. no rails: the generation only;
-1. flashguard: ``moderate_input`` (the question branches off the conversation and is cropped away), the
+1. flashguard: ``moderate_input`` (with a probe, its forward is the generation's own prefill; without one, the
+   question branches off the conversation and is cropped away), the
    generation, ``moderate`` (the reply's pages plus the suffix);
 2. NeMo self check: NeMo's self-check-input prompt (the docs' example policy) with the user's message, 3 greedy
    tokens, the generation, NeMo's default self-check-output prompt with the reply, 3 greedy tokens. Each check is
@@ -83,6 +85,18 @@ def run_arm(engine, arm: str, users: list[str], max_tokens: int) -> list[dict]:
     return rows
 
 
+def conversation_set() -> Path:
+    """The messages of the conversation: input test set B in a source checkout (this file's, or the working
+    folder's: an installed wheel has no tests/), else the packaged input tuning set (its benign messages)."""
+    from flashguard.rails.calibrate import INPUT_TUNING_SET
+
+    for root in (Path(__file__).resolve().parents[2], Path.cwd()):
+        path = root / "tests" / "data" / "moderation_input_test_b.jsonl"
+        if path.is_file():
+            return path
+    return INPUT_TUNING_SET
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cpu")
@@ -92,6 +106,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--out", default=None)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--messages", default=None, help="the conversation's labelled messages (.jsonl; default: input "
+                    "test set B of the source checkout, else the packaged input tuning set)")
     args = ap.parse_args(argv)
 
     import torch
@@ -100,8 +116,8 @@ def main(argv=None) -> int:
     from flashguard.engine.engine import Engine
     from flashguard.rails.calibrate import read_rows
 
-    data = Path(__file__).resolve().parents[2] / "tests" / "data" / "moderation_input_test_b.jsonl"
-    users = [r["user"] for r in read_rows(data, "input") if not r["block"]][:args.turns + 1]
+    users = [r["user"] for r in read_rows(Path(args.messages) if args.messages else conversation_set(), "input")
+             if not r["block"] and not r["category"].startswith("long")][:args.turns + 1]
     lines = [f"device {args.device}, torch threads {torch.get_num_threads()}, {len(users) - 1} turns reported, "
              f"{args.max_tokens} reply tokens", "",
              "| weights | arm | added per turn: median / p90 ms | input check ms (prefilled) | output check ms "
