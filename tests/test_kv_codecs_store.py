@@ -92,3 +92,30 @@ def test_without_disk_referenced_pages_are_kept_and_unreferenced_dropped():
     assert b"a" * 16 not in store.pages            # the unreferenced page went first
     assert all(n * 16 in store.pages for n in (b"b", b"c", b"d"))  # referenced pages stay, over budget
     store.check_integrity()
+
+
+def test_a_released_conversations_pages_leave_l2_before_a_live_ones(tmp_path):
+    """The live sequence's pages stay in L2; the released one's go to disk first, even where they were read more
+    (heat) or read by decoding just before the release (``warm``: hot protection is for live sequences only), and
+    also when the live one's prompt is prefilled inside ``deferred`` (trimmed at its end)."""
+    cfg = CacheConfig(page_size=32, l1_tokens=64, l2_tokens=4 * 32, l3_tokens=1 << 16, l3_dir=str(tmp_path))
+    for deferred in (False, True):
+        store = PageStore(cfg)
+        old = [page_key(b"old", [i, deferred], b"ns") for i in range(4)]
+        for i, key in enumerate(old):
+            k, v = kv(i)
+            store.put(key, k, v, summary(k))
+        for _ in range(3):
+            store.slots(old)                           # read often: hot
+        store.warm(old)                                # ... and by decoding, just now
+        for key in old:
+            store.release(key)                         # the conversation ends
+        new = [page_key(b"new", [i, deferred], b"ns") for i in range(4)]
+        with store.deferred() if deferred else torch.inference_mode():
+            for i, key in enumerate(new):
+                k, v = kv(10 + i)
+                store.put(key, k, v, summary(k))
+        store.check_integrity()
+        assert all(store.pages[key].l2 is not None for key in new), deferred
+        assert all(store.pages[key].l2 is None and store.pages[key].l3 is not None for key in old), deferred
+        store.close()

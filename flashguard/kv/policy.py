@@ -6,9 +6,11 @@ round, so it means "read lately".
 
 - ``size_tiers`` turns the ``auto`` sizes of a ``CacheConfig`` into numbers at engine start: the pool (L1, on the
   compute device) from what the VRAM budget leaves, L2 from the host RAM available.
-- ``TierPolicy.l2_victims`` picks the pages that leave L2 when it is over budget: the coldest first, never a page
-  being read right now (``protect``), and among equally cold ones the least recently used. A page that already
-  has an L3 file leaves L2 for free (nothing is written again).
+- ``TierPolicy.l2_victims`` picks the pages that leave L2 when it is over budget: pages no live sequence references
+  first (a released conversation's, kept only for a later session with the same prefix), then the coldest, never
+  a page being read right now (``protect``) or one a live sequence's decoding read lately (``hot_seconds``), and
+  among equally cold ones the least recently used. A page that already has an L3 file leaves L2 for free
+  (nothing is written again).
 - ``TierPolicy.l3_victim`` picks the page whose L3 file is removed when L3 is full: a page no live sequence
   references, preferring one that still has its L2 copy, coldest first. Referenced pages are never dropped.
 """
@@ -84,19 +86,23 @@ class TierPolicy:
     ``heat``; insertion order is least recently used first)."""
 
     decay: float = 0.5
-    hot_seconds: float = 2.0   # a page decoding read (``PageStore.warm``) this recently stays in L2, over budget
+    hot_seconds: float = 2.0   # a referenced page decoding read (``PageStore.warm``) this recently stays in L2
 
     def l2_victims(self, pages: dict, n: int, protect: set) -> list:
-        """Up to ``n`` keys of pages in L2 to demote: coldest first; LRU order breaks ties (sorted is stable). A page
+        """Up to ``n`` keys of pages in L2 to demote: unreferenced pages first (no live sequence reads them: a
+        released conversation's pages go to disk before a live one's, whatever heat they gathered while they were
+        read), then coldest first; LRU order breaks ties (sorted is stable). A page of a live sequence that its
         decoding read in the last ``hot_seconds`` is not one: L2 holds what decoding reads (the budget bounds the
-        cold pages), so a page promoted from L3 is not read from disk again while it stays hot."""
+        cold pages), so a page promoted from L3 is not read from disk again while it stays hot. Once no sequence
+        references it, that protection ends (``reset_session`` hands a conversation's pages back to the budget)."""
         if n <= 0:
             return []
         import time
 
         hot = time.monotonic() - self.hot_seconds
-        in_l2 = [k for k, p in pages.items() if p.l2 is not None and k not in protect and p.read_at < hot]
-        return sorted(in_l2, key=lambda k: pages[k].heat)[:n]
+        in_l2 = [k for k, p in pages.items()
+                 if p.l2 is not None and k not in protect and (p.refs == 0 or p.read_at < hot)]
+        return sorted(in_l2, key=lambda k: (pages[k].refs > 0, pages[k].heat))[:n]
 
     def cool(self, pages: dict) -> None:
         """One demotion round has passed: halve every page's heat."""

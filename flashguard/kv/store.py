@@ -20,10 +20,11 @@ Contract:
   L3 disabled) an unreferenced page is forgotten and a referenced one stays in L2 over budget: nothing a live
   sequence needs is ever dropped. A page read from L3 is promoted to L2 and stays there while it is read.
 - The one-graph sparse step reads L2 without asking the store: ``peek_slots(keys)`` gives its slot table (-1 for a
-  page only in L3, nothing promoted; valid until ``moves`` changes), ``warm(keys)`` reports what it read (a page
-  decoding read lately stays in L2 over budget: ``TierPolicy.hot_seconds``), and its misses are promoted with
-  ``slots``. ``deferred()`` (a prefill): pages over budget stay in L2 and their L3 files are written on a worker;
-  L2 is trimmed at the end, for free. ``spill()`` moves every unreferenced page to L3.
+  page only in L3, nothing promoted; valid until ``moves`` changes), ``warm(keys)`` reports what it read (a page a
+  live sequence's decoding read lately stays in L2 over budget: ``TierPolicy.hot_seconds``), and its misses are
+  promoted with ``slots``. ``deferred()`` (a prefill): pages over budget stay in L2 and their L3 files are written
+  on a worker; L2 is trimmed at the end, for free (unreferenced pages first). ``spill()`` moves every unreferenced
+  page to L3.
 - ``check_integrity()`` raises AssertionError if the bookkeeping is inconsistent (tests call it).
 - Why L3 is off or failing (a missing package, an unusable folder) is ``l3_error``, warned once.
 """
