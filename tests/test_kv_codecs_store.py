@@ -81,6 +81,42 @@ def test_store_tiers_refcounts_and_integrity(tmp_path):
     store.check_integrity()
 
 
+def test_an_int4_page_comes_back_to_int8_exactly():
+    k, v = kv(3)
+    four = codecs.encode(k, v, "int4")
+    eight = codecs.transcode(four, "int8")
+    assert int(eight["bits"][0]) == 8 and eight["kq"].dtype == torch.uint8
+    for a, b in zip(codecs.decode(four, torch.float32), codecs.decode(eight, torch.float32)):
+        assert torch.equal(a, b)   # the same values: unpacked, not rounded again
+
+
+def test_prefetched_pages_come_to_l2_between_steps_and_a_bad_file_is_dropped(tmp_path):
+    cfg = CacheConfig(page_size=32, l1_tokens=64, l2_tokens=64, l3_tokens=1 << 16, l3_dir=str(tmp_path))
+    store = PageStore(cfg)
+    keys = []
+    for i in range(5):
+        key = page_key(b"root", [i], b"ns")
+        store.put(key, *kv(i), summary(kv(i)[0]))
+        keys.append(key)
+    cold = [key for key in keys if store.pages[key].l2 is None]
+    assert len(cold) == 3
+    with open(store.pages[cold[0]].l3, "r+b") as fh:   # one file altered on disk
+        fh.seek(40)
+        fh.write(b"\xff\x00\xff")
+    assert store.prefetch(cold + [keys[-1]]) == 3 and store.prefetch(cold) == 0   # queued once, L2 pages skipped
+    assert all(store.pages[key].l2 is None for key in cold[1:])                  # nothing moves until installed
+    installed = store.install_prefetched(wait=True)
+    assert installed == cold[1:] and cold[0] not in store.pages                  # the bad one dropped, not served
+    assert store.stats.corrupt_pages == 1 and store.stats.page_faults == 2
+    for key in cold[1:]:   # the values of a synchronous read
+        k, _ = codecs.decode(store.get(key), torch.float32)
+        k0, _ = kv(keys.index(key))
+        assert ((k - k0).norm() / k0.norm()) < 0.1
+    assert store.stats.page_faults == 2   # (get found them in L2: L2 went over budget for pages read now)
+    store.check_integrity()
+    store.close()
+
+
 def test_without_disk_referenced_pages_are_kept_and_unreferenced_dropped():
     cfg = CacheConfig(page_size=32, l1_tokens=64, l2_tokens=64, l3_tokens=0)
     store = PageStore(cfg)

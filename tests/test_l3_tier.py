@@ -1,8 +1,9 @@
 """L3 (disk) with the rest of the cache: a crop keeps the pages it drops for a later session, the one-graph sparse
-step serves pages whose only copy is on disk (promoted once, then read from L2 while hot), a prefill writes its L3
-files off its path, and why L3 is off is visible (issue 13)."""
+step serves pages whose only copy is on disk (read once, on the prefetch worker or, when a step misses many, before
+it runs again; then read from L2 while hot), a prefill writes its L3 files off its path, and why L3 is off is visible (issue 13)."""
 
 import collections
+import threading
 
 import pytest
 import torch
@@ -35,14 +36,16 @@ def test_a_crop_to_a_few_tokens_keeps_the_window_pages_for_a_new_session(tmp_pat
 
 TIERS = dict(page_size=16, sink_tokens=16, l1_tokens=64, l1_max_tokens=128, budget_tokens=32, policy="sparse",
              l1_codec="fp16", l3_codec="fp16-zstd")   # a lossless L3: the step equals the all-in-L2 step exactly
+SMOL_TIERS = dict(TIERS, page_size=32, sink_tokens=32, l1_tokens=256, l1_max_tokens=384, budget_tokens=64)
 
 
-def _decode(model, l2_tokens: int, steps: int, ids: list[int], chunk: int = 100):
-    cfg = CacheConfig(**TIERS, l2_tokens=l2_tokens)
+def _decode(model, l2_tokens: int, steps: int, ids: list[int], chunk: int = 100, tiers: dict = TIERS):
+    cfg = CacheConfig(**tiers, l2_tokens=l2_tokens)
     store = PageStore(cfg)
-    reads = []   # (step, page key) of every L3 read
+    reads = []   # (step, page key, reading thread) of every L3 read
     read = store.disk.read
-    store.disk.read = lambda key, path: (reads.append((cache.length, key)), read(key, path))[1]
+    store.disk.read = lambda key, path: (reads.append((cache.length, key, threading.current_thread().name)),
+                                         read(key, path))[1]
     cache = TieredCache(model.config, cfg, store=store).attach(model)
     step = DecodeStep(model, graphs=False, whole_step=True)   # the one-graph step's kernels, eagerly
     with torch.inference_mode():
@@ -62,19 +65,27 @@ def _decode(model, l2_tokens: int, steps: int, ids: list[int], chunk: int = 100)
     return torch.stack(out), tokens, cache, reads, prefill_reads, counts
 
 
-def _check_l3_promotion(model, ids, steps, l2_small, pages_per_step):
-    ref, ref_tokens, ref_cache, _, _, _ = _decode(model, 1 << 20, steps, ids)
-    out, tokens, cache, reads, prefill_reads, counts = _decode(model, l2_small, steps, ids)
+def _kl(ref: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    lp, lq = torch.log_softmax(ref.double(), -1), torch.log_softmax(out.double(), -1)
+    return (lp.exp() * (lp - lq)).sum(-1)
+
+
+def _check_l3_promotion(model, ids, steps, l2_small, pages_per_step, tiers=TIERS):
+    ref, ref_tokens, ref_cache, _, _, _ = _decode(model, 1 << 20, steps, ids, tiers=tiers)
+    out, tokens, cache, reads, prefill_reads, counts = _decode(model, l2_small, steps, ids, tiers=tiers)
     assert counts["l3_pages"] >= counts["pages"] / 2           # at least half the pages on disk when decoding starts
     assert prefill_reads == 0                                  # the prefill read nothing back from disk
     assert tokens == ref_tokens
-    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)  # picked pages on disk were promoted before use
+    if cache.pages_missed == 0:   # every picked page on disk was promoted before use (the step ran again)
+        torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+    else:                         # a few were attended without, fetched for the next steps: within sparse fidelity
+        assert float(_kl(ref, out).mean()) <= 0.01
     assert reads, "no page was read from L3"
-    again = [k for k, n in collections.Counter(k for _, k in reads).items() if n > 1]
+    again = [k for k, n in collections.Counter(k for _, k, _ in reads).items() if n > 1]
     assert not again, f"{len(again)} pages read from disk more than once"
-    late = sum(1 for at, _ in reads if at >= len(ids) + 16)
+    late = sum(1 for at, _, _ in reads if at >= len(ids) + 16)
     assert late <= 0.01 * pages_per_step * (steps - 16)       # after 16 steps: <= 1% of the pages attended
-    return cache
+    return cache, reads, _kl(ref, out)
 
 
 def test_the_one_graph_sparse_step_reads_an_l3_page_once(tmp_path):
@@ -82,23 +93,52 @@ def test_the_one_graph_sparse_step_reads_an_l3_page_once(tmp_path):
     with torch.no_grad():
         m.lm_head.weight.mul_(8)
     ids = torch.randint(0, 300, (600,), generator=torch.Generator().manual_seed(1)).tolist()
-    cache = _check_l3_promotion(m, ids, 40, l2_small=128, pages_per_step=2 * 2 * 2 * 100)
+    cache, _, _ = _check_l3_promotion(m, ids, 40, l2_small=128, pages_per_step=2 * 2 * 2 * 100)
     assert cache.sparse_state is not None and cache.store.stats.page_faults > 0
+
+
+def test_a_page_missed_by_a_sparse_step_is_read_on_the_prefetch_worker(monkeypatch):
+    """With every miss left to the worker (no step run again): no L3 read on the decoding thread, each page read
+    once, and what a step missed is in L2 a few steps later (the step attended the others meanwhile)."""
+    monkeypatch.setattr(TieredCache, "REPLAY_SHARE", 1.0)
+    m = tiny.qwen2_head64()
+    ids = torch.randint(0, 300, (600,), generator=torch.Generator().manual_seed(1)).tolist()
+    views = []
+    real_view = TieredCache.sparse_view
+    monkeypatch.setattr(TieredCache, "sparse_view", lambda self: views.append(self.length) or real_view(self))
+    out, tokens, cache, reads, prefill_reads, counts = _decode(m, 128, 24, ids)
+    assert counts["l3_pages"] >= counts["pages"] / 2 and prefill_reads == 0
+    assert len(views) == len(set(views)) == 24                 # one view a step: none ran again
+    assert cache.pages_missed > 0, "no step missed a page: the test does not test anything"
+    assert reads and all(name.startswith("flashguard-l3-read") for _, _, name in reads)
+    assert max(collections.Counter(k for _, k, _ in reads).values()) == 1
+    assert cache.store.stats.prefetched == len(reads)
+    cache.store.install_prefetched(wait=True)
+    read_keys = {k for _, k, _ in reads}
+    assert all(cache.store.pages[k].l2 is not None or cache.store.pages[k].l3 is not None for k in read_keys)
+    assert torch.isfinite(out).all()
+    cache.check_integrity()
 
 
 @pytest.mark.slow
 def test_l3_promotion_with_the_real_smollm2(engine):
     """SmolLM2 (30 layers, 3 KV heads): half the pages on disk, decoded by the one-graph sparse step."""
-    model = engine.model
-    text = tiny.text(6000, seed=5)
-    ids = engine.tokenizer(text)["input_ids"][:1400]
-    global TIERS
-    saved = TIERS
-    TIERS = dict(saved, page_size=32, sink_tokens=32, l1_tokens=256, l1_max_tokens=384, budget_tokens=64)
-    try:
-        _check_l3_promotion(model, ids, 24, l2_small=256, pages_per_step=30 * 3 * 2)
-    finally:
-        TIERS = saved
+    ids = engine.tokenizer(tiny.text(6000, seed=5))["input_ids"][:1400]
+    _check_l3_promotion(engine.model, ids, 24, l2_small=256, pages_per_step=30 * 3 * 2, tiers=SMOL_TIERS)
+
+
+@pytest.mark.slow
+def test_pages_left_to_the_prefetch_worker_keep_the_real_smollm2_within_sparse_fidelity(engine, monkeypatch):
+    """Every page a step finds only on disk attended without (REPLAY_SHARE 1: never run again) and read on the
+    worker: the same greedy tokens as with every page in L2, KL <= 0.01 nats a step on average, and no L3 read on
+    the decoding thread."""
+    monkeypatch.setattr(TieredCache, "REPLAY_SHARE", 1.0)
+    ids = engine.tokenizer(tiny.text(6000, seed=5))["input_ids"][:1400]
+    cache, reads, kl = _check_l3_promotion(engine.model, ids, 32, l2_small=256, pages_per_step=30 * 3 * 2,
+                                           tiers=SMOL_TIERS)
+    assert cache.pages_missed > 0
+    assert all(name.startswith("flashguard-l3-read") for _, _, name in reads)
+    assert float(kl.max()) <= 0.05
 
 
 def test_why_l3_is_off_is_visible(monkeypatch, caplog):

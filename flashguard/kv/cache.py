@@ -501,6 +501,7 @@ class TieredCache(Cache):
         self._in_l2, self._in_l2_key = True, None   # zero_copy: every page below a bound is in L2 (cached)
         self._warmed_at = -1                    # the length at which the picked pages were last reported
         self._retried_at = (-1, 0)              # promote_missed: (length, steps run again at that length)
+        self.pages_missed = 0                   # picked pages a sparse step attended without (only in L3 then)
         super().__init__(layers=[TieredLayer(self, i) for i in range(self.num_layers)])
 
     # ---- wiring ----------------------------------------------------------------------------
@@ -701,9 +702,11 @@ class TieredCache(Cache):
         st = self.sparse_state
         for i, layer in enumerate(self.layers):   # the window adapts to what the replayed graphs write
             layer.last_reach = st.reach[i]
+        if self._on_disk:   # pages the prefetch worker has read since the last step go to L2 (the table below)
+            self.store.install_prefetched()
         if st.slots_key != (self.store.moves, last):
-            # L2 slot of every page, -1 for a page only in L3: a step that picks one records it in ``missed``,
-            # the host promotes it (``promote_missed``: one disk read) and the step runs again
+            # L2 slot of every page, -1 for a page only in L3: a step that picks one attends without it and
+            # records it in ``missed``; the host has it read on the prefetch worker (``promote_missed``)
             slots = self.store.peek_slots(self.page_keys[:last])
             if slots is None:
                 raise PageLost("a page of this sequence is gone from the store")
@@ -716,8 +719,11 @@ class TieredCache(Cache):
             st.slots[:last].copy_(_index(slots, dev))
             st.slots_key = (self.store.moves, last)
             self._on_disk = -1 in slots
-        if st.missed.shape != (self.num_layers, kvh * budget):
-            st.missed = torch.full((self.num_layers, kvh * budget), -1, dtype=torch.long, device=dev)
+        ahead = max(1, kvh * budget // self.AHEAD_SHARE)
+        ahead = min(ahead, last - first - kvh * budget)
+        if st.missed.shape != (self.num_layers, kvh * budget + ahead):
+            st.missed = torch.full((self.num_layers, kvh * budget + ahead), -1, dtype=torch.long, device=dev)
+        st.picked = kvh * budget   # (the first columns of ``missed``; the rest: the pages ranked after them)
         if self.length - self._warmed_at >= self.WARM_EVERY:
             self._warm_picked()
         for t, value in ((st.l1_pos, l0.l1_len), (st.used, l0.l1_len + 1), (st.first, first), (st.last, last),
@@ -727,21 +733,23 @@ class TieredCache(Cache):
         key = ("sparse", tuple((layer.l1_k.data_ptr(), layer.l1_v.data_ptr(), layer.bounds.data_ptr(),
                                 layer.bounds.shape[2]) for layer in self.layers),
                self.store.arena.data.data_ptr(), st.slots.data_ptr(), st.seen.data_ptr(), st.missed.data_ptr(),
-               budget, l0.l1_k.shape[1])
-        return SparseKV(self, key, self.length, budget)
+               budget, l0.l1_k.shape[1], ahead, self._on_disk)
+        return SparseKV(self, key, self.length, budget, ahead=ahead, masked=self._on_disk)
 
     WARM_EVERY = 8   # decode steps between two reports of the pages the one-graph steps read (store heat)
+    AHEAD_SHARE = 8  # the sparse step looks 1/8 of its selection past it for pages to fetch from L3 early
 
-    def step_slots(self, i: int, pages: torch.Tensor) -> torch.Tensor:
-        """Inside the one-graph sparse step (layer ``i``): the L2 slots of the ``pages`` it picked (a device
-        index), noting them as read at this step (``seen``: the store's heat, ``_warm_picked``) and those whose
-        only copy is in L3 (``missed``: after the step the host promotes them and runs it again). Fixed shapes,
-        no host decision."""
+    def step_slots(self, i: int, ranked: torch.Tensor, n: int) -> torch.Tensor:
+        """Inside the one-graph sparse step (layer ``i``): the L2 slots of the ``n`` pages it picked, the first
+        ``n`` of ``ranked`` (a device index; -1 for a page whose only copy is in L3, which the step attends
+        without), noting them as read at this step (``seen``: the store's heat, ``_warm_picked``), and in
+        ``missed`` those of all ``ranked`` (the picked ones and the next best) that are only in L3: after the
+        step the host has them fetched (``promote_missed``). Fixed shapes, no host decision."""
         st = self.sparse_state
-        slots = st.slots[pages]
-        st.missed[i].copy_(torch.where(slots < 0, pages, -1))
-        st.seen.index_copy_(0, pages, st.tick.expand(pages.shape[0]))
-        return slots.clamp(min=0)
+        slots = st.slots[ranked]
+        st.missed[i].copy_(torch.where(slots < 0, ranked, -1))
+        st.seen.index_copy_(0, ranked[:n], st.tick.expand(n))
+        return slots[:n]
 
     def _warm_picked(self) -> None:
         """Tell the store which pages the one-graph steps read since the last report (zero-copy reads bypass it),
@@ -756,31 +764,41 @@ class TieredCache(Cache):
             self.store.warm([self.page_keys[p] for p in picked])
 
     MAX_RETRIES = 4
+    REPLAY_SHARE = 1 / 32   # a step that found more than this share of its picked pages only on disk runs again
 
     def promote_missed(self) -> bool:
-        """After a one-graph sparse step: True when it picked pages whose only copy was in L3; they are promoted
-        to L2 now (each read from disk once) and the caller runs the step again (``sparse_view`` then replay:
-        the replay writes the same new token and overwrites what the first one wrote). False at no cost while
-        no page of this sequence is in L3."""
+        """After a one-graph sparse step, its pages whose only copy was in L3. In the steady state a few of the
+        picked pages are (the selection drifts onto a page that went to disk): the step attended the others, the
+        missing ones and those ranked just after the selection are queued on the store's prefetch worker, and are
+        in L2 for the next steps (``install_prefetched`` in ``sparse_view``): no disk read on the decode path,
+        False. When the step missed more than ``REPLAY_SHARE`` of what it picked (a new session whose pages all
+        went to disk), they are promoted now (one disk read each) and True says: run the step again, exactly
+        (``sparse_view`` then replay: it writes the same new token over what the first one wrote). False at no
+        cost while no page of this sequence is in L3."""
         st = self.sparse_state
         if st is None or not self._on_disk or st.missed.numel() == 0:
             return False
-        missed = st.missed.flatten().tolist()   # (a copy: on a CPU ``.cpu()`` would be the same tensor)
+        missed = st.missed.to("cpu", copy=True)   # [layers, picked + ahead] (a copy: filled below)
         st.missed.fill_(-1)
-        if max(missed) < 0:
+        picked = missed[:, :st.picked]
+        lost = int((picked >= 0).sum())
+        if lost == 0 and int(missed.max()) < 0:
             return False
-        if self._retried_at == (self.length, self.MAX_RETRIES):
-            return False   # (cannot happen: the second pass finds every picked page in L2)
-        tries = self._retried_at[1] + 1 if self._retried_at[0] == self.length else 1
-        self._retried_at = (self.length, tries)
-        # every page the step picked, in one call: the missed ones are promoted (one disk read each) and none of
-        # them is demoted meanwhile (L2 goes over budget rather than drop a page this step reads)
-        seen = st.seen[:min(st.seen.shape[0], len(self.page_keys))].cpu()
-        keys = [self.page_keys[p] for p in torch.nonzero(seen == self.length).flatten().tolist()]
-        self.store.warm(keys)
-        if self.store.slots(keys) is None:
-            raise PageLost("a page of this sequence is gone from the store")
-        return True
+        if lost > self.REPLAY_SHARE * picked.numel() and self._retried_at != (self.length, self.MAX_RETRIES):
+            tries = self._retried_at[1] + 1 if self._retried_at[0] == self.length else 1
+            self._retried_at = (self.length, tries)
+            # every page the step picked, in one call: the missed ones are promoted (one disk read each) and none
+            # of them is demoted meanwhile (L2 goes over budget rather than drop a page this step reads)
+            seen = st.seen[:min(st.seen.shape[0], len(self.page_keys))].cpu()
+            keys = [self.page_keys[p] for p in torch.nonzero(seen == self.length).flatten().tolist()]
+            self.store.warm(keys)
+            if self.store.slots(keys) is None:
+                raise PageLost("a page of this sequence is gone from the store")
+            return True
+        self.pages_missed += lost
+        wanted = torch.unique(missed[missed >= 0]).tolist()
+        self.store.prefetch([self.page_keys[p] for p in wanted if p < len(self.page_keys)])
+        return False
 
     def advance(self, n: int = 1) -> None:
         """``n`` tokens were written into every layer's L1 buffer outside ``update`` (a whole-step graph): count

@@ -8,7 +8,8 @@ A page's K and V arrive as ``[layers, kv_heads, page_size, head_dim]`` tensors.
 - ``fp16``: lossless (the KV dtype as it is: fp16/bf16 on GPU), for tests and for users who trade memory
   for exactness.
 
-``encode`` returns a dict of tensors (an ``Encoded`` page); ``decode`` returns ``(k, v)`` in ``dtype``.
+``encode`` returns a dict of tensors (an ``Encoded`` page); ``decode`` returns ``(k, v)`` in ``dtype``;
+``transcode`` re-encodes a page (int4 -> int8 exactly, by unpacking: an L3 page coming back to L2).
 ``to_bytes``/``from_bytes`` serialise an encoded page for disk, with zstd.
 """
 
@@ -67,6 +68,20 @@ def decode(e: Encoded, dtype: torch.dtype, device: torch.device | str | None = N
     k = torch.addcmul(t["kz"].to(dtype), kq.to(dtype), t["ks"].to(dtype))   # q * scale + zero, one kernel
     v = torch.addcmul(t["vz"].to(dtype), vq.to(dtype), t["vs"].to(dtype))
     return k, v.flatten(-2)
+
+
+def transcode(e: Encoded, codec: str) -> Encoded:
+    """An encoded page in ``codec``. An int4 page into ``int8`` is exact and cheap: the two share their axes,
+    scales and zeros (``_quant``), so the int4 codes are only unpacked into the int8 container (what an L3 page
+    read back into L2 needs: no float round trip, no second rounding). Anything else is decoded and encoded."""
+    bits = int(e["bits"].reshape(-1)[0]) if "bits" in e else None
+    if codec == "int8" and bits == 8:
+        return e
+    if codec == "int8" and bits == 4:
+        return {"kq": _unpack4(e["kq"]), "ks": e["ks"], "kz": e["kz"], "vq": _unpack4(e["vq"]), "vs": e["vs"],
+                "vz": e["vz"], "bits": torch.tensor([8], dtype=torch.uint8)}
+    k, v = decode(e, torch.float32)
+    return encode(k, v, codec)
 
 
 def _pack4(q: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,11 @@ host RAM (``uva.gather_rows``; a host ``index_select`` on a CPU), decoded and at
 The host fills five scalars before each replay (``TieredCache.sparse_view``) and does the page bookkeeping
 after it (``TieredCache.advance``), as for a resident step.
 
+A picked page whose only copy is on disk (L3) has slot -1: the step attends the others (the page kernel skips it,
+the torch kernels mask it) and notes it in ``missed``, with the ``ahead`` pages ranked just after the selection
+that are on disk too; after the step the host hands them to the store's prefetch worker, so L3 reads stay off the
+decode path (``TieredCache.promote_missed``, which runs the step again only when it missed a large share).
+
 Contract: ``SparseKV.attend(i, q [Hq, D], k [kvh, 1, D], v, scale) -> [Hq, D]`` for layer ``i`` (k and v None: the
 step kernels (``kv/step_kernels.py``) wrote them and attend L1), with the same
 result as ``TieredLayer.attend`` on the sparse zero-copy path (the same pages; attention over a set of pages does
@@ -40,10 +45,11 @@ class SparseState:
         self.slots_key = None
         self.reach = torch.zeros(layers, dtype=torch.long, device=device)
         # L3 pages (TieredCache.step_slots): the step number, the last step that picked page i (-1: none), and per
-        # layer the picked pages whose slot was -1 (only on disk; -1 elsewhere)
+        # layer the picked pages, then those ranked just after them, whose slot was -1 (only on disk; -1 elsewhere)
         self.tick = scalar(torch.long)
         self.seen = torch.full((0,), -1, dtype=torch.long, device=device)
         self.missed = torch.full((layers, 0), -1, dtype=torch.long, device=device)
+        self.picked = 0   # pages a step picks a layer (the first columns of ``missed``)
 
 
     def forget_slots(self) -> None:
@@ -56,9 +62,11 @@ class SparseState:
 
 
 class SparseKV:
-    def __init__(self, cache, key: tuple, length: int, budget_pages: int):
+    def __init__(self, cache, key: tuple, length: int, budget_pages: int, ahead: int = 0, masked: bool = False):
         self.cache, self.owner, self.key, self.length = cache, cache, key, length
         self.budget_pages = budget_pages
+        self.ahead = ahead     # pages ranked just below the selection, fetched from L3 before they are picked
+        self.masked = masked   # some page is only in L3: the layer-by-layer kernels mask the missing ones
 
     @property
     def capacity(self) -> int:
@@ -84,8 +92,11 @@ class SparseKV:
             bound = bound.float().masked_fill((page < st.first) | (page >= st.last), float("-inf"))
         top = bound.topk(self.budget_pages, dim=-1).indices                    # [kvh, budget]
         score = bound.amax(dim=0).scatter(0, top.flatten(), float("inf"))
-        pages = score.topk(kvh * self.budget_pages).indices                     # absolute page indices
-        slots = cache.step_slots(i, pages)   # -1 (an L3 page) noted and clamped: the host promotes it, the step again
+        n = kvh * self.budget_pages
+        ranked = score.topk(n + self.ahead).indices   # the selection (absolute page indices), then the next best
+        # -1: a page only in L3, attended without (masked) and fetched for the next steps (TieredCache.step_slots)
+        slots = cache.step_slots(i, ranked, n)
+        pages = ranked[:n]
         arena = cache.store.arena
         st.reach[i].copy_((pages >= st.edge).sum())   # TieredCache.sparse_view points last_reach here
         if k is None:   # the step kernels: L1 and the pages in one attention, pages decoded as they are read
@@ -96,10 +107,16 @@ class SparseKV:
             acc = (o.reshape(kvh, hq // kvh, 1, d), lse.reshape(kvh, hq // kvh, 1))
         else:
             acc = attention.prefix_segment(qg, layer.l1_k, layer.l1_v, st.used, scale)
+        at = slots.clamp(min=0)
         if q.is_cuda:
-            rows = uva.gather_rows(arena.data[i], slots, q.device)
+            rows = uva.gather_rows(arena.data[i], at, q.device)
         else:
-            rows = arena.data[i].index_select(0, slots)
+            rows = arena.data[i].index_select(0, at)
         kp, vp = layer._as_kv(*codecs.decode(arena.fields_of(rows), layer.dtype))
-        acc = attention.merge_into(acc, attention.segment(qg, kp, vp, scale))
+        if self.masked:   # a page of this sequence is only on disk: what was not in L2 weighs nothing
+            visible = (slots >= 0).repeat_interleave(cache.page_size).unsqueeze(0)
+            part = attention.partial_attention(qg, kp, vp, scale, visible)
+        else:
+            part = attention.segment(qg, kp, vp, scale)
+        acc = attention.merge_into(acc, part)
         return acc[0].reshape(hq, d).to(q.dtype)

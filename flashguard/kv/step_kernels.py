@@ -223,8 +223,9 @@ def _build() -> dict:
         offs_d = tl.arange(0, D)
         offs_n = tl.arange(0, P)
         base = (h * TOTAL + NSPLIT + j) * BLOCK_G
-        if j < n_pages:
-            row = tl.load(SLOTS + j).to(tl.int64) * row_bytes
+        slot = tl.load(SLOTS + j, mask=j < n_pages, other=-1).to(tl.int64)
+        if slot >= 0:   # (-1: padding, or a page only on disk, which this step attends without)
+            row = slot * row_bytes
             h64 = h.to(tl.int64)
             tok = (h64 * P + offs_n)[:, None] * D + offs_d[None, :]                       # [P, D]
             kq = tl.load(A8 + row + off_kq + tok).to(tl.float32)
@@ -244,7 +245,7 @@ def _build() -> dict:
             o = tl.dot(pr.to(q.dtype), v) / lsum[:, None]
             tl.store(O + (base + offs_g)[:, None] * D + offs_d[None, :], o)
             tl.store(L + base + offs_g, m + tl.log(lsum))
-        else:   # padding up to a power of two of parts: weighs nothing in the merge
+        else:   # weighs nothing in the merge
             tl.store(O + (base + offs_g)[:, None] * D + offs_d[None, :], tl.full([BLOCK_G, D], 0.0, tl.float32))
             tl.store(L + base + offs_g, tl.full([BLOCK_G], float("-inf"), tl.float32))
 
@@ -301,7 +302,7 @@ def rope_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Ten
 
 class PageRead:
     """The selected off-window pages a sparse step attends besides L1: ``slots`` [M] (their L2 slots, a device
-    tensor), read from ``arena`` (``L2Arena.data[layer]``, [slots, row_bytes] uint8: pinned host memory for a
+    tensor; -1 for a page not in L2, which is skipped), read from ``arena`` (``L2Arena.data[layer]``, [slots, row_bytes] uint8: pinned host memory for a
     GPU) with ``layout`` (``L2Arena.layout``) of ``page_size`` tokens. ``takes(layout, page_size, head_dim)``
     says whether the page kernel reads that codec (int8 of ``codecs.py``, power-of-two pages of 16+ tokens)."""
 

@@ -21,8 +21,10 @@ Contract:
   sequence needs is ever dropped. A page read from L3 is promoted to L2 and stays there while it is read.
 - The one-graph sparse step reads L2 without asking the store: ``peek_slots(keys)`` gives its slot table (-1 for a
   page only in L3, nothing promoted; valid until ``moves`` changes), ``warm(keys)`` reports what it read (a page a
-  live sequence's decoding read lately stays in L2 over budget: ``TierPolicy.hot_seconds``), and its misses are
-  promoted with ``slots``. ``deferred()`` (a prefill): pages over budget stay in L2 and their L3 files are written
+  live sequence's decoding read lately stays in L2 over budget: ``TierPolicy.hot_seconds``), and its misses go
+  to ``prefetch(keys)``: read, verified and transcoded (int4 -> int8, ``codecs.transcode``) on worker threads,
+  put in L2 by ``install_prefetched()`` on the caller's thread between steps (or promoted at once with ``slots``
+  when a step missed many). A synchronous read of a page in flight waits for the worker's read. ``deferred()`` (a prefill): pages over budget stay in L2 and their L3 files are written
   on a worker; L2 is trimmed at the end, for free (unreferenced pages first). ``spill()`` moves every unreferenced
   page to L3.
 - ``check_integrity()`` raises AssertionError if the bookkeeping is inconsistent (tests call it).
@@ -89,6 +91,7 @@ class TierStats:
     disk_errors: int = 0          # L3 writes that failed (missing, read-only or full folder)
     corrupt_pages: int = 0        # L3 reads that failed verification: dropped, recomputed by the caller
     l3_evictions: int = 0         # L3 files removed to make room (unreferenced pages only)
+    prefetched: int = 0           # L3 reads queued on the prefetch worker (off the decode path)
 
 
 class L2Arena:
@@ -218,6 +221,8 @@ class PageStore:
         self._deferred = 0                 # > 0 inside ``deferred()``: pages over budget stay in L2
         self._writer = None                # the thread that writes L3 files inside ``deferred()``
         self._pending: dict = {}           # key -> Future of an L3 write in flight
+        self._reader = None                # the threads that read L3 files for ``prefetch``
+        self._fetching: dict = {}          # key -> (its L3 file, Future of its read) in flight
         self.pages: "OrderedDict[bytes, _Page]" = OrderedDict()  # LRU order: oldest first
         self.lock = threading.RLock()
         self.stats = TierStats()
@@ -375,22 +380,105 @@ class PageStore:
         del self.pages[key]
 
     def _promote(self, key: bytes, page: _Page, protect: set) -> None:
-        t0 = time.perf_counter()
-        blob = self.disk.read(key, page.l3)
-        self.stats.disk_seconds += time.perf_counter() - t0
+        fetch = self._fetching.pop(key, None)
+        if fetch is not None and fetch[0] == page.l3:   # already being read on the prefetch worker: its result
+            enc, size, disk_s, codec_s = fetch[1].result()   # (the worker takes no lock; PageLost as below)
+        else:
+            t0 = time.perf_counter()
+            blob = self.disk.read(key, page.l3)
+            disk_s, size = time.perf_counter() - t0, len(blob)
+            t0 = time.perf_counter()
+            enc = self._l2_encoding(blob)
+            codec_s = time.perf_counter() - t0
+        self.stats.disk_seconds += disk_s
+        self.stats.codec_seconds += codec_s
         self.stats.page_faults += 1
         self.stats.hits["l3"] += 1
-        self.stats.bytes_from_l3 += len(blob)
-        t0 = time.perf_counter()
-        try:
-            k, v = codecs.decode(codecs.from_bytes(blob), torch.float32)
-        except (ValueError, KeyError, RuntimeError) as exc:
-            raise PageLost(f"undecodable page: {exc}") from exc
-        enc = codecs.encode(k, v, self.config.l2_codec)
-        self.stats.codec_seconds += time.perf_counter() - t0
+        self.stats.bytes_from_l3 += size
         page.l2 = self.arena.write(enc)
         self.moves += 1
         self._enforce_budgets(protect=protect | {key})
+
+    def _l2_encoding(self, blob: bytes) -> dict:
+        """An L3 file's payload as an L2 page (``codecs.transcode``: int4 -> int8 is an unpacking); PageLost when
+        it does not decode."""
+        try:
+            return codecs.transcode(codecs.from_bytes(blob), self.config.l2_codec)
+        except (ValueError, KeyError, RuntimeError) as exc:
+            raise PageLost(f"undecodable page: {exc}") from exc
+
+    # ---- prefetch: L3 reads off the decode path ----------------------------------------------
+    def prefetch(self, keys) -> int:
+        """Read ``keys``' pages whose only copy is in L3 on a worker thread (file read, verified, transcoded for
+        L2: no lock held, no GPU work); ``install_prefetched`` puts them in L2 on the caller's thread, between
+        two steps. Pages in L2, unknown or already on their way are skipped. Returns how many were queued."""
+        with self.lock:
+            todo = []
+            for key in keys:
+                page = self.pages.get(key)
+                if page is not None and page.l2 is None and page.l3 is not None and key not in self._fetching:
+                    todo.append((key, page.l3))
+            if not todo:
+                return 0
+            if self._reader is None:
+                from concurrent.futures import ThreadPoolExecutor
+
+                self._reader = ThreadPoolExecutor(self.READERS, thread_name_prefix="flashguard-l3-read")
+            for key, path in todo:
+                self._fetching[key] = (path, self._reader.submit(self._read_file, key, path))
+            self.stats.prefetched += len(todo)
+            return len(todo)
+
+    READERS = 2   # prefetch threads (a page read is a file read, a decryption and an unpacking: ~1 ms)
+
+    def _read_file(self, key: bytes, path: str) -> tuple[dict, int, float, float]:
+        t0 = time.perf_counter()
+        blob = self.disk.read(key, path)
+        t1 = time.perf_counter()
+        return self._l2_encoding(blob), len(blob), t1 - t0, time.perf_counter() - t1
+
+    def install_prefetched(self, wait: bool = False) -> list[bytes]:
+        """The pages the prefetch worker has read go to L2 now, as read by decoding (heat, recency: the step that
+        asked for them picked them); with ``wait``, those still in flight are waited for first. A page promoted
+        meanwhile, released or evicted is skipped; one whose file failed verification is dropped (the sequence
+        that needs it recomputes it, as for a synchronous read). Returns the keys installed."""
+        with self.lock:
+            if not self._fetching:
+                return []
+            if not wait:
+                done = [k for k, (_, fut) in self._fetching.items() if fut.done()]
+            else:
+                done = list(self._fetching)
+            work = [(k, *self._fetching.pop(k)) for k in done]
+        installed, now = [], time.monotonic()
+        for key, path, fut in work:
+            try:
+                result = fut.result()
+            except PageLost as exc:
+                result = exc
+            with self.lock:
+                page = self.pages.get(key)
+                if page is None or page.l2 is not None or page.l3 != path:
+                    continue
+                if isinstance(result, PageLost):
+                    self._drop_corrupt(key, page, result)
+                    continue
+                enc, size, disk_s, codec_s = result
+                page.l2 = self.arena.write(enc)
+                page.heat += 1.0
+                page.read_at = now
+                self.pages.move_to_end(key)
+                self.stats.page_faults += 1
+                self.stats.hits["l3"] += 1
+                self.stats.bytes_from_l3 += size
+                self.stats.disk_seconds += disk_s
+                self.stats.codec_seconds += codec_s
+                installed.append(key)
+        if installed:
+            with self.lock:
+                self.moves += 1
+                self._enforce_budgets(protect=set(installed))
+        return installed
 
     # ---- budgets --------------------------------------------------------------------------
     class _Deferred:
@@ -561,7 +649,7 @@ class PageStore:
                     "bytes_to_l2": s.bytes_to_l2, "bytes_to_l3": s.bytes_to_l3, "bytes_from_l3": s.bytes_from_l3,
                     "pages_shared": s.pages_shared, "codec_seconds": s.codec_seconds,
                     "disk_seconds": s.disk_seconds, "disk_errors": s.disk_errors, "corrupt_pages": s.corrupt_pages,
-                    "l3_evictions": s.l3_evictions}
+                    "l3_evictions": s.l3_evictions, "prefetched": s.prefetched}
 
     def check_integrity(self) -> None:
         for fut in list(self._pending.values()):
@@ -581,6 +669,9 @@ class PageStore:
                 assert p.summary is not None and p.summary.dim() == 4
 
     def close(self) -> None:
+        if self._reader is not None:
+            self._reader.shutdown(wait=True, cancel_futures=True)
+            self._fetching.clear()
         if self._writer is not None:
             self._writer.shutdown(wait=True)
         if self.disk is not None:
