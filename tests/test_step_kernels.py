@@ -216,6 +216,29 @@ def test_the_kernel_step_over_an_int8_pool_and_off_the_pool(interpreted):
         assert a.argmax(-1).tolist() == b.argmax(-1).tolist(), name
 
 
+def test_a_page_at_slot_minus_one_is_left_out_of_the_attention(interpreted):
+    """The sparse step's pages only on disk (slot -1): the page kernel attends the others, as if not picked."""
+    from flashguard.kv import codecs
+    from flashguard.kv.store import L2Arena
+
+    gen = torch.Generator().manual_seed(11)
+    hkv, g, d, p = 2, 3, 64, 16
+    q = torch.randn(hkv * g, d, generator=gen).half()
+    keys, values = (torch.randn(hkv, 40, d, generator=gen).half() for _ in range(2))
+    arena = L2Arena(pin=False)
+    slots = [arena.write(codecs.encode(*(torch.randn(1, hkv, p, d, generator=gen).half() for _ in range(2)),
+                                       "int8")) for _ in range(4)]
+    used = torch.tensor([40], dtype=torch.int32)
+
+    def attend(picked):
+        read = step_kernels.PageRead(torch.tensor(picked), arena.data[0], arena.layout, p)
+        return step_kernels.decode_attention(q, keys, values, used, 0.125, pages=read)
+
+    full = attend([slots[0], -1, slots[2], -1])
+    torch.testing.assert_close(full, attend([slots[0], slots[2]]), atol=2e-3, rtol=2e-3)
+    assert not torch.allclose(full, attend(slots), atol=2e-3, rtol=2e-3)
+
+
 def test_page_bounds_takes_bounds_in_another_16_bit_type(interpreted):
     """Quest's ranking with fp16 queries against bf16 bounds (the H200's 128K rows mixed them): = the torch
     bound, pages outside [first, last) at -inf."""
