@@ -928,6 +928,7 @@ class TieredCache(Cache):
                 runs[-1].append(idx)
             else:
                 runs.append([idx])
+        self.store.read_ahead([self.page_keys[i] for i in wanted])   # pages only on disk: read in parallel
         for run in runs:
             parts = []
             for idx in run:

@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
+import os
 import threading
 import time
 from collections import OrderedDict
@@ -306,6 +307,11 @@ class PageStore:
     def summary(self, key: bytes) -> torch.Tensor:
         return self.pages[key].summary
 
+    def read_ahead(self, keys) -> None:
+        """``keys`` are about to be read one by one (``get``): those only on disk start coming back in parallel."""
+        with self.lock:
+            self._read_ahead(keys)
+
     def get(self, key: bytes, layer: int | None = None) -> dict | None:
         """Encoded tensors of a page (one layer, or all with ``layer=None``); promotes from L3."""
         with self.lock:
@@ -318,6 +324,7 @@ class PageStore:
         unknown or failed verification. Valid until ``epoch`` changes; read them with ``arena.gather``."""
         with self.lock:
             out, protect = [], set(keys)
+            self._read_ahead(keys)
             for key in keys:
                 slot = self._in_l2(key, protect)
                 if slot is None:
@@ -429,7 +436,16 @@ class PageStore:
             self.stats.prefetched += len(todo)
             return len(todo)
 
-    READERS = 2   # prefetch threads (a page read is a file read, a decryption and an unpacking: ~1 ms)
+    # prefetch threads (a page read is a file read, a decryption, zstd and an unpacking: ~1 ms, mostly without
+    # the GIL): several, so that a new session's pages come back from disk in parallel
+    READERS = max(2, min(8, (os.cpu_count() or 2) // 2))
+
+    def _read_ahead(self, keys) -> None:
+        """Before pages are promoted one by one (``slots``, ``get`` in a loop): those of ``keys`` only in L3 are
+        read on the prefetch threads meanwhile, in parallel; ``_promote`` takes each read's result."""
+        if self.disk is not None and self.l3_pages and \
+                sum(1 for k in keys if (p := self.pages.get(k)) is not None and p.l2 is None) > 1:
+            self.prefetch(keys)
 
     def _read_file(self, key: bytes, path: str) -> tuple[dict, int, float, float]:
         t0 = time.perf_counter()
