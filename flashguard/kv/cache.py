@@ -235,8 +235,11 @@ class TieredLayer(CacheLayerMixin):
             parts_k.append(self.hot_k.index_select(0, slots))
             parts_v.append(self.hot_v.index_select(0, slots))
         if missing:
+            store = self.owner.store
             slots = self.owner._l2_slots(missing)
-            k, v = codecs.decode(self.owner.store.arena.gather(self.index, slots, self.device), self.dtype)
+            if store.l3_pages:   # decoding reads them: the policy keeps them in L2 while they stay hot
+                store.warm([self.owner.page_keys[p] for p in missing])
+            k, v = codecs.decode(store.arena.gather(self.index, slots, self.device), self.dtype)
             parts_k.append(k)
             parts_v.append(v)
             self._keep_hot(missing, k, v)
