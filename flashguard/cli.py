@@ -365,6 +365,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rail", choices=("output", "input"), default="output", help="which rail's probe to train")
     p.add_argument("--data", default=None, help="labelled JSONL (default: the project's tuning set)")
     p.add_argument("--out", default=None, help="probe file (default: the user cache folder, where the rail looks)")
+    p.add_argument("--features", default=None, help="input rail: keep the tuning rows' hidden states in this .pt "
+                   "file and read them from it (same model and weights): only rows added since run through the model")
     p.set_defaults(func=cmd_calibrate)
     utf8_output()
     args = parser.parse_args(argv)

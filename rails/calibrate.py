@@ -13,23 +13,29 @@ messages: harmful requests, jailbreaks, prompt injections and benign look-alikes
 and logs with and without harm hidden in them), on the hidden states of the generation's own prompt (the
 conversation up to the message, and the template's generation prompt): the mean over the user's turn, the last
 token's, or both (``FEATURE_OPTIONS``, chosen with the layer and L2 by cross-validation); no question, so the check
-is the generation's own prefill. A message longer than ``WINDOW`` tokens trains (and is judged) as its first and
-its last ``WINDOW`` tokens. Every other message follows one benign exchange (``earlier_exchange``), as a message in
-a conversation does.
+is the generation's own prefill. A message longer than ``WINDOW`` tokens is judged by sliding windows over the states
+of its own forward (v5): it trains a second, window probe instead, on the mean state of every window (sizes
+``SLIDE_WINDOWS``, stride half a window, layers ``LONG_LAYERS``), a window labelled harmful when it holds at least half
+of the row's ``harm_span`` (the whole message for a harmful row without one), benign when it holds none of it, and
+left out in between (the short messages' mean states join it, ``SHORT_SHARE`` of the weight); its window size,
+layer, L2 and the threshold on a message's worst window are chosen by
+cross-validation grouped by message (``choose_window_probe``). Every other message follows one benign exchange
+(``earlier_exchange``), as a message in a conversation does.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
 from .moderation import ModerationSettings, answer_ids, moderation_suffix
-from .probe import ModelKey, Probe, answer_log_odds, cross_validate, design, fit_logistic, user_probe_path
+from .probe import ModelKey, Probe, answer_log_odds, cross_validate, design, fit_logistic, folds, user_probe_path
 
 log = logging.getLogger("flashguard")
 
@@ -42,6 +48,15 @@ FOLDS = 5
 WINDOW = 64
 # the input probe's candidate features (probe.FEATURES), in the order ties go: the message's mean state first
 FEATURE_OPTIONS = ("mean", "last+mean", "last")
+# input rail, v5: a message longer than WINDOW tokens is judged by sliding windows over its own states (the
+# generation's prefill); the window probe's candidates: window sizes (stride: half a window) and layers
+SLIDE_WINDOWS = (32, 64)
+LONG_LAYERS = (6, 8, 10, 12, 14, 16, 18, 20, 22, 24)
+# the short tuning messages' mean states join the window probe's training (what a request reads like), weighing
+# together this share of the windows' total weight (0.5: balanced cross-validated accuracy on the long tuning messages
+# 92.1%, against 88.6% without them, window 32 / layer 18 / L2 0.01; their false blocks were benign requests put before
+# or after a paste, 18 of 123 -> 10)
+SHORT_SHARE = 0.5
 
 
 def read_rows(path: Path, side: str = "output") -> list[dict]:
@@ -96,16 +111,15 @@ def _benign_exchanges() -> list:
 
 
 def collect(engine, rows: Sequence[dict], settings: ModerationSettings = ModerationSettings(),
-            progress: bool = False):
+            progress: bool = False, cache: Optional[dict] = None):
     """``(hidden[n, layers + 1, hidden_size], log_odds[n])`` for every row: output rail, of the suffix's last token.
-    Input rail, ``(hidden, log_odds, pooled, labels)`` for every item: a message, or the first and last ``WINDOW``
-    tokens of a longer one (labelled ``block_head`` / ``block_tail`` where the row has them, else ``block``), as the
-    rail judges it; the hidden states of the generation prompt's last token, their mean over the user's turn
-    (``pooled``, same shape), the question's Yes/No log-odds on its branch (only to report the question verdict's
-    accuracy beside the probe's) and the labels. Input rows are numbered as in the file (``earlier_exchange``): pass
-    them all."""
-    from .moderation import message_start, message_windows, pooled_state
-
+    Input rail, ``(hidden, log_odds, pooled, labels, long)``: for every message of at most ``WINDOW`` tokens, the
+    hidden states of the generation prompt's last token, their mean over the user's turn (``pooled``, same shape),
+    the question's Yes/No log-odds on its branch (only to report the question verdict's accuracy beside the probe's)
+    and the labels; ``long``: for every longer message, the mean states of its sliding windows at ``LONG_LAYERS`` (per
+    window size), each window's label (``window_label``) and message, and the messages' labels. Input rows are
+    numbered as in the file (``earlier_exchange``): pass them all. ``cache`` (input rail): each row's states by its
+    number and text, read where present and added where not (``flashguard calibrate --features``)."""
     bad, good = answer_ids(engine, settings.unsafe_answer), answer_ids(engine, settings.safe_answer)
     states, odds, pooled = [], [], []
     it = rows
@@ -114,37 +128,150 @@ def collect(engine, rows: Sequence[dict], settings: ModerationSettings = Moderat
 
         it = tqdm(rows, desc="calibrate", unit="reply")
     labels = []
+    slides = {size: {"means": [], "labels": [], "message": []} for size in SLIDE_WINDOWS}
+    long_labels = []
+    layers = [layer for layer in LONG_LAYERS if layer <= hidden_layers(engine)]
     for i, row in enumerate(it):
         if settings.side == "input":
-            history = earlier_exchange(i) + [{"role": "user", "content": row["user"]}]
-            pieces = message_windows(engine, history, WINDOW)
-            if pieces is None:
-                items = [(row["user"], row["block"])]
-            else:   # a long message: its first and last WINDOW tokens, labelled by where the harm is (if any)
-                items = [(pieces[0], row.get("block_head", row["block"])),
-                         (pieces[1], row.get("block_tail", row["block"]))]
-            for text, label in items:
-                msgs = history[:-1] + [{"role": "user", "content": text}]
-                ids = engine.encode_messages(msgs)
-                if len(input_moderation_ids(engine, text, settings.prompt, history[:-1])) >= engine.context_length:
-                    continue   # longer than a small model's context (with the question)
-                labels.append(int(label))
-                hidden, mean, _ = pooled_state(engine, ids, message_start(engine, msgs, ids),
-                                               range(hidden_layers(engine) + 1), task="calibration")
-                pooled.append(mean)
-                states.append(hidden)
-                logprobs, _, _ = engine.next_token_state(
-                    input_moderation_ids(engine, text, settings.prompt, history[:-1]), task="calibration")
-                odds.append(answer_log_odds(logprobs, bad, good))
+            key = row_key(i, row, settings)
+            record = cache.get(key) if cache is not None else None
+            if record is None:
+                record = _input_row(engine, i, row, settings, layers, bad, good)
+                if cache is not None:
+                    cache[key] = record
+            if record["kind"] == "long":
+                for size, out in slides.items():
+                    out["means"].append(record["means"][size])
+                    out["labels"] += record["labels"][size]
+                    out["message"] += [len(long_labels)] * len(record["labels"][size])
+                long_labels.append(record["label"])
+            elif record["kind"] == "short":
+                labels.append(record["label"])
+                states.append(record["hidden"])
+                pooled.append(record["mean"])
+                odds.append(record["odds"])
             continue
-        else:
-            ids = moderation_ids(engine, row["user"], row["bot"], settings.prompt)
-            logprobs, hidden, _ = engine.next_token_state(ids, task="calibration", hidden=True)
+        ids = moderation_ids(engine, row["user"], row["bot"], settings.prompt)
+        logprobs, hidden, _ = engine.next_token_state(ids, task="calibration", hidden=True)
         states.append(hidden)
         odds.append(answer_log_odds(logprobs, bad, good))
     if settings.side == "input":
-        return torch.stack(states), torch.tensor(odds, dtype=torch.float64), torch.stack(pooled), labels
+        long = {"layers": layers, "message_labels": long_labels,
+                "windows": {size: {"means": torch.cat(out["means"], 1) if out["means"] else None,
+                                   "labels": out["labels"], "message": out["message"]}
+                            for size, out in slides.items()}}
+        return torch.stack(states), torch.tensor(odds, dtype=torch.float64), torch.stack(pooled), labels, long
     return torch.stack(states), torch.tensor(odds, dtype=torch.float64)
+
+
+def row_key(i: int, row: dict, settings: ModerationSettings) -> str:
+    """A tuning row's key in the states cache: its number (its earlier exchange), text, labels and the question."""
+    return hashlib.sha256(json.dumps([i, row, settings.prompt, WINDOW, SLIDE_WINDOWS, LONG_LAYERS],
+                                     sort_keys=True).encode()).hexdigest()
+
+
+def _input_row(engine, i: int, row: dict, settings: ModerationSettings, layers, bad, good) -> dict:
+    """One input tuning row through the rail's own path: ``{"kind": "short" | "long" | "skip", ...}``."""
+    from .moderation import content_start, message_start, message_windows, pooled_state, window_means, window_starts
+
+    history = earlier_exchange(i) + [{"role": "user", "content": row["user"]}]
+    ids = engine.encode_messages(history)
+    if message_windows(engine, history, WINDOW) is not None:   # long: sliding windows over its own states
+        if len(ids) >= engine.context_length:
+            return {"kind": "skip"}
+        start = content_start(engine, history, ids)
+        _, _, _, kept = pooled_state(engine, ids, start, layers, task="calibration", keep=True)
+        span = harm_tokens(engine, row)
+        return {"kind": "long", "label": int(row["block"]),
+                "means": {size: window_means(kept, size, size // 2).half() for size in SLIDE_WINDOWS},
+                "labels": {size: [window_label(a, size, span) for a in window_starts(kept.shape[1], size, size // 2)]
+                           for size in SLIDE_WINDOWS}}
+    question = input_moderation_ids(engine, row["user"], settings.prompt, history[:-1])
+    if len(question) >= engine.context_length:
+        return {"kind": "skip"}   # longer than a small model's context (with the question)
+    hidden, mean, _ = pooled_state(engine, ids, message_start(engine, history, ids),
+                                   range(hidden_layers(engine) + 1), task="calibration")
+    logprobs, _, _ = engine.next_token_state(question, task="calibration")
+    return {"kind": "short", "label": int(row["block"]), "hidden": hidden, "mean": mean,
+            "odds": answer_log_odds(logprobs, bad, good)}
+
+
+def harm_tokens(engine, row: dict) -> Optional[tuple[int, int]]:
+    """The token range of a harmful row's harm in its message (``harm_span``, characters; the whole message when the
+    row has none); None for a benign row."""
+    if not row["block"]:
+        return None
+    text = row["user"]
+    a, b = row.get("harm_span") or (0, len(text))
+    offsets = engine.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+    first = next((i for i, (x, y) in enumerate(offsets) if y > a), 0)
+    last = next((i for i, (x, y) in reversed(list(enumerate(offsets))) if x < b), len(offsets) - 1)
+    return first, last + 1
+
+
+def window_label(start: int, size: int, span: Optional[tuple[int, int]]) -> int:
+    """1: the window holds at least half of the harm (or is at least half harm); 0: none of it; -1: a sliver (left
+    out of training, ambiguous). Positions count from the message's text (the window's ``start``)."""
+    if span is None:
+        return 0
+    overlap = max(0, min(start + size, span[1]) - max(start, span[0]))
+    if overlap == 0:
+        return 0
+    return 1 if overlap >= 0.5 * min(span[1] - span[0], size) else -1
+
+
+def _window_fit(x, labels, l2, short=None, layer=None):
+    """The window probe's fit: labelled windows (classes weighted equally) and, with ``short`` = (pooled states
+    ``[n, layers + 1, d]``, labels), the short messages' mean states at ``layer``, weighing ``SHORT_SHARE`` of it."""
+    y = labels.double()
+    sw = torch.where(y > 0, 0.5 / y.mean(), 0.5 / (1 - y.mean()))
+    if short is not None and SHORT_SHARE > 0:
+        xs, ys = short[0][:, layer].double(), torch.tensor(short[1], dtype=torch.float64)
+        x, y = torch.cat([x, xs]), torch.cat([y, ys])
+        sw = torch.cat([sw, torch.full((len(ys),), SHORT_SHARE * float(sw.sum()) / len(ys), dtype=torch.float64)])
+    return fit_logistic(x, y, l2, sample_weight=sw)
+
+
+def choose_window_probe(long: dict, l2s: Sequence[float] = L2_GRID, k: int = FOLDS, short=None) -> list[dict]:
+    """The window probe's grid (window size x layer x L2), by ``k``-fold cross-validation grouped by message (a
+    message's windows are all in one fold): a window probe is fitted on the training folds' labelled windows (classes
+    weighted equally), each held-out message is scored by its worst window, and the threshold on that max that is
+    right on most long messages (balanced accuracy: the mean of the harmful and the benign messages' accuracies, as
+    the tuning set's share of harmful long messages is not a user's) is the row's (the middle of the best run of
+    thresholds). Best first; ties go to the
+    stronger L2, then the earlier layer, then the smaller window."""
+    y_msg = torch.tensor(long["message_labels"], dtype=torch.float64)
+    parts = folds(long["message_labels"], k)
+    grid = torch.linspace(0.05, 0.95, 91, dtype=torch.float64)
+    rows = []
+    for size, data in long["windows"].items():
+        labels = torch.tensor(data["labels"])
+        message = torch.tensor(data["message"])
+        for li, layer in enumerate(long["layers"]):
+            x = data["means"][li].double()
+            for l2 in l2s:
+                p = torch.empty(len(labels), dtype=torch.float64)
+                for part in parts:
+                    held = torch.isin(message, torch.tensor(part))
+                    train = ~held & (labels >= 0)
+                    w, b = _window_fit(x[train], labels[train], l2, short, layer)
+                    p[held] = torch.sigmoid(x[held] @ w + b)
+                worst = torch.full((len(y_msg),), -1.0, dtype=torch.float64).scatter_reduce(0, message, p, "amax")
+                hit = ((worst[None, :] >= grid[:, None]).double() == y_msg[None, :]).double()
+                acc = (hit[:, y_msg > 0].mean(1) + hit[:, y_msg == 0].mean(1)) / 2   # balanced: harmful, benign
+                best = torch.nonzero(acc == acc.max()).flatten()
+                rows.append({"window": size, "layer": layer, "l2": l2, "cv_accuracy": float(acc.max()),
+                             "threshold": float(grid[best[len(best) // 2]]), "oof_max": worst,
+                             "window_accuracy": float((((p >= 0.5).long() == labels)[labels >= 0]).double().mean())})
+    rows.sort(key=lambda r: (-r["cv_accuracy"], -r["l2"], r["layer"], r["window"]))
+    return rows
+
+
+def fit_window_probe(long: dict, best: dict, short=None) -> tuple[torch.Tensor, float]:
+    data = long["windows"][best["window"]]
+    labels = torch.tensor(data["labels"])
+    x = data["means"][long["layers"].index(best["layer"])].double()[labels >= 0]
+    return _window_fit(x, labels[labels >= 0], best["l2"], short, best["layer"])
 
 
 def hidden_layers(engine) -> int:
@@ -164,6 +291,7 @@ def train(engine, rows: Sequence[dict], settings: ModerationSettings = Moderatio
     hidden, odds = features[:2]
     pooled, labels = (features[2], list(features[3])) if len(features) > 2 else \
         (None, [int(r["block"]) for r in rows])
+    long = features[4] if len(features) > 4 else None
     answers = (False,) if settings.side == "input" else (False, True)   # the input probe's position asks nothing
     table = cross_validate(hidden, odds, labels, layers=layers or range(1, hidden.shape[1]), l2s=L2_GRID, k=FOLDS,
                            answer_options=answers, pooled=pooled,
@@ -177,14 +305,26 @@ def train(engine, rows: Sequence[dict], settings: ModerationSettings = Moderatio
     key = key or ModelKey.of(engine)
     question_only = float(((odds > torch.log(torch.tensor(settings.threshold / (1 - settings.threshold)))).long()
                            == torch.tensor(labels)).double().mean())
+    slide: dict = {}
+    long_metrics: dict = {}
+    if long is not None and len(set(long["message_labels"])) == 2:
+        long_table = choose_window_probe(long, short=(pooled, labels))
+        lb = long_table[0]
+        lw, lbias = fit_window_probe(long, lb, short=(pooled, labels))
+        slide = {"stride": lb["window"] // 2, "long_window": lb["window"], "long_layer": lb["layer"],
+                 "long_weight": tuple(float(v) for v in lw), "long_bias": lbias, "long_threshold": lb["threshold"]}
+        long_metrics = {"long_messages": len(long["message_labels"]),
+                        "windows": len(long["windows"][lb["window"]]["labels"]), "long_l2": lb["l2"],
+                        "long_cv_accuracy": round(lb["cv_accuracy"], 4)}
+        table = table + [dict(r, rail_part="long") for r in long_table]
     probe = Probe(layer=best["layer"], weight=tuple(float(v) for v in weight), bias=b, answer_weight=answer_weight,
                   threshold=0.5, question=settings.prompt, model_file=key.file, model_bytes=key.bytes,
                   model_identity=key.identity, weights=key.weights, rail=settings.side, features=best["features"],
                   window=WINDOW if settings.side == "input" else 0,
                   metrics={"tuning_rows": len(rows), "tuning_items": len(labels), "cv_folds": FOLDS, "cv_accuracy": round(best["cv_accuracy"], 4),
                            "l2": best["l2"], "train_accuracy": round(train_acc, 4),
-                           "question_only_accuracy": round(question_only, 4),
-                           "seconds": round(time.perf_counter() - t0, 1)})
+                           "question_only_accuracy": round(question_only, 4), **long_metrics,
+                           "seconds": round(time.perf_counter() - t0, 1)}, **slide)
     return probe, table
 
 
@@ -205,12 +345,31 @@ def main(args) -> int:
     side = getattr(args, "rail", None) or "output"
     settings = ModerationSettings.from_custom_data(data.get("custom_data"), side=side)
     engine = Engine(config)
-    rows = read_rows(Path(args.data) if args.data else (INPUT_TUNING_SET if side == "input" else TUNING_SET), side)
-    probe, table = train(engine, rows, settings, progress=True)
+    data_path = Path(args.data) if args.data else (INPUT_TUNING_SET if side == "input" else TUNING_SET)
+    rows = read_rows(data_path, side)
+    cache_path = getattr(args, "features", None)
+    tag = {"key": ModelKey.of(engine).digest, "side": side}
+    cache: dict = {}
+    if cache_path and Path(cache_path).is_file():
+        saved = torch.load(cache_path, weights_only=False)
+        if saved.get("tag") == tag:
+            cache = saved["rows"]
+            print(f"hidden states of {len(cache)} rows read from {cache_path}")
+        else:
+            print(f"{cache_path} was collected for another model or rail; collecting again")
+    features = collect(engine, rows, settings, progress=True, cache=cache if side == "input" else None)
+    if cache_path and side == "input":
+        torch.save({"tag": tag, "rows": cache}, cache_path)
+    probe, table = train(engine, rows, settings, features=features)
     out = Path(args.out) if args.out else user_probe_path(ModelKey.of(engine), side)
     probe.save(out)
     print(f"{side} probe for {probe.model_file} ({probe.weights}): layer {probe.layer}, l2 {probe.metrics['l2']}, "
           f"Yes/No feature {'on' if probe.answer_weight else 'off'}; {FOLDS}-fold accuracy on {len(rows)} tuning "
           f"replies {probe.metrics['cv_accuracy']:.1%} (question only {probe.metrics['question_only_accuracy']:.1%})")
+    if probe.slides:
+        print(f"long messages: windows of {probe.long_window} tokens every {probe.stride}, layer {probe.long_layer}, "
+              f"l2 {probe.metrics['long_l2']}, threshold {probe.long_threshold:.2f} on the worst window; "
+              f"{FOLDS}-fold accuracy on {probe.metrics['long_messages']} long tuning messages "
+              f"{probe.metrics['long_cv_accuracy']:.1%}")
     print(f"written to {out}")
     return 0

@@ -357,10 +357,11 @@ def moderate_input(engine, messages: list[dict], settings: Optional[ModerationSe
     the conversation and prefills the new message), and the probe reads the hidden states of the message (their
     mean over its turn, and/or the last token's, where the model is about to answer: ``probe.features``). Nothing
     is added, so the generation that follows prefills one token. A message longer than the probe's ``window``
-    tokens (``path="head+tail"``) is judged by its first and by its last ``window`` tokens instead, each as the
-    user's message after the same conversation (two branches of at most ``window`` tokens and the template's,
-    cropped away after), blocked if either is: a probe reads short requests well, and a long pasted text's own
-    states are not what it was trained on; the generation then prefills the message itself.
+    tokens (``path="sliding"``, v5 probes) is judged by sliding windows over the states of the same forward (the
+    generation's prefill: the generation again prefills one token), each window's mean read by the probe's window
+    weights, blocked if the worst window reaches the window threshold: an instruction hidden in the middle of a long
+    paste is in some window. (v4 probes, without window weights: ``path="head+tail"``, the first and the last
+    ``window`` tokens, each as the user's message after the same conversation, two branches cropped away after.)
 
     Without a probe (``probe: off``, or none for the model: ``path="branch"``): the question is asked as one more
     user turn after the message; its ids share every token with the generation's prompt up to the end of the
@@ -390,6 +391,24 @@ def moderate_input(engine, messages: list[dict], settings: Optional[ModerationSe
             return _moderate_windows(engine, str(last.get("content") or ""), settings, probe, len(ids), t0,
                                      role="user")
         pieces = message_windows(engine, messages, probe.window) if probe is not None else None
+        if probe is not None and pieces is not None and probe.slides:
+            # a long message (a pasted document, code, a log, a long jailbreak): judged in place by sliding windows
+            # over the states of its own forward, which is the generation's prefill (the generation then prefills
+            # one token); blocked if any window is
+            start = content_start(engine, messages, conv)
+            _, _, reused, states = pooled_state(engine, conv, start, (probe.long_layer,), task="input_moderation",
+                                                keep=True)
+            p_windows = probe.p_windows(window_means(states, probe.long_window, probe.stride)[0])
+            p_unsafe, worst = float(p_windows.max()), int(p_windows.argmax())
+            v = Verdict(allowed=p_unsafe < probe.long_threshold, p_unsafe=p_unsafe, path="sliding",
+                        prompt_tokens=len(conv), prefilled_tokens=len(conv) - reused, reused_tokens=reused,
+                        seconds=time.perf_counter() - t0, method="probe", threshold=probe.long_threshold,
+                        p_question=float("nan"))
+            log.info("flashguard input moderation: %s (p_unsafe=%.3f, threshold=%.2f, probe on %d windows of %d "
+                     "tokens, the worst at token %d of the message) prefilled=%d reused=%d in %.3fs",
+                     "allow" if v.allowed else "BLOCK", p_unsafe, v.threshold, len(p_windows), probe.long_window,
+                     worst * probe.stride, v.prefilled_tokens, reused, v.seconds)
+            return v
         if probe is not None and pieces is None:
             start = message_start(engine, messages, conv) if probe.pools else 0
             p_unsafe, reused = _score_prompt(engine, ids, probe, start)
@@ -455,6 +474,37 @@ def message_windows(engine, messages: list[dict], window: int) -> Optional[tuple
     return engine.tokenizer.decode(ids[:window]), engine.tokenizer.decode(ids[-window:])
 
 
+def content_start(engine, messages: list[dict], ids: Optional[list[int]] = None) -> int:
+    """Where the text of the user's last message starts in the generation prompt of ``messages`` (after the
+    template's system prompt and the turn's header): the first token that differs from the prompt of the same
+    conversation with that message empty."""
+    ids = engine.encode_messages(messages) if ids is None else ids
+    empty = engine.encode_messages(list(messages[:-1]) + [{**messages[-1], "content": ""}])
+    n = 0
+    while n < min(len(empty), len(ids)) and empty[n] == ids[n]:
+        n += 1
+    return n
+
+
+def window_starts(length: int, window: int, stride: int) -> list[int]:
+    """The first position of each sliding window over ``length`` states: every ``stride``, and one that ends at the
+    last state (a single window when ``length <= window``)."""
+    if length <= window:
+        return [0]
+    starts = list(range(0, length - window + 1, stride))
+    return starts + ([length - window] if starts[-1] != length - window else [])
+
+
+def window_means(states: torch.Tensor, window: int, stride: int) -> torch.Tensor:
+    """``states``: ``[layers, positions, d]`` -> the mean over each sliding window (``window_starts``),
+    ``[layers, windows, d]``."""
+    n = states.shape[1]
+    cs = torch.cat([torch.zeros_like(states[:, :1]), states.double().cumsum(1)], 1)
+    starts = torch.tensor(window_starts(n, window, stride))
+    ends = (starts + window).clamp(max=n)
+    return ((cs[:, ends] - cs[:, starts]) / (ends - starts)[None, :, None]).float()
+
+
 def message_start(engine, messages: list[dict], ids: Optional[list[int]] = None) -> int:
     """Where the user's last message starts in the generation prompt of ``messages`` (``ids``, if already encoded):
     the first token that differs from the prompt of the conversation before it (0 for a first message: its mean then
@@ -472,36 +522,55 @@ def message_start(engine, messages: list[dict], ids: Optional[list[int]] = None)
 class _Pool:
     """The running sum of the hidden states at ``layers`` over the positions >= ``start`` the forward computes."""
 
-    def __init__(self, start: int, layers):
-        self.start, self.layers, self.sum, self.count = start, tuple(layers), None, 0
+    def __init__(self, start: int, layers, keep: bool = False):
+        self.start, self.layers = start, tuple(layers)
+        self.sums: dict = {}
+        self.count = 0
+        self.kept: Optional[dict] = {} if keep else None   # keep: each position's states too, per layer
+
+    def add(self, layer: int, rows: torch.Tensor) -> None:
+        self.sums[layer] = rows.sum(0) + self.sums.get(layer, 0)
+        if layer == self.layers[0]:
+            self.count += rows.shape[0]
+        if self.kept is not None:
+            self.kept.setdefault(layer, []).append(rows)
+
+    @property
+    def sum(self) -> Optional[torch.Tensor]:
+        return torch.stack([self.sums[layer] for layer in self.layers]) if len(self.sums) == len(self.layers) else None
 
 
 def _pool_hook(engine):
-    """A forward hook on the engine's model (registered once): while a pool is set (under the engine's lock), it
-    adds up the states of the positions at or after the pool's start. A chunk's first position is the number of
-    tokens the session holds (the session commits a chunk after its forward)."""
+    """Forward hooks on the engine's model (registered once) on the modules whose outputs are the hidden states a
+    probe reads (state ``i``: the embedding's output for 0, decoder layer ``i``'s for ``1..n-1``, the final norm's for
+    ``n``, as ``output_hidden_states`` numbers them): while a pool is set (under the engine's lock) they add up the
+    states of the positions at or after the pool's start, at the pool's layers. A chunk's first position is the
+    number of tokens the session holds (the session commits a chunk after its forward)."""
     state = rail_state(engine)
     if state.pool_hook is None:
-        def hook(module, args, output):
-            pool, states = state.pool, getattr(output, "hidden_states", None)
-            if pool is None or states is None:
-                return
-            first = len(engine.session_ids)
-            skip = max(0, pool.start - first)
-            if skip >= states[0].shape[1]:
-                return
-            part = torch.stack([states[layer][0, skip:].float().sum(0) for layer in pool.layers]).cpu()
-            pool.sum = part if pool.sum is None else pool.sum + part
-            pool.count += states[0].shape[1] - skip
-        state.pool_hook = engine.model.register_forward_hook(hook)
+        def make(at):
+            def hook(module, args, output):
+                pool = state.pool
+                if pool is None or at not in pool.layers:
+                    return
+                h = output[0] if isinstance(output, tuple) else output
+                skip = max(0, pool.start - len(engine.session_ids))
+                if skip < h.shape[1]:
+                    pool.add(at, h[0, skip:].float().cpu())
+            return hook
+
+        inner = engine.model.model
+        modules = [inner.embed_tokens] + list(inner.layers[:-1]) + [inner.norm]
+        state.pool_hook = [m.register_forward_hook(make(at)) for at, m in enumerate(modules)]
     return state
 
 
-def pooled_state(engine, ids: list[int], start: int, layers, task: str = "input_moderation"):
+def pooled_state(engine, ids: list[int], start: int, layers, task: str = "input_moderation", keep: bool = False):
     """One forward over ``ids`` (its unseen part) with the hidden states kept: ``(hidden [layers + 1, d] of the last
     token, the mean state over ids[start:] at each of ``layers`` [len(layers), d], reused)``. Tokens from ``start``
     on must run through this forward for their mean, so a session that already holds them is cropped back to
-    ``start`` first (the same message checked twice pays its prefill twice)."""
+    ``start`` first (the same message checked twice pays its prefill twice). ``keep``: a fourth value, the states
+    of every position from ``start`` on at ``layers`` (``[len(layers), len(ids) - start, d]``)."""
     state = _pool_hook(engine)
     with engine.lock:
         held = engine.session_ids
@@ -511,7 +580,7 @@ def pooled_state(engine, ids: list[int], start: int, layers, task: str = "input_
             else:
                 engine.reset_session()
         for attempt in range(2):
-            state.pool = _Pool(start, layers)
+            state.pool = _Pool(start, layers, keep)
             try:
                 _, hidden, reused = engine.next_token_state(ids, task=task, hidden=True)
                 pool = state.pool
@@ -522,4 +591,9 @@ def pooled_state(engine, ids: list[int], start: int, layers, task: str = "input_
             engine.session.crop(start) if start > 0 else engine.reset_session()
         if pool.sum is None or pool.count < len(ids) - max(start, reused):
             raise RuntimeError(f"the input probe's mean covered {pool.count} of {len(ids) - start} message tokens")
+        if keep:
+            kept = torch.stack([torch.cat(pool.kept[layer], 0) for layer in pool.layers])
+            if kept.shape[1] != len(ids) - start:
+                raise RuntimeError(f"the input probe's windows covered {kept.shape[1]} of {len(ids) - start} tokens")
+            return hidden, pool.sum / pool.count, reused, kept
         return hidden, pool.sum / pool.count, reused

@@ -98,10 +98,33 @@ class Probe:
     # input probes: a message longer than ``window`` tokens is judged by its first and by its last ``window`` tokens,
     # each as the user's message in the same conversation (moderation.message_windows); 0: always the whole message
     window: int = 0
+    # input probes, v5: a message longer than ``window`` tokens is judged in place, by sliding windows of ``window``
+    # tokens (``long_window``) every ``stride`` over the states of the message's own forward (the generation's prefill) at
+    # ``long_layer``: ``p = sigmoid(long_weight . mean(window) + long_bias)``, blocked when the largest reaches
+    # ``long_threshold`` (calibrated for the max over a message's windows). Empty ``long_weight``: head+tail (v4)
+    stride: int = 0
+    long_window: int = 0
+    long_layer: int = 0
+    long_weight: tuple[float, ...] = ()
+    long_bias: float = 0.0
+    long_threshold: float = 0.5
 
     @property
     def pools(self) -> bool:
         return "mean" in self.features
+
+    @property
+    def slides(self) -> bool:
+        """Long messages are judged by sliding windows over their own states (``p_windows``)."""
+        return bool(self.long_weight) and self.window > 0 and self.stride > 0 and self.long_window > 0
+
+    def p_windows(self, means: torch.Tensor) -> torch.Tensor:
+        """``means``: ``[windows, hidden_size]`` (the mean state of each window at ``long_layer``); P(unsafe) of each."""
+        if means.shape[-1] != len(self.long_weight):
+            raise ProbeError(f"the probe's window weights expect states of size {len(self.long_weight)}, the model "
+                             f"gives {means.shape[-1]}; run `{CALIBRATE_HINT} --rail input` for this model")
+        z = means.double() @ torch.tensor(self.long_weight, dtype=torch.float64) + self.long_bias
+        return torch.sigmoid(z.clamp(-60, 60))
 
     def p_unsafe(self, hidden: torch.Tensor, answer_log_odds: float, pooled: Optional[torch.Tensor] = None) -> float:
         """``hidden``: ``[layers + 1, hidden_size]`` from ``Engine.next_token_state``; ``pooled``: the mean state
@@ -130,6 +153,10 @@ class Probe:
         return {"format": FORMAT, "layer": self.layer, "bias": self.bias, "answer_weight": self.answer_weight,
                 "threshold": self.threshold, "question": self.question, "rail": self.rail, "features": self.features,
                 "window": self.window,
+                **({"long": {"layer": self.long_layer, "window": self.long_window, "stride": self.stride,
+                             "bias": self.long_bias,
+                             "threshold": self.long_threshold,
+                             "weight": [float(f"{w:.6g}") for w in self.long_weight]}} if self.long_weight else {}),
                 "model": {"file": self.model_file, "bytes": self.model_bytes, "identity": self.model_identity,
                           "weights": self.weights},
                 "metrics": self.metrics, "weight": [float(f"{w:.6g}") for w in self.weight]}
@@ -158,7 +185,18 @@ class Probe:
                         model_file=str(m["file"]), model_bytes=int(m["bytes"]), model_identity=str(m["identity"]),
                         weights=str(m["weights"]), metrics=dict(data.get("metrics") or {}),
                         rail=str(data.get("rail", "output")), features=str(data.get("features", "last")),
-                        window=int(data.get("window", 0)))
+                        window=int(data.get("window", 0)),
+                        **({"long_layer": int(data["long"]["layer"]), "stride": int(data["long"]["stride"]),
+                            "long_window": int(data["long"]["window"]),
+                            "long_bias": float(data["long"]["bias"]),
+                            "long_threshold": float(data["long"]["threshold"]),
+                            "long_weight": tuple(float(w) for w in data["long"]["weight"])} if "long" in data else {}))
+            if "long" in data and not (probe.rail == "input" and probe.window > 0 and probe.stride > 0
+                                       and probe.long_window > 0
+                                       and probe.long_weight and 0 < probe.long_threshold < 1
+                                       and all(math.isfinite(x) for x in probe.long_weight + (probe.long_bias,))):
+                raise ValueError("long: window weights need an input probe with a window, a positive stride, finite "
+                                 "weights and a threshold in (0, 1)")
             if probe.rail not in ("output", "input"):
                 raise ValueError(f"rail is {probe.rail!r}, expected output or input")
             if probe.features not in FEATURES or (probe.pools and probe.rail != "input"):
@@ -230,12 +268,15 @@ def answer_log_odds(logprobs: torch.Tensor, bad_ids: Sequence[int], good_ids: Se
     return max(-20.0, min(20.0, bad - good))
 
 
-def fit_logistic(x: torch.Tensor, y: torch.Tensor, l2: float, iters: int = 200) -> tuple[torch.Tensor, float]:
-    """L2-regularised logistic regression on standardised ``x`` ``[n, d]``, labels ``y`` in {0, 1}.
+def fit_logistic(x: torch.Tensor, y: torch.Tensor, l2: float, iters: int = 200,
+                 sample_weight: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, float]:
+    """L2-regularised logistic regression on standardised ``x`` ``[n, d]``, labels ``y`` in {0, 1}
+    (``sample_weight``: each row's weight in the loss, mean 1; default equal).
 
     Returns ``(weight[d], bias)`` on the *raw* features (standardisation folded in). Deterministic (LBFGS)."""
     x = x.double()
     y = y.double()
+    sw = None if sample_weight is None else (sample_weight.double() / sample_weight.double().mean())
     mean, std = x.mean(0), x.std(0).clamp_min(1e-6)
     z = (x - mean) / std
     w = torch.zeros(z.shape[1], dtype=torch.float64, requires_grad=True)
@@ -245,7 +286,7 @@ def fit_logistic(x: torch.Tensor, y: torch.Tensor, l2: float, iters: int = 200) 
 
     def closure():
         opt.zero_grad()
-        loss = torch.nn.functional.binary_cross_entropy_with_logits(z @ w + b, y) + l2 * (w * w).sum() / 2
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(z @ w + b, y, weight=sw) + l2 * (w * w).sum() / 2
         loss.backward()
         return loss
 
