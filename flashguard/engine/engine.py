@@ -543,13 +543,14 @@ class Engine:
 
     def _prefill(self, ids: list[int]) -> tuple[torch.Tensor, int]:
         """Bring the cache to ``ids[:-1]`` + feed the rest; returns (last logits row, reused count)."""
-        reused = self._reuse_prefix(ids)
-        rest = ids[reused:]
         logits = None
         a = 0
         # a prompt's pages stay in L2 while it is prefilled (each chunk attends all of them: none is read back
-        # from disk); their L3 files are written on the store's worker meanwhile (kv/store.py ``deferred``)
-        with self.store.deferred() if self.store is not None and len(rest) > 1 else contextlib.nullcontext():
+        # from disk), the pages a new session adopts from disk too; their L3 files are written on the store's
+        # worker meanwhile (kv/store.py ``deferred``), and L2 goes back to its budget at the end
+        with self.store.deferred() if self.store is not None else contextlib.nullcontext():
+            reused = self._reuse_prefix(ids)
+            rest = ids[reused:]
             while a < len(rest):
                 chunk = self.prefill_chunk  # may shrink inside _forward after an out-of-memory
                 logits = self._forward(rest[a:a + chunk])

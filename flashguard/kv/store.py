@@ -325,12 +325,17 @@ class PageStore:
         with self.lock:
             out, protect = [], set(keys)
             self._read_ahead(keys)
-            for key in keys:
-                slot = self._in_l2(key, protect)
-                if slot is None:
-                    return None
-                out.append(slot)
-            return out
+            moves = self.moves
+            try:
+                for key in keys:
+                    slot = self._in_l2(key, protect, enforce=False)
+                    if slot is None:
+                        return None
+                    out.append(slot)
+                return out
+            finally:   # the budget, once for every page this call promoted (none of them leaves L2)
+                if self.moves != moves:
+                    self._enforce_budgets(protect=protect, written=True)
 
     def peek_slots(self, keys: list[bytes]) -> list[int] | None:
         """L2 slots of ``keys``, -1 for a page whose only copy is in L3: nothing is promoted, touched or counted
@@ -361,7 +366,7 @@ class PageStore:
         """L2 reads a caller served from its own copy of the slot table (``slots`` while ``epoch`` held)."""
         self.stats.hits["l2"] += n
 
-    def _in_l2(self, key: bytes, protect: set) -> int | None:
+    def _in_l2(self, key: bytes, protect: set, enforce: bool = True) -> int | None:
         """The L2 slot of ``key``, read now: touched, warmed, promoted from L3 if needed (``protect`` is not
         demoted meanwhile); None when unknown or its L3 file failed verification. Call with the lock held."""
         page = self._touch(key)
@@ -372,7 +377,7 @@ class PageStore:
             self.stats.hits["l2"] += 1
             return page.l2
         try:
-            self._promote(key, page, protect)
+            self._promote(key, page, protect, enforce)
         except PageLost as exc:
             self._drop_corrupt(key, page, exc)
             return None
@@ -386,7 +391,7 @@ class PageStore:
         self.l3_pages -= 1
         del self.pages[key]
 
-    def _promote(self, key: bytes, page: _Page, protect: set) -> None:
+    def _promote(self, key: bytes, page: _Page, protect: set, enforce: bool = True) -> None:
         fetch = self._fetching.pop(key, None)
         if fetch is not None and fetch[0] == page.l3:   # already being read on the prefetch worker: its result
             enc, size, disk_s, codec_s = fetch[1].result()   # (the worker takes no lock; PageLost as below)
@@ -404,7 +409,8 @@ class PageStore:
         self.stats.bytes_from_l3 += size
         page.l2 = self.arena.write(enc)
         self.moves += 1
-        self._enforce_budgets(protect=protect | {key})
+        if enforce:
+            self._enforce_budgets(protect=protect | {key}, written=True)
 
     def _l2_encoding(self, blob: bytes) -> dict:
         """An L3 file's payload as an L2 page (``codecs.transcode``: int4 -> int8 is an unpacking); PageLost when
@@ -493,7 +499,7 @@ class PageStore:
         if installed:
             with self.lock:
                 self.moves += 1
-                self._enforce_budgets(protect=set(installed))
+                self._enforce_budgets(protect=set(installed), written=True)
         return installed
 
     # ---- budgets --------------------------------------------------------------------------
@@ -577,20 +583,25 @@ class PageStore:
             self.stats.disk_seconds += t2 - t1
             self.stats.bytes_to_l3 += len(blob)
 
-    def _enforce_budgets(self, protect: set = frozenset()) -> None:
+    def _enforce_budgets(self, protect: set = frozenset(), written: bool = False) -> None:
+        """L2 back to its budget (the policy's victims leave; see the module docstring). Inside ``deferred()``
+        nothing leaves: the victims' L3 files are written on the worker meanwhile, a scan skipped when the pages
+        that took L2 are ``written`` already (promoted from L3: they brought no page without a file)."""
         excess = self.arena.capacity - len(self.arena.free) - self.l2_pages_max
         if excess <= 0:
             return
         if self._deferred:
-            if self.disk is not None:
+            if self.disk is not None and not written:
                 for key in self.policy.l2_victims(self.pages, excess, protect):
                     page = self.pages[key]
                     if page.l3 is None:
                         self._write_later(key, page)
             return
-        for key in self.policy.l2_victims(self.pages, excess, protect):
+        victims = self.policy.l2_victims(self.pages, excess, protect)
+        for key in victims:
             self._demote(key, self.pages[key], protect)
-        self.policy.cool(self.pages)
+        if victims:
+            self.policy.cool(self.pages)
 
     def _demote(self, key: bytes, page: _Page, protect: set = frozenset()) -> None:
         if page.l3 is None and self.disk is not None and self.l3_pages >= self.l3_pages_max:
