@@ -142,15 +142,27 @@ class TieredLayer(CacheLayerMixin):
         return self.l1_k[:, s:s + max(0, self.length - self.win_start)]
 
     def _reserve(self, tokens: int) -> None:
-        """Make the L1 buffer hold ``tokens``. Its full size is the window it serves (sinks + window + two pages):
-        taken at once when the owner preallocates (the engine on a GPU: the pool is planned memory, and growing
-        in steps would need old + new at once), else grown by doubling. A long prefill chunk may grow it further;
+        """Make the L1 buffer hold ``tokens``. Its full size is the window it serves (sinks + window + two pages;
+        with the owner preallocating, the largest window: ``l1_max_tokens``): taken at once when the owner
+        preallocates (the engine on a GPU: the pool is planned memory, and growing in steps would need old + new
+        at once), else grown by doubling. A long prefill chunk may grow it further;
         ``_trim`` shrinks it back."""
         cap = self.l1_k.shape[1]
         if tokens <= cap:
             return
-        full = self.owner.sink_tokens + self.owner.window + 2 * self.owner.page_size
+        full = self._full()
         self._resize(max(tokens, full if self.owner.preallocate else min(full, max(2 * cap, 1024))))
+
+    def _full(self) -> int:
+        """The buffer's size for the window it serves: sinks + window + two pages; preallocated, for the largest
+        window (``l1_max_tokens``), so that the adaptive window grows without a resize (which copied the layer's
+        pool and, past the pool, made a step fall back to the layer-by-layer path and record its graph again:
+        once a page of window growth at 128K)."""
+        owner = self.owner
+        full = owner.sink_tokens + owner.window + 2 * owner.page_size
+        if owner.preallocate:
+            full = max(full, owner.sink_tokens + (owner.config.l1_max_tokens or 0) + 2 * owner.page_size)
+        return full
 
     @torch.inference_mode()  # the buffers may be inference tensors (made by the engine) in a plain generate()
     def _append(self, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -203,7 +215,7 @@ class TieredLayer(CacheLayerMixin):
 
     def _trim(self) -> None:
         """After a long prefill chunk, give the device back the buffer's extra room."""
-        want = self.owner.sink_tokens + self.owner.window + 2 * self.owner.page_size
+        want = self._full()
         if self.l1_k.shape[1] > want + self.owner.page_size and self.l1_len <= want:
             self._resize(want)
 
