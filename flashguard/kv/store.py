@@ -222,7 +222,7 @@ class PageStore:
         self._deferred = 0                 # > 0 inside ``deferred()``: pages over budget stay in L2
         self._writer = None                # the thread that writes L3 files inside ``deferred()``
         self._pending: dict = {}           # key -> Future of an L3 write in flight
-        self._reader = None                # the threads that read L3 files for ``prefetch``
+        self._readers: dict = {}           # "decode" / "bulk" -> the threads that read L3 files (``prefetch``)
         self._fetching: dict = {}          # key -> (its L3 file, Future of its read) in flight
         self.pages: "OrderedDict[bytes, _Page]" = OrderedDict()  # LRU order: oldest first
         self.lock = threading.RLock()
@@ -421,10 +421,11 @@ class PageStore:
             raise PageLost(f"undecodable page: {exc}") from exc
 
     # ---- prefetch: L3 reads off the decode path ----------------------------------------------
-    def prefetch(self, keys) -> int:
-        """Read ``keys``' pages whose only copy is in L3 on a worker thread (file read, verified, transcoded for
+    def prefetch(self, keys, bulk: bool = False) -> int:
+        """Read ``keys``' pages whose only copy is in L3 on worker threads (file read, verified, transcoded for
         L2: no lock held, no GPU work); ``install_prefetched`` puts them in L2 on the caller's thread, between
-        two steps. Pages in L2, unknown or already on their way are skipped. Returns how many were queued."""
+        two steps. Pages in L2, unknown or already on their way are skipped. Returns how many were queued.
+        While decoding, ``READERS`` threads; ``bulk`` (many pages needed at once: a new session's), ``BULK_READERS``."""
         with self.lock:
             todo = []
             for key in keys:
@@ -433,25 +434,33 @@ class PageStore:
                     todo.append((key, page.l3))
             if not todo:
                 return 0
-            if self._reader is None:
-                from concurrent.futures import ThreadPoolExecutor
-
-                self._reader = ThreadPoolExecutor(self.READERS, thread_name_prefix="flashguard-l3-read")
+            pool = self._pool("bulk" if bulk else "decode")
             for key, path in todo:
-                self._fetching[key] = (path, self._reader.submit(self._read_file, key, path))
+                self._fetching[key] = (path, pool.submit(self._read_file, key, path))
             self.stats.prefetched += len(todo)
             return len(todo)
 
-    # prefetch threads (a page read is a file read, a decryption, zstd and an unpacking: ~1 ms, mostly without
-    # the GIL): several, so that a new session's pages come back from disk in parallel
-    READERS = max(2, min(8, (os.cpu_count() or 2) // 2))
+    # Reader threads. A page read is a file read, a decryption, zstd and an unpacking (~3 ms of a laptop core,
+    # mostly without the GIL): while decoding, two threads keep up with a few pages a step and leave the GIL to the
+    # decoding thread (eight busy readers made a 2.3 ms host loop take 10.7 ms on two cores; two, 3.8 ms); a new
+    # session's thousands of pages take more threads, as the host's cores allow.
+    READERS = 2
+    BULK_READERS = max(2, min(8, (os.cpu_count() or 2) // 2))
+
+    def _pool(self, kind: str):
+        from concurrent.futures import ThreadPoolExecutor
+
+        if self._readers.get(kind) is None:
+            n = self.BULK_READERS if kind == "bulk" else self.READERS
+            self._readers[kind] = ThreadPoolExecutor(n, thread_name_prefix=f"flashguard-l3-read-{kind}")
+        return self._readers[kind]
 
     def _read_ahead(self, keys) -> None:
         """Before pages are promoted one by one (``slots``, ``get`` in a loop): those of ``keys`` only in L3 are
         read on the prefetch threads meanwhile, in parallel; ``_promote`` takes each read's result."""
         if self.disk is not None and self.l3_pages and \
                 sum(1 for k in keys if (p := self.pages.get(k)) is not None and p.l2 is None) > 1:
-            self.prefetch(keys)
+            self.prefetch(keys, bulk=True)
 
     def _read_file(self, key: bytes, path: str) -> tuple[dict, int, float, float]:
         t0 = time.perf_counter()
@@ -696,9 +705,9 @@ class PageStore:
                 assert p.summary is not None and p.summary.dim() == 4
 
     def close(self) -> None:
-        if self._reader is not None:
-            self._reader.shutdown(wait=True, cancel_futures=True)
-            self._fetching.clear()
+        for pool in self.__dict__.get("_readers", {}).values():
+            pool.shutdown(wait=True, cancel_futures=True)
+        self._fetching.clear()
         if self._writer is not None:
             self._writer.shutdown(wait=True)
         if self.disk is not None:
