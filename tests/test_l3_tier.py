@@ -103,10 +103,21 @@ def test_a_page_missed_by_a_sparse_step_is_read_on_the_prefetch_worker(monkeypat
     monkeypatch.setattr(TieredCache, "REPLAY_SHARE", 1.0)
     m = tiny.qwen2_head64()
     ids = torch.randint(0, 300, (600,), generator=torch.Generator().manual_seed(1)).tolist()
-    views = []
+    views, stale = [], []
     real_view = TieredCache.sparse_view
-    monkeypatch.setattr(TieredCache, "sparse_view", lambda self: views.append(self.length) or real_view(self))
+
+    def checked_view(self):
+        views.append(self.length)
+        view = real_view(self)
+        if view is not None:   # the table brought up to date from the store's log = the store's slots now
+            last = self.layers[0].win_start // self.page_size
+            if self.sparse_state.slots[:last].tolist() != self.store.peek_slots(self.page_keys[:last]):
+                stale.append(self.length)
+        return view
+
+    monkeypatch.setattr(TieredCache, "sparse_view", checked_view)
     out, tokens, cache, reads, prefill_reads, counts = _decode(m, 128, 24, ids)
+    assert not stale, f"the slot table was stale at steps {stale}"
     assert counts["l3_pages"] >= counts["pages"] / 2 and prefill_reads == 0
     assert len(views) == len(set(views)) == 24                 # one view a step: none ran again
     assert cache.pages_missed > 0, "no step missed a page: the test does not test anything"

@@ -517,6 +517,9 @@ class TieredCache(Cache):
         self._warmed_at = -1                    # the length at which the picked pages were last reported
         self._retried_at = (-1, 0)              # promote_missed: (length, steps run again at that length)
         self.pages_missed = 0                   # picked pages a sparse step attended without (only in L3 then)
+        self._host_slots = None                 # the sparse step's slot table on the host, its page index by key,
+        self._slot_of_key: dict = {}            # and how far into the store's slot log it is (_update_slots)
+        self._slots_log_at = 0
         super().__init__(layers=[TieredLayer(self, i) for i in range(self.num_layers)])
 
     # ---- wiring ----------------------------------------------------------------------------
@@ -719,9 +722,10 @@ class TieredCache(Cache):
             layer.last_reach = st.reach[i]
         if self._on_disk:   # pages the prefetch worker has read since the last step go to L2 (the table below)
             self.store.install_prefetched()
-        if st.slots_key != (self.store.moves, last):
+        if st.slots_key != (self.store.moves, last) and not self._update_slots(st, last):
             # L2 slot of every page, -1 for a page only in L3: a step that picks one attends without it and
             # records it in ``missed``; the host has it read on the prefetch worker (``promote_missed``)
+            log_end = self.store.slot_log_end()
             slots = self.store.peek_slots(self.page_keys[:last])
             if slots is None:
                 raise PageLost("a page of this sequence is gone from the store")
@@ -734,6 +738,8 @@ class TieredCache(Cache):
             st.slots[:last].copy_(_index(slots, dev))
             st.slots_key = (self.store.moves, last)
             self._on_disk = -1 in slots
+            self._host_slots, self._slots_log_at = slots, log_end
+            self._slot_of_key = {key: i for i, key in enumerate(self.page_keys[:last])}
         ahead = max(1, kvh * budget // self.AHEAD_SHARE)
         ahead = min(ahead, last - first - kvh * budget)
         if st.missed.shape != (self.num_layers, kvh * budget + ahead):
@@ -750,6 +756,35 @@ class TieredCache(Cache):
                self.store.arena.data.data_ptr(), st.slots.data_ptr(), st.seen.data_ptr(), st.missed.data_ptr(),
                budget, l0.l1_k.shape[1], ahead, self._on_disk)
         return SparseKV(self, key, self.length, budget, ahead=ahead, masked=self._on_disk)
+
+    SLOT_UPDATE_MAX = 256   # slot changes applied one by one; more: the whole table is asked for again
+
+    def _update_slots(self, st, last: int) -> bool:
+        """Bring the sparse step's slot table up to date from the store's log of slot changes (a few pages a
+        step come and go while pages are on disk; asking for all 2,048 slots at 128K cost ~1.2 ms a step).
+        False when it cannot (a new table, pages added, a page gone, too many changes): ask for all."""
+        if st.slots_key is None or st.slots_key[1] != last or self._host_slots is None:
+            return False
+        changes = self.store.slot_changes(self._slots_log_at)
+        if changes is None or len(changes) > self.SLOT_UPDATE_MAX:
+            return False
+        table, host, moved = self._slot_of_key, self._host_slots, {}
+        for key, slot in changes:
+            i = table.get(key)
+            if i is None:
+                continue
+            if slot < -1:   # gone from the store: the full table says so (PageLost)
+                return False
+            moved[i] = slot
+        if moved:
+            for i, slot in moved.items():
+                host[i] = slot
+            dev = st.slots.device
+            st.slots.index_copy_(0, _index(list(moved), dev), _index(list(moved.values()), dev))
+            self._on_disk = -1 in host
+        self._slots_log_at += len(changes)
+        st.slots_key = (self.store.moves, last)
+        return True
 
     WARM_EVERY = 8   # decode steps between two reports of the pages the one-graph steps read (store heat)
     AHEAD_SHARE = 8  # the sparse step looks 1/8 of its selection past it for pages to fetch from L3 early

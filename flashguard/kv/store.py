@@ -219,6 +219,10 @@ class PageStore:
         self.arena = L2Arena(pin_memory)
         self.epoch = 0  # bumped whenever a page leaves its L2 slot (callers may cache key -> slot until then)
         self.moves = 0  # bumped whenever a page enters or leaves an L2 slot (``peek_slots`` tables are valid until)
+        # every change of a page's L2 slot since ``slot_log_base`` entries were dropped: (key, new slot; -1 gone from
+        # L2, -2 gone from the store), so a slot table can be brought up to date without asking for every page
+        self.slot_log: list[tuple[bytes, int]] = []
+        self.slot_log_base = 0
         self._deferred = 0                 # > 0 inside ``deferred()``: pages over budget stay in L2
         self._writer = None                # the thread that writes L3 files inside ``deferred()``
         self._pending: dict = {}           # key -> Future of an L3 write in flight
@@ -275,6 +279,7 @@ class PageStore:
             for j, i in enumerate(new):
                 slot = self.arena.write({n: (t if n == "bits" else t[:, :, j]) for n, t in enc.items()})
                 self.pages[keys[i]] = _Page(refs=1, l2=slot, summary=summary[j].clone())
+                self._moved(keys[i], slot)
             self.moves += 1
             self.stats.codec_seconds += time.perf_counter() - t0
             self.stats.bytes_to_l2 += len(new) * self.arena.page_bytes()
@@ -350,6 +355,26 @@ class PageStore:
                 out.append(-1 if page.l2 is None else page.l2)
             return out
 
+    SLOT_LOG_MAX = 1 << 14
+
+    def _moved(self, key: bytes, slot: int) -> None:
+        """``key``'s L2 slot is now ``slot`` (-1: gone from L2, -2: from the store). Call with the lock held."""
+        self.slot_log.append((key, slot))
+        if len(self.slot_log) > self.SLOT_LOG_MAX:   # readers this far behind rebuild their table
+            drop = len(self.slot_log) // 2
+            del self.slot_log[:drop]
+            self.slot_log_base += drop
+
+    def slot_changes(self, since: int) -> list[tuple[bytes, int]] | None:
+        """The slot changes after the first ``since`` ever logged (``slot_log_base + len(slot_log)`` is the
+        count now); None when some were dropped since (ask ``peek_slots`` again)."""
+        with self.lock:
+            start = since - self.slot_log_base
+            return None if start < 0 else self.slot_log[start:]
+
+    def slot_log_end(self) -> int:
+        return self.slot_log_base + len(self.slot_log)
+
     def warm(self, keys) -> None:
         """Pages attention read without asking the store (zero-copy reads in the one-graph step): they count as
         read now for the policy (heat, recency), so what decoding keeps reading is not what leaves L2."""
@@ -390,6 +415,7 @@ class PageStore:
         self.disk.remove(page.l3)
         self.l3_pages -= 1
         del self.pages[key]
+        self._moved(key, -2)
 
     def _promote(self, key: bytes, page: _Page, protect: set, enforce: bool = True) -> None:
         fetch = self._fetching.pop(key, None)
@@ -408,6 +434,7 @@ class PageStore:
         self.stats.hits["l3"] += 1
         self.stats.bytes_from_l3 += size
         page.l2 = self.arena.write(enc)
+        self._moved(key, page.l2)
         self.moves += 1
         if enforce:
             self._enforce_budgets(protect=protect | {key}, written=True)
@@ -496,6 +523,7 @@ class PageStore:
                     continue
                 enc, size, disk_s, codec_s = result
                 page.l2 = self.arena.write(enc)
+                self._moved(key, page.l2)
                 page.heat += 1.0
                 page.read_at = now
                 self.pages.move_to_end(key)
@@ -632,10 +660,12 @@ class PageStore:
         if page.l3 is not None or page.refs == 0:
             self.arena.release(page.l2)
             page.l2 = None
+            self._moved(key, -1)
             self.epoch += 1
             self.moves += 1
         if page.l3 is None and page.refs == 0:
             del self.pages[key]  # unreferenced and no room on disk: forget it (a later miss recomputes)
+            self._moved(key, -2)
         # else: referenced and L3 unavailable -> stays in L2 over budget; nothing a sequence needs is lost
 
     def spill(self) -> int:
@@ -659,6 +689,7 @@ class PageStore:
         self.stats.l3_evictions += 1
         if page.l2 is None:
             del self.pages[key]
+            self._moved(key, -2)
 
     def _disk_warning(self, text: str) -> None:
         self.l3_error = text
