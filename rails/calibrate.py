@@ -25,6 +25,7 @@ cross-validation grouped by message (``choose_window_probe``). Every other messa
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -348,7 +349,13 @@ def main(args) -> int:
     data_path = Path(args.data) if args.data else (INPUT_TUNING_SET if side == "input" else TUNING_SET)
     rows = read_rows(data_path, side)
     cache_path = getattr(args, "features", None)
-    tag = {"key": ModelKey.of(engine).digest, "side": side}
+    float_states = bool(getattr(args, "float_states", False))
+    key = ModelKey.of(engine)
+    if float_states and not (cache_path and side == "input" and key.weights.startswith("int4")):
+        raise SystemExit("--float-states fits an int4 input probe on the float model's states: it needs --weights "
+                         "int4, --rail input and --features FILE written by a float run")
+    source = dataclasses.replace(key, weights=key.weights.replace("int4", "float")) if float_states else key
+    tag = {"key": source.digest, "side": side}
     cache: dict = {}
     if cache_path and Path(cache_path).is_file():
         saved = torch.load(cache_path, weights_only=False)
@@ -357,10 +364,17 @@ def main(args) -> int:
             print(f"hidden states of {len(cache)} rows read from {cache_path}")
         else:
             print(f"{cache_path} was collected for another model or rail; collecting again")
+    if float_states:
+        missing = [i for i, r in enumerate(rows) if row_key(i, r, settings) not in cache]
+        if missing:
+            raise SystemExit(f"{cache_path} lacks the float states of {len(missing)} tuning rows; run `flashguard "
+                             f"calibrate --rail input --weights float --features {cache_path}` first")
     features = collect(engine, rows, settings, progress=True, cache=cache if side == "input" else None)
-    if cache_path and side == "input":
+    if cache_path and side == "input" and not float_states:
         torch.save({"tag": tag, "rows": cache}, cache_path)
     probe, table = train(engine, rows, settings, features=features)
+    if float_states:   # the file says which states it was fitted on
+        probe = dataclasses.replace(probe, metrics={**probe.metrics, "fitted_on": "float states (--float-states)"})
     out = Path(args.out) if args.out else user_probe_path(ModelKey.of(engine), side)
     probe.save(out)
     print(f"{side} probe for {probe.model_file} ({probe.weights}): layer {probe.layer}, l2 {probe.metrics['l2']}, "
