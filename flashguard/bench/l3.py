@@ -26,6 +26,8 @@ import json
 import time
 from pathlib import Path
 
+from . import emit
+
 QUESTION = "\n\nIn one sentence: what is this text about?"
 
 
@@ -213,12 +215,7 @@ def main(argv=None) -> int:
             traceback.print_exc()
             out.append({"row": name, "error": f"{type(exc).__name__}: {exc}"[:200]})
         print(f"[{name}: {time.perf_counter() - t0:.0f} s]", flush=True)
-    text = render(out, args)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text)
-    if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=1))
+    emit(render(out, args), out, args.out, args.json)
     return 0
 
 

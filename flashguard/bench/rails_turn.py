@@ -25,11 +25,11 @@ pass, so the same latency). Timings on a shared machine vary with its load: the 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
 
+from . import emit
 from .moderation import SELF_CHECK_OUTPUT
 
 # NeMo Guardrails' documented example prompt for self_check_input (NeMo ships none by default).
@@ -137,12 +137,7 @@ def main(argv=None) -> int:
                          f"{med('generation_prefilled'):.0f} | {arms[arm][-1]['context']} |")
         print(lines[-2] + "\n" + lines[-1], flush=True)
         del engine
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text)
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1))
+    emit("\n".join(lines) + "\n", results, args.out, args.json)
     return 0
 
 
