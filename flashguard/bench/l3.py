@@ -74,27 +74,13 @@ def _call(engine, ids, steps):
             "missed": getattr(cache, "pages_missed", 0) - (missed0 if cache is not None else 0)}
 
 
-def _profiled(path: str, fn, *args):
-    """``fn(*args)`` under cProfile; its table (by own time, and by cumulative time) written to ``path``."""
-    import cProfile
-    import io
-    import pstats
-
-    prof = cProfile.Profile()
-    result = prof.runcall(fn, *args)
-    text = io.StringIO()
-    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(40)
-    pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(40)
-    Path(path).write_text(text.getvalue())
-    return result
-
-
 def run_row(args, model: Path | None, name: str, kv: dict, out: list) -> None:
     import torch
 
     from ..config import EngineConfig
     from ..engine.engine import Engine
     from .e2e import conversation_text, tokenizer
+    from .sampler import sampled
 
     params = {"max_context": args.context + 4096, "kv": kv}   # as config.yml's ``parameters:`` would set them
     if model is not None:
@@ -118,12 +104,12 @@ def run_row(args, model: Path | None, name: str, kv: dict, out: list) -> None:
             if cuda:
                 torch.cuda.reset_peak_memory_stats()
             if args.profile_ttft and row.endswith("new session"):
-                first = _profiled(args.profile_ttft, _call, engine, prompt, args.warm_steps)
+                first = sampled(args.profile_ttft, _call, engine, prompt, args.warm_steps)
             else:
                 first = _call(engine, prompt, args.warm_steps)
             at_start = engine.store.tier_counts()   # (after the prefill and the first steps)
             if args.profile and row == args.rows[-1]:   # the host's side of the steady state, by function
-                steady = _profiled(args.profile, _call, engine, list(engine.session_ids), args.steps)
+                steady = sampled(args.profile, _call, engine, list(engine.session_ids), args.steps)
             else:
                 steady = _call(engine, list(engine.session_ids), args.steps)
             cache = engine.session.cache
@@ -193,8 +179,10 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=64)
     p.add_argument("--rows", nargs="+", default=["all-L2", "l3-half"], choices=["all-L2", "l3-half"])
     p.add_argument("--no-new-session", dest="new_session", action="store_false")
-    p.add_argument("--profile", help="write cProfile's tables of the last row's steady decode here")
-    p.add_argument("--profile-ttft", help="write cProfile's tables of the new session's first call here")
+    p.add_argument("--profile", help="write where the decoding thread's time goes in the last row's steady decode "
+                   "(bench.sampler) here")
+    p.add_argument("--profile-ttft", help="write where the decoding thread's time goes in the new session's first "
+                   "call (bench.sampler) here")
     p.add_argument("--out")
     p.add_argument("--json")
     args = p.parse_args(argv)
