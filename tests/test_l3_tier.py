@@ -180,3 +180,19 @@ def test_engine_info_names_the_l3_error(tmp_path, monkeypatch):
     e.generate(e.encode_messages([{"role": "user", "content": "hi"}]), SamplingParams(max_tokens=2))
     l3 = e.info()["tiers"]["l3"]
     assert l3["dir"] is None and "Permission denied" in l3["error"]
+
+
+def test_a_fresh_engines_first_prompt_is_not_read_back_from_disk(tmp_path):
+    """The first prompt an engine sees, longer than L2: each prefill chunk attends every page before it, so its
+    pages stay in L2 until the prefill ends (``PageStore.deferred``) and go to disk after it. The engine made its
+    store inside that first prefill, too late to defer it: every chunk read the earlier pages back from disk (a
+    fresh engine's 128K prompt with a 16K L2 never finished on the H200)."""
+    kv = {"page_size": 16, "l1_tokens": 32, "sink_tokens": 16, "l1_max_tokens": 64, "l2_tokens": 64,
+          "l3_tokens": 1 << 16, "policy": "exact", "l2_codec": "fp16", "l3_codec": "fp16-zstd",
+          "l3_dir": str(tmp_path / "l3")}
+    e = tiny.engine(tmp_path / "model", kv=kv, prefill_chunk=32)
+    ids = e.tokenizer(tiny.text(600, seed=3))["input_ids"][:480]
+    e.generate(ids, SamplingParams(max_tokens=1))
+    assert e.store.stats.page_faults == 0                 # no page came back from L3 during the prefill
+    assert e.store.tier_counts()["l3_pages"] > 0           # and the pages over L2's budget went to disk after it
+    e.session.cache.check_integrity()

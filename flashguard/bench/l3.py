@@ -105,6 +105,8 @@ def run_row(args, model: Path | None, name: str, kv: dict, out: list) -> None:
                 torch.cuda.reset_peak_memory_stats()
             if args.profile_ttft and row.endswith("new session"):
                 first = sampled(args.profile_ttft, _call, engine, prompt, args.warm_steps)
+            elif args.profile_prefill and row == "l3-half":
+                first = sampled(args.profile_prefill, _call, engine, prompt, args.warm_steps)
             else:
                 first = _call(engine, prompt, args.warm_steps)
             at_start = engine.store.tier_counts()   # (after the prefill and the first steps)
@@ -183,6 +185,8 @@ def main(argv=None) -> int:
                    "(bench.sampler) here")
     p.add_argument("--profile-ttft", help="write where the decoding thread's time goes in the new session's first "
                    "call (bench.sampler) here")
+    p.add_argument("--profile-prefill", help="the same for the l3-half row's first call (its prefill: L2 fills, pages "
+                   "go to disk)")
     p.add_argument("--out")
     p.add_argument("--json")
     args = p.parse_args(argv)

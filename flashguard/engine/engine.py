@@ -492,15 +492,20 @@ class Engine:
             attention.register()
             self.model.set_attn_implementation(attention.NAME)
 
+    def _page_store(self):
+        """The engine's one PageStore (sessions share pages by content hash), made on first use; None off the
+        tiered cache."""
+        if self.store is None and self.config.kv_cache == "tiered":
+            from ..kv.store import PageStore
+
+            self.store = PageStore(self.kv, pin_memory=self.device.type == "cuda")
+        return self.store
+
     def _new_session(self):
         from ..kv.session import DynamicSession, TieredSession
 
         if self.config.kv_cache == "tiered":
-            from ..kv.store import PageStore
-
-            if self.store is None:  # one store per engine: sessions share pages by content hash
-                self.store = PageStore(self.kv, pin_memory=self.device.type == "cuda")
-            session = TieredSession(self.model, self.kv, self.store, self.model_identity,
+            session = TieredSession(self.model, self.kv, self._page_store(), self.model_identity,
                                     preallocate=self.device.type == "cuda")
             if self.peers is not None and self.peers.lost is None:
                 try:
@@ -547,8 +552,11 @@ class Engine:
         a = 0
         # a prompt's pages stay in L2 while it is prefilled (each chunk attends all of them: none is read back
         # from disk), the pages a new session adopts from disk too; their L3 files are written on the store's
-        # worker meanwhile (kv/store.py ``deferred``), and L2 goes back to its budget at the end
-        with self.store.deferred() if self.store is not None else contextlib.nullcontext():
+        # worker meanwhile (kv/store.py ``deferred``), and L2 goes back to its budget at the end. The store is made
+        # here if this is the engine's first prompt: a first prefill outside ``deferred`` read its own pages back
+        # from disk in every chunk once L2 was full (a fresh engine's 128K prompt with a 16K L2 never finished)
+        store = self._page_store()
+        with store.deferred() if store is not None else contextlib.nullcontext():
             reused = self._reuse_prefix(ids)
             rest = ids[reused:]
             while a < len(rest):
