@@ -118,19 +118,21 @@ class L2Arena:
         self.pinned = False                   # the GPU may read it directly (uva.py)
 
     def _plan(self, enc: dict) -> None:
-        off = 0
+        off, layout = 0, []
         for name, t in enc.items():
             if name == "bits":
                 continue
             nbytes = t[0].numel() * t.element_size()
-            self.layout.append((name, t.dtype, tuple(t.shape[1:]), off, nbytes))
+            layout.append((name, t.dtype, tuple(t.shape[1:]), off, nbytes))
             off += -(-nbytes // 16) * 16      # 16-byte aligned fields
         self.row_bytes = off
+        self.layout = layout                  # set last, at once: reader threads ask for ``rows`` meanwhile
 
-    def _grow(self, enc: dict) -> None:
+    def _grow(self, enc: dict | torch.Tensor) -> None:
         if not self.layout:
             self._plan(enc)
-        layers = next(t for n, t in enc.items() if n != "bits").shape[0]
+        layers = enc.shape[0] if isinstance(enc, torch.Tensor) else \
+            next(t for n, t in enc.items() if n != "bits").shape[0]
         cap = max(64, self.capacity * 2)
         new = _host_empty((layers, cap, self.row_bytes), torch.uint8, self.pin)
         if self.pin and torch.cuda.is_initialized():
@@ -143,11 +145,29 @@ class L2Arena:
         self.free.extend(range(cap - 1, self.capacity - 1, -1))   # pop() hands out the lowest slot first
         self.capacity = cap
 
-    def write(self, enc: dict) -> int:
-        """Store an encoded page (tensors ``[layers, ...]``, any device); returns its slot."""
+    def rows(self, enc: dict) -> torch.Tensor | None:
+        """An encoded page as this arena's rows (``[layers, row_bytes]`` uint8, on the CPU), for ``write`` to copy
+        in one go: the layout work done by the caller's thread (a reader thread's, for a page read from L3),
+        not under the decoding thread's GIL. None until the first page has fixed the layout."""
+        layout = self.layout
+        if not layout:
+            return None
+        layers = enc[layout[0][0]].shape[0]
+        out = torch.empty((layers, self.row_bytes), dtype=torch.uint8)
+        with torch.inference_mode():
+            for name, dtype, shape, off, nbytes in layout:
+                t = enc[name].reshape(layers, -1).to(device="cpu", dtype=dtype)
+                out[:, off:off + nbytes].copy_(t.contiguous().view(torch.uint8))
+        return out
+
+    def write(self, enc: dict | torch.Tensor) -> int:
+        """Store an encoded page (tensors ``[layers, ...]``, any device; or its ``rows``); returns its slot.
+        Rows are one copy: a page installed between two decode steps costs the decoding thread one call."""
+        if isinstance(enc, torch.Tensor) and (not self.layout or enc.shape[-1] != self.row_bytes):
+            raise ValueError("page rows for another layout")
         if not self.free:
             self._grow(enc)
-        if "bits" in enc:
+        if isinstance(enc, dict) and "bits" in enc:
             self.bits = enc["bits"].cpu()
         slot = self.free.pop()
         if slot in self.recycled:
@@ -155,6 +175,9 @@ class L2Arena:
                 torch.cuda.current_stream().synchronize()   # a device copy may still read this freed slot
             self.recycled.clear()                           # ... and, after the wait, no other freed one
         with torch.inference_mode():
+            if isinstance(enc, torch.Tensor):
+                self.data[:, slot].copy_(enc)
+                return slot
             for name, dtype, shape, off, _ in self.layout:  # a page promoted from L3 may come back in float32
                 t = enc[name].reshape(enc[name].shape[0], -1).to(dtype)
                 raw = t.contiguous().view(torch.uint8)
@@ -489,11 +512,15 @@ class PageStore:
                 sum(1 for k in keys if (p := self.pages.get(k)) is not None and p.l2 is None) > 1:
             self.prefetch(keys, bulk=True)
 
-    def _read_file(self, key: bytes, path: str) -> tuple[dict, int, float, float]:
+    def _read_file(self, key: bytes, path: str) -> tuple[dict | torch.Tensor, int, float, float]:
+        """On a reader thread: the page as L2 will hold it (its arena rows when the layout is known, else the
+        encoded dict), the file's size, the seconds of disk and of codec work."""
         t0 = time.perf_counter()
         blob = self.disk.read(key, path)
         t1 = time.perf_counter()
-        return self._l2_encoding(blob), len(blob), t1 - t0, time.perf_counter() - t1
+        enc = self._l2_encoding(blob)
+        rows = self.arena.rows(enc)
+        return enc if rows is None else rows, len(blob), t1 - t0, time.perf_counter() - t1
 
     def install_prefetched(self, wait: bool = False) -> list[bytes]:
         """The pages the prefetch worker has read go to L2 now, as read by decoding (heat, recency: the step that
