@@ -828,6 +828,9 @@ class TieredCache(Cache):
         st = self.sparse_state
         if st is None or not self._on_disk or st.missed.numel() == 0:
             return False
+        # while the step runs on the GPU: what the readers finished goes to L2 now (a page written to a slot the
+        # running step may still read is waited for by the arena; the step's slot table changes in stream order)
+        self.store.install_prefetched()
         missed = st.missed.to("cpu", copy=True)   # [layers, picked + ahead] (a copy: filled below)
         st.missed.fill_(-1)
         picked = missed[:, :st.picked]

@@ -102,8 +102,9 @@ class L2Arena:
     Reading many pages of a layer is one host gather (or, for consecutive slots, a view: a sequence's pages sit
     in consecutive slots as they are written) and one copy to the device, however many codec fields there are;
     the fields are then views of the copied rows. The tensor is pinned when the store serves a GPU, so those
-    copies run asynchronously. Overwriting a slot freed since the last wait waits for the device's pending work
-    first (the slot may still be being read); a slot never handed out needs no wait.
+    copies run asynchronously. A slot freed since the last wait (``recycled``) may still be read by a step running
+    on the device: slots no step can read (``free``) are handed out first, and only when none is left does a write
+    wait for the device's pending work, once, making every recycled slot free.
     """
 
     def __init__(self, pin: bool):
@@ -112,8 +113,8 @@ class L2Arena:
         self.layout: list[tuple[str, torch.dtype, tuple, int, int]] = []
         self.row_bytes = 0
         self.bits = None                      # the codec's "bits" marker, shared by every page
-        self.free: list[int] = []
-        self.recycled: set[int] = set()       # slots released since the device was last waited for
+        self.free: list[int] = []             # slots no device work can still be reading
+        self.recycled: list[int] = []         # slots released since the device was last waited for
         self.capacity = 0
         self.pinned = False                   # the GPU may read it directly (uva.py)
 
@@ -165,15 +166,15 @@ class L2Arena:
         Rows are one copy: a page installed between two decode steps costs the decoding thread one call."""
         if isinstance(enc, torch.Tensor) and (not self.layout or enc.shape[-1] != self.row_bytes):
             raise ValueError("page rows for another layout")
-        if not self.free:
+        if not self.free and not self.recycled:
             self._grow(enc)
         if isinstance(enc, dict) and "bits" in enc:
             self.bits = enc["bits"].cpu()
-        slot = self.free.pop()
-        if slot in self.recycled:
+        if not self.free:   # only slots a running step may still read: wait for it, once for all of them
             if self.pin and torch.cuda.is_available() and torch.cuda.is_initialized():
-                torch.cuda.current_stream().synchronize()   # a device copy may still read this freed slot
-            self.recycled.clear()                           # ... and, after the wait, no other freed one
+                torch.cuda.current_stream().synchronize()
+            self.free, self.recycled = self.recycled[::-1], []
+        slot = self.free.pop()
         with torch.inference_mode():
             if isinstance(enc, torch.Tensor):
                 self.data[:, slot].copy_(enc)
@@ -199,8 +200,10 @@ class L2Arena:
         return self.fields_of(self.data[:, slot] if layer is None else self.data[layer, slot])
 
     def release(self, slot: int) -> None:
-        self.free.append(slot)
-        self.recycled.add(slot)
+        self.recycled.append(slot)
+
+    def used(self) -> int:
+        return self.capacity - len(self.free) - len(self.recycled)
 
     def page_bytes(self) -> int:
         return 0 if self.data is None else self.data.shape[0] * self.row_bytes
@@ -651,7 +654,7 @@ class PageStore:
         """L2 back to its budget (the policy's victims leave; see the module docstring). Inside ``deferred()``
         nothing leaves: the victims' L3 files are written on the worker meanwhile, a scan skipped when the pages
         that took L2 are ``written`` already (promoted from L3: they brought no page without a file)."""
-        excess = self.arena.capacity - len(self.arena.free) - self.l2_pages_max
+        excess = self.arena.used() - self.l2_pages_max
         if excess <= 0:
             return
         if self._deferred:
@@ -755,8 +758,9 @@ class PageStore:
             assert self.l3_pages == sum(p.l3 is not None for p in self.pages.values()), "L3 page count drifted"
             slots = [p.l2 for p in self.pages.values() if p.l2 is not None]
             assert len(set(slots)) == len(slots), "two pages share an L2 slot"
-            assert not set(slots) & set(self.arena.free), "a page's L2 slot is also free"
-            assert len(slots) + len(self.arena.free) == self.arena.capacity, "an L2 slot leaked"
+            free = set(self.arena.free) | set(self.arena.recycled)
+            assert not set(slots) & free, "a page's L2 slot is also free"
+            assert len(slots) == self.arena.used(), "an L2 slot leaked"
             for key, p in self.pages.items():
                 if p.l3 is not None:
                     assert p.l3.startswith(self.l3_dir), f"L3 file of {key.hex()} is outside the L3 folder"
