@@ -400,6 +400,9 @@ class TieredLayer(CacheLayerMixin):
                 yield self._as_kv(*codecs.decode(arena.fields_of(rows), self.dtype))
             return
         main = torch.cuda.current_stream(self.device) if stream is not None else None
+        if self.index == 0:   # pages only on disk: all start coming back now on the readers, not a block at a
+            # time (the first layer's promotions serve the others: a prefill keeps them in L2, ``deferred``)
+            self.owner.store.read_ahead([self.owner.page_keys[i] for i in pages])
 
         def issue(b):
             slots = self.owner._l2_slots(b)
@@ -666,7 +669,10 @@ class TieredCache(Cache):
         if self.config.policy != "sparse" or not self.config.adaptive_l1 or self._adapted_at == self.length:
             return
         self._adapted_at = self.length
-        reach = float(sum(layer.last_reach for layer in self.layers)) / max(1, self.num_layers)  # one sync
+        reaches = [layer.last_reach for layer in self.layers]
+        if all(isinstance(r, torch.Tensor) for r in reaches):   # one-graph steps: one sum and one sync, not 28
+            reaches = [torch.stack(reaches).sum()]
+        reach = float(sum(reaches)) / max(1, self.num_layers)
         if reach >= self.adapt_pages / 2 and self.window + self.page_size <= self.config.l1_max_tokens:
             self.window += self.page_size
         elif reach < 1 and self.window - self.page_size >= self.config.l1_tokens:
@@ -779,8 +785,8 @@ class TieredCache(Cache):
         if moved:
             for i, slot in moved.items():
                 host[i] = slot
-            dev = st.slots.device
-            st.slots.index_copy_(0, _index(list(moved), dev), _index(list(moved.values()), dev))
+            where = _index([list(moved), list(moved.values())], st.slots.device)   # one copy for both
+            st.slots.index_copy_(0, where[0], where[1])
             self._on_disk = -1 in host
         self._slots_log_at += len(changes)
         st.slots_key = (self.store.moves, last)
