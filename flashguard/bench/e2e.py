@@ -190,7 +190,14 @@ def _turns(args, rails, engine, tok, context: int, out: list):
         if engine is not None and cuda:
             torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
-        reply = rails.generate(messages=messages)
+        if args.profile and context == max(args.contexts):   # where the serving thread's time goes (bench.sampler)
+            from .sampler import sampled
+
+            reply = sampled(f"{args.profile}-{args.row}.txt", lambda: rails.generate(messages=messages),
+                            title=f"{args.row}, {context} tokens, turn {turn}", append=True,
+                            match=os.path.join("flashguard", "engine", "engine.py"))
+        else:
+            reply = rails.generate(messages=messages)
         wall = time.perf_counter() - t0
         engine = engine or all_engines()[0]
         gen, mod = engine.stats.last.get("generation", {}), engine.stats.last.get("moderation", {})
@@ -254,6 +261,8 @@ def main(argv=None) -> int:
     p.add_argument("--tokenizer", help="a saved copy of the DeepSeek-R1-Distill tokenizer (default: the GGUF package)")
     p.add_argument("--out")
     p.add_argument("--json")
+    p.add_argument("--profile", help="sample where the time of each turn at the largest context goes: written to "
+                   "PROFILE-ROW.txt (bench.sampler)")
     args = p.parse_args(argv)
     Path(args.workdir).mkdir(parents=True, exist_ok=True)
     if args.row:
@@ -267,6 +276,8 @@ def main(argv=None) -> int:
                "--contexts", *map(str, args.contexts)]
         if args.tokenizer:
             cmd += ["--tokenizer", args.tokenizer]
+        if args.profile:
+            cmd += ["--profile", args.profile]
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         err: list[str] = []
         import threading

@@ -21,8 +21,20 @@ def _where(code) -> str:
     return f"{Path(code.co_filename).name}:{code.co_firstlineno}({code.co_name})"
 
 
-def sampled(path: str, fn, *args, interval: float = 0.001, top: int = 40):
-    """``fn(*args)`` with its thread sampled; a table (by self and by total samples) written to ``path``."""
+def _has(frame, match: str) -> bool:
+    while frame is not None:
+        if match in frame.f_code.co_filename:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def sampled(path: str, fn, *args, interval: float = 0.001, top: int = 40, title: str | None = None,
+            append: bool = False, match: str | None = None):
+    """``fn(*args)`` with its thread sampled; a table (by self and by total samples) written to ``path`` (after
+    what it holds with ``append``, under ``title``). With ``match``, every thread whose stack has a frame from a
+    file whose path contains it is sampled instead (``fn`` hands the work to another thread: NeMo's event loop,
+    an executor)."""
     target = threading.get_ident()
     own: collections.Counter = collections.Counter()
     total: collections.Counter = collections.Counter()
@@ -30,8 +42,13 @@ def sampled(path: str, fn, *args, interval: float = 0.001, top: int = 40):
     count = [0]
 
     def sample():
+        me = threading.get_ident()
         while not done.wait(interval):
-            frame = sys._current_frames().get(target)
+            frames = sys._current_frames()
+            if match is None:
+                frame = frames.get(target)
+            else:
+                frame = next((f for ident, f in frames.items() if ident != me and _has(f, match)), None)
             if frame is None:
                 continue
             count[0] += 1
@@ -54,10 +71,12 @@ def sampled(path: str, fn, *args, interval: float = 0.001, top: int = 40):
         thread.join()
     wall = time.perf_counter() - t0
     n = max(1, count[0])
-    lines = [f"{count[0]} samples over {wall:.3f} s of wall time (one every {wall / n * 1e3:.2f} ms)", "",
+    lines = [f"## {title}", ""] if title else []
+    lines += [f"{count[0]} samples over {wall:.3f} s of wall time (one every {wall / n * 1e3:.2f} ms)", "",
              "by self (the innermost Python function, its C calls included):", ""]
     lines += [f"{c / n * 100:6.1f}%  {c * wall / n:8.3f} s  {w}" for w, c in own.most_common(top)]
     lines += ["", "by total (on the stack):", ""]
     lines += [f"{c / n * 100:6.1f}%  {c * wall / n:8.3f} s  {w}" for w, c in total.most_common(top)]
-    Path(path).write_text("\n".join(lines) + "\n")
+    with open(path, "a" if append else "w", encoding="utf-8") as fh:
+        fh.write("\n".join(lines) + "\n\n")
     return result
