@@ -90,6 +90,34 @@ def test_an_int4_page_comes_back_to_int8_exactly():
         assert torch.equal(a, b)   # the same values: unpacked, not rounded again
 
 
+def test_an_int4_file_unpacks_straight_into_the_int8_arena_rows():
+    """The reader threads' path (numpy, no torch call) gives the bytes the general path gives; a file of another
+    codec or shape is left to the general path, a truncated one is an error."""
+    from flashguard.kv.store import L2Arena
+
+    k, v = kv(4)
+    arena = L2Arena(pin=False)
+    arena.write(codecs.encode(k, v, "int8"))
+    blob = codecs.to_bytes(codecs.encode(k, v, "int4"))
+    fast = codecs.int4_as_int8_rows(blob, arena.layout, arena.row_bytes)
+    slow = arena.rows(codecs.transcode(codecs.from_bytes(blob), "int8"))
+    for name, t in arena.fields_of(slow).items():
+        if name != "bits":
+            assert torch.equal(arena.fields_of(fast)[name], t)
+    slot = arena.write(fast)
+    for a, b in zip(codecs.decode(arena.read(slot), torch.float32), codecs.decode(codecs.encode(k, v, "int4"),
+                                                                                  torch.float32)):
+        assert torch.equal(a, b)
+    assert codecs.int4_as_int8_rows(codecs.to_bytes(codecs.encode(k, v, "int8")), arena.layout, arena.row_bytes) is None
+    other = kv(4)[0][:, :, :16]   # fewer tokens a page: another layout
+    assert codecs.int4_as_int8_rows(codecs.to_bytes(codecs.encode(other, other, "int4")), arena.layout,
+                                    arena.row_bytes) is None
+    raw = codecs.zstandard.ZstdDecompressor().decompress(blob[4:])
+    with pytest.raises(ValueError):
+        codecs.int4_as_int8_rows(codecs._MAGIC + codecs.zstandard.ZstdCompressor().compress(raw[:len(raw) // 2]),
+                                 arena.layout, arena.row_bytes)
+
+
 def test_prefetched_pages_come_to_l2_between_steps_and_a_bad_file_is_dropped(tmp_path):
     cfg = CacheConfig(page_size=32, l1_tokens=64, l2_tokens=64, l3_tokens=1 << 16, l3_dir=str(tmp_path))
     store = PageStore(cfg)

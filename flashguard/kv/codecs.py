@@ -112,12 +112,22 @@ def to_bytes(e: Encoded, level: int = 3) -> bytes:
     return _MAGIC + zstandard.ZstdCompressor(level=level).compress(raw.getvalue())
 
 
-def from_bytes(blob: bytes) -> Encoded:
+def _fields(blob: bytes) -> tuple[bytes, dict]:
+    """A page file's payload, unpacked by zstd, and where each field sits in it: name -> (dtype, shape, offset,
+    size in bytes)."""
     if blob[:4] != _MAGIC:
         raise ValueError("not a flashguard page")
-    buf = memoryview(zstandard.ZstdDecompressor().decompress(blob[4:]))
+    raw = zstandard.ZstdDecompressor().decompress(blob[4:])
+    try:
+        return raw, _layout(raw)
+    except struct.error as exc:
+        raise ValueError(f"a truncated flashguard page ({exc})") from None
+
+
+def _layout(raw: bytes) -> dict:
+    buf = memoryview(raw)
     (n,), off = struct.unpack_from("<I", buf, 0), 4
-    out: Encoded = {}
+    fields = {}
     for _ in range(n):
         ln, ld = struct.unpack_from("<BB", buf, off)
         off += 2
@@ -131,7 +141,48 @@ def from_bytes(blob: bytes) -> Encoded:
         off += 4 * ndim
         count = int(np.prod(shape)) if ndim else 1
         size = count * torch.empty((), dtype=dt).element_size()
-        raw_dt = torch.int16 if dt == torch.bfloat16 else dt
-        out[name] = torch.frombuffer(bytearray(buf[off:off + size]), dtype=raw_dt).reshape(shape).view(dt)
+        if off + size > len(raw):
+            raise ValueError("a truncated flashguard page")
+        fields[name] = (dt, tuple(shape), off, size)
         off += size
+    return fields
+
+
+def from_bytes(blob: bytes) -> Encoded:
+    raw, fields = _fields(blob)
+    out: Encoded = {}
+    for name, (dt, shape, off, size) in fields.items():
+        raw_dt = torch.int16 if dt == torch.bfloat16 else dt
+        out[name] = torch.frombuffer(bytearray(raw[off:off + size]), dtype=raw_dt).reshape(shape).view(dt)
     return out
+
+
+def int4_as_int8_rows(blob: bytes, layout, row_bytes: int) -> torch.Tensor | None:
+    """An int4 page file straight into int8 L2 arena rows ``[layers, row_bytes]`` (``layout`` as
+    ``store.L2Arena`` has it): what ``transcode(from_bytes(blob), "int8")`` laid out as rows gives, without torch
+    and with numpy's loops, which leave the GIL to other threads (a reader thread's work while the decoding thread
+    runs). None when the file or the layout is not int4 -> int8 of the same shape (the caller takes the general
+    path)."""
+    raw, fields = _fields(blob)
+    bits = fields.get("bits")
+    if bits is None or raw[bits[2]] != 4 or not layout:
+        return None
+    layers = fields[layout[0][0]][1][0] if layout[0][0] in fields else 0
+    out = np.empty((layers, row_bytes), dtype=np.uint8)
+    for name, dtype, _, off, nbytes in layout:
+        f = fields.get(name)
+        if f is None or f[1][0] != layers:
+            return None
+        src = np.frombuffer(raw, dtype=np.uint8, count=f[3], offset=f[2]).reshape(layers, -1)
+        dst = out[:, off:off + nbytes]
+        if name in ("kq", "vq"):   # two codes a byte (``_pack4``): high nibble first
+            if dtype != torch.uint8 or 2 * src.shape[1] != nbytes:
+                return None
+            pairs = dst.reshape(layers, nbytes // 2, 2)
+            np.right_shift(src, 4, out=pairs[..., 0])
+            np.bitwise_and(src, 0xF, out=pairs[..., 1])
+        else:
+            if f[0] != dtype or src.shape[1] != nbytes:
+                return None
+            np.copyto(dst, src)
+    return torch.from_numpy(out)

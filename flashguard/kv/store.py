@@ -465,12 +465,17 @@ class PageStore:
         if enforce:
             self._enforce_budgets(protect=protect | {key}, written=True)
 
-    def _l2_encoding(self, blob: bytes) -> dict:
-        """An L3 file's payload as an L2 page (``codecs.transcode``: int4 -> int8 is an unpacking); PageLost when
-        it does not decode."""
+    def _l2_encoding(self, blob: bytes) -> dict | torch.Tensor:
+        """An L3 file's payload as an L2 page: the arena's rows where an int4 file unpacks straight into the int8
+        layout (``codecs.int4_as_int8_rows``: numpy, no torch call, the GIL left to the decoding thread), else the
+        encoded dict (``codecs.transcode``); PageLost when it does not decode."""
         try:
+            if self.config.l2_codec == "int8" and self.arena.layout:
+                rows = codecs.int4_as_int8_rows(blob, self.arena.layout, self.arena.row_bytes)
+                if rows is not None:
+                    return rows
             return codecs.transcode(codecs.from_bytes(blob), self.config.l2_codec)
-        except (ValueError, KeyError, RuntimeError) as exc:
+        except (ValueError, KeyError, RuntimeError, IndexError) as exc:
             raise PageLost(f"undecodable page: {exc}") from exc
 
     # ---- prefetch: L3 reads off the decode path ----------------------------------------------
@@ -522,7 +527,7 @@ class PageStore:
         blob = self.disk.read(key, path)
         t1 = time.perf_counter()
         enc = self._l2_encoding(blob)
-        rows = self.arena.rows(enc)
+        rows = enc if isinstance(enc, torch.Tensor) else self.arena.rows(enc)
         return enc if rows is None else rows, len(blob), t1 - t0, time.perf_counter() - t1
 
     def install_prefetched(self, wait: bool = False) -> list[bytes]:
