@@ -164,9 +164,34 @@ def run_row(args) -> list[dict]:
             import traceback
 
             traceback.print_exc()
+            _memory_report()
             print(json.dumps({"row": args.row, "context": context, "error": f"{type(exc).__name__}: {exc}"[:200]}),
                   flush=True)
     return out
+
+
+def _memory_report() -> None:
+    """On stderr, after a turn failed: what torch's allocator holds and the largest live device tensors (an
+    out-of-memory error says what, not why)."""
+    import gc
+
+    import torch
+
+    if not torch.cuda.is_available():
+        return
+    sys.stderr.write(torch.cuda.memory_summary(abbreviated=True))
+    seen, big = set(), []
+    for obj in gc.get_objects():
+        try:
+            if isinstance(obj, torch.Tensor) and obj.is_cuda and obj.untyped_storage().data_ptr() not in seen:
+                seen.add(obj.untyped_storage().data_ptr())
+                big.append((obj.untyped_storage().nbytes(), tuple(obj.shape), str(obj.dtype)))
+        except Exception:  # noqa: BLE001 - an object that cannot be inspected is skipped
+            continue
+    big.sort(reverse=True)
+    sys.stderr.write(f"live CUDA storages: {len(big)}, {sum(b[0] for b in big) / 2**30:.3f} GiB; largest:\n")
+    for nbytes, shape, dtype in big[:25]:
+        sys.stderr.write(f"  {nbytes / 2**20:9.1f} MiB  {shape} {dtype}\n")
 
 
 def _turns(args, rails, engine, tok, context: int, out: list):
@@ -216,6 +241,7 @@ def _turns(args, rails, engine, tok, context: int, out: list):
             "l3_pages_at_start": counts0.get("l3_pages"), "l2_pages_at_start": counts0.get("l2_pages"),
             "spilled": spilled,
             "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30 if cuda else 0.0,
+            "allocated_after_gib": torch.cuda.memory_allocated() / 2**30 if cuda else 0.0,
             "nvml_gib": (nvml_process_bytes(torch.cuda.current_device(), os.getpid()) or 0) / 2**30 if cuda else 0.0,
         }
         info = engine.info()

@@ -38,7 +38,7 @@ from .disk import PageLost  # the engine catches it from here
 from .peer import PeerLostError
 
 log = logging.getLogger("flashguard")
-from .store import PageStore, namespace_for, page_key
+from .store import PageStore, host_empty, namespace_for, page_key
 
 
 def _index(values: list[int], device: torch.device) -> torch.Tensor:
@@ -960,8 +960,10 @@ class TieredCache(Cache):
 
     @torch.inference_mode()
     def _rebuild_l1(self, length: int, dtype: torch.dtype, device: torch.device) -> None:
-        """Set every layer to ``length`` tokens, refilling sinks and window from stored pages: one page at a time,
-        decoded and copied straight into every layer's L1 buffer (the peak is the buffer plus one page)."""
+        """Set every layer to ``length`` tokens, refilling sinks and window from stored pages: runs of up to
+        ``REBUILD_PAGES`` consecutive pages, gathered from L2 in one copy (pages only on disk read ahead in
+        parallel), decoded on the device and written into every layer's L1 buffer (the peak is the buffer plus
+        one run)."""
         p, n_pages = self.page_size, len(self.page_keys)
         win_start = max(self.sink_tokens, (max(0, length - self.window) // p) * p)
         sink_end = min(length, self.sink_tokens)
@@ -989,14 +991,10 @@ class TieredCache(Cache):
                 runs.append([idx])
         self.store.read_ahead([self.page_keys[i] for i in wanted])   # pages only on disk: read in parallel
         for run in runs:
-            parts = []
-            for idx in run:
-                enc = self.store.get(self.page_keys[idx])
-                if enc is None:
-                    raise PageLost(f"page {idx} of this sequence is gone from the store")
-                parts.append(codecs.decode(enc, dtype, device))   # [layers, kvh, page_size, D] each
-            k = torch.cat([kk for kk, _ in parts], dim=2) if len(parts) > 1 else parts[0][0]
-            v = torch.cat([vv for _, vv in parts], dim=2) if len(parts) > 1 else parts[0][1]
+            slots = self.store.slots([self.page_keys[i] for i in run])   # (promoted from L3 where needed)
+            if slots is None:
+                raise PageLost(f"a page of pages {run[0]}-{run[-1]} of this sequence is gone from the store")
+            k, v = self._pages_kv(slots, dtype, device)   # [layers, kvh, len(run) * page_size, D]
             first = run[0] * p
             for a, b, shift in spans:
                 lo, hi = max(a, first), min(b, (run[-1] + 1) * p)
@@ -1006,7 +1004,16 @@ class TieredCache(Cache):
                     layer._write(lo + shift, k[li][:, lo - first:hi - first], v[li][:, lo - first:hi - first])
         self.length = length
 
-    REBUILD_PAGES = 8   # pages decoded together when L1 is refilled (an int8 pool quantizes once per run)
+    REBUILD_PAGES = 16   # pages decoded together when L1 is refilled (an int8 pool quantizes once per run)
+
+    def _pages_kv(self, slots: list[int], dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V ``[layers, kv_heads, len(slots) * page_size, D]`` of L2 pages: one host gather of their rows
+        (every layer), one copy to ``device``, decoded there."""
+        arena = self.store.arena
+        rows = host_empty((arena.data.shape[0], len(slots), arena.row_bytes), torch.uint8, arena.pinned)
+        torch.index_select(arena.data, 1, torch.tensor(slots, dtype=torch.long), out=rows)
+        k, v = codecs.decode(arena.fields_of(rows.to(device, non_blocking=True)), dtype)   # [layers, n, kvh, p, D]
+        return k.transpose(1, 2).flatten(2, 3), v.transpose(1, 2).flatten(2, 3)
 
     def _kv_shape(self) -> tuple[int, int]:
         c = self.model_config.get_text_config() if hasattr(self.model_config, "get_text_config") else self.model_config

@@ -135,7 +135,7 @@ class L2Arena:
         layers = enc.shape[0] if isinstance(enc, torch.Tensor) else \
             next(t for n, t in enc.items() if n != "bits").shape[0]
         cap = max(64, self.capacity * 2)
-        new = _host_empty((layers, cap, self.row_bytes), torch.uint8, self.pin)
+        new = host_empty((layers, cap, self.row_bytes), torch.uint8, self.pin)
         if self.pin and torch.cuda.is_initialized():
             torch.cuda.synchronize()  # kernels may still read the old block directly (zero-copy)
         if self.data is not None:
@@ -216,12 +216,12 @@ class L2Arena:
         if slots == list(range(a, a + len(slots))):
             rows = src[a:a + len(slots)]
         else:
-            rows = _host_empty((len(slots), self.row_bytes), torch.uint8, self.pin)
+            rows = host_empty((len(slots), self.row_bytes), torch.uint8, self.pin)
             torch.index_select(src, 0, torch.tensor(slots), out=rows)
         return self.fields_of(rows.to(device, non_blocking=True))
 
 
-def _host_empty(shape, dtype, pin: bool) -> torch.Tensor:
+def host_empty(shape, dtype, pin: bool) -> torch.Tensor:
     with torch.inference_mode(False):  # a normal tensor: writable inside and outside inference mode
         return _host_alloc(shape, dtype, pin)
 
