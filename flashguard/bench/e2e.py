@@ -180,6 +180,11 @@ def _memory_report() -> None:
     if not torch.cuda.is_available():
         return
     sys.stderr.write(torch.cuda.memory_summary(abbreviated=True))
+    pools: dict = {}
+    for seg in torch.cuda.memory_snapshot():   # the default pool and each CUDA graph's own
+        pool = tuple(seg.get("segment_pool_id", (0, 0)))
+        pools[pool] = pools.get(pool, 0) + seg["total_size"]
+    sys.stderr.write("segments by pool (GiB): " + ", ".join(f"{p}: {b / 2**30:.3f}" for p, b in pools.items()) + "\n")
     seen, big = set(), []
     for obj in gc.get_objects():
         try:
@@ -249,6 +254,10 @@ def _turns(args, rails, engine, tok, context: int, out: list):
             t = info["tiers"]
             result.update(pool_tokens=t["pool"]["tokens"], pool_codec=t["pool"].get("codec"), l2_pages=t["l2"]["pages_now"],
                           l3_pages=t["l3"]["pages_now"], pages=info["session"].get("pages"))
+        if args.memory_report and context == max(args.contexts):
+            graphs = len(engine._step.step_graphs) if engine._step is not None else 0
+            sys.stderr.write(f"--- memory after {args.row}, {context} tokens, turn {turn}: {graphs} step graphs\n")
+            _memory_report()
         out.append(result)
         print(json.dumps(result), flush=True)
         messages = messages + [{"role": "assistant", "content": reply["content"]},
@@ -287,6 +296,8 @@ def main(argv=None) -> int:
     p.add_argument("--tokenizer", help="a saved copy of the DeepSeek-R1-Distill tokenizer (default: the GGUF package)")
     p.add_argument("--out")
     p.add_argument("--json")
+    p.add_argument("--memory-report", action="store_true", help="after each turn at the largest context: the "
+                   "allocator's pools and the largest live device tensors, on stderr")
     p.add_argument("--profile", help="sample where the time of each turn at the largest context goes: written to "
                    "PROFILE-ROW.txt (bench.sampler)")
     args = p.parse_args(argv)
@@ -304,6 +315,8 @@ def main(argv=None) -> int:
             cmd += ["--tokenizer", args.tokenizer]
         if args.profile:
             cmd += ["--profile", args.profile]
+        if args.memory_report:
+            cmd += ["--memory-report"]
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         err: list[str] = []
         import threading

@@ -358,6 +358,13 @@ class DecodeStep:
 
     MAX_STEP_GRAPHS = 8   # one per StaticKV key (buffers and visible capacity) in use; the oldest goes first
 
+    def forget_steps(self) -> None:
+        """A cache's buffers are gone (its session ended): the one-graph steps recorded over them go too, and the
+        device memory their graphs hold (each graph keeps its own pool) is given back: kept, a few sessions'
+        graphs added up past the budget (the H200's 128K new session after 8K and 32K conversations ran out of
+        memory in a 4 GiB budget)."""
+        self.step_graphs.clear()
+
     def _whole_step(self, kv: StaticKV) -> torch.Tensor:
         """One step over ``kv`` as one graph (recorded once per ``kv.key``), or eagerly without graphs."""
         entry = self.step_graphs.get(kv.key)
