@@ -107,7 +107,8 @@ _BENIGN: list = []
 
 def _benign_exchanges() -> list:
     if not _BENIGN:
-        _BENIGN.extend((r["user"], r["bot"]) for r in read_rows(TUNING_SET) if not r["block"])
+        # the short exchanges only: the long-paste rows (``paste``, tools/make_long_output_items.py) came later
+        _BENIGN.extend((r["user"], r["bot"]) for r in read_rows(TUNING_SET) if not r["block"] and "paste" not in r)
     return _BENIGN
 
 
@@ -119,8 +120,8 @@ def collect(engine, rows: Sequence[dict], settings: ModerationSettings = Moderat
     the question's Yes/No log-odds on its branch (only to report the question verdict's accuracy beside the probe's)
     and the labels; ``long``: for every longer message, the mean states of its sliding windows at ``LONG_LAYERS`` (per
     window size), each window's label (``window_label``) and message, and the messages' labels. Input rows are
-    numbered as in the file (``earlier_exchange``): pass them all. ``cache`` (input rail): each row's states by its
-    number and text, read where present and added where not (``flashguard calibrate --features``)."""
+    numbered as in the file (``earlier_exchange``): pass them all. ``cache``: each row's states by its number and
+    text, read where present and added where not (``flashguard calibrate --features``)."""
     bad, good = answer_ids(engine, settings.unsafe_answer), answer_ids(engine, settings.safe_answer)
     states, odds, pooled = [], [], []
     it = rows
@@ -152,10 +153,16 @@ def collect(engine, rows: Sequence[dict], settings: ModerationSettings = Moderat
                 pooled.append(record["mean"])
                 odds.append(record["odds"])
             continue
-        ids = moderation_ids(engine, row["user"], row["bot"], settings.prompt)
-        logprobs, hidden, _ = engine.next_token_state(ids, task="calibration", hidden=True)
-        states.append(hidden)
-        odds.append(answer_log_odds(logprobs, bad, good))
+        key = row_key(i, row, settings)
+        record = cache.get(key) if cache is not None else None
+        if record is None:
+            ids = moderation_ids(engine, row["user"], row["bot"], settings.prompt)
+            logprobs, hidden, _ = engine.next_token_state(ids, task="calibration", hidden=True)
+            record = {"hidden": hidden, "odds": answer_log_odds(logprobs, bad, good)}
+            if cache is not None:
+                cache[key] = record
+        states.append(record["hidden"])
+        odds.append(record["odds"])
     if settings.side == "input":
         long = {"layers": layers, "message_labels": long_labels,
                 "windows": {size: {"means": torch.cat(out["means"], 1) if out["means"] else None,
@@ -294,10 +301,20 @@ def train(engine, rows: Sequence[dict], settings: ModerationSettings = Moderatio
         (None, [int(r["block"]) for r in rows])
     long = features[4] if len(features) > 4 else None
     answers = (False,) if settings.side == "input" else (False, True)   # the input probe's position asks nothing
+    # output rail: a long-paste row has the same reply as its short row; they are held out together
+    groups = [r["bot"] for r in rows] if settings.side == "output" else None
     table = cross_validate(hidden, odds, labels, layers=layers or range(1, hidden.shape[1]), l2s=L2_GRID, k=FOLDS,
                            answer_options=answers, pooled=pooled,
-                           feature_options=FEATURE_OPTIONS if pooled is not None else ("last",))
+                           feature_options=FEATURE_OPTIONS if pooled is not None else ("last",), groups=groups)
     best = table[0]
+    paste_metrics: dict = {}
+    if settings.side == "output" and any("paste" in r for r in rows):
+        hit = ((best["oof_p"] >= 0.5).long() == torch.tensor(labels)).tolist()
+        pasted = ["paste" in r for r in rows]
+        paste_metrics = {
+            "cv_accuracy_short": round(sum(h for h, p in zip(hit, pasted) if not p) / pasted.count(False), 4),
+            "cv_accuracy_pasted": round(sum(h for h, p in zip(hit, pasted) if p) / pasted.count(True), 4),
+            "pasted_rows": pasted.count(True)}
     x = design(hidden, odds, best["layer"], best["use_answer"], best["features"], pooled)
     w, b = fit_logistic(x, torch.tensor(labels), best["l2"])
     answer_weight = float(w[-1]) if best["use_answer"] else 0.0
@@ -324,7 +341,7 @@ def train(engine, rows: Sequence[dict], settings: ModerationSettings = Moderatio
                   window=WINDOW if settings.side == "input" else 0,
                   metrics={"tuning_rows": len(rows), "tuning_items": len(labels), "cv_folds": FOLDS, "cv_accuracy": round(best["cv_accuracy"], 4),
                            "l2": best["l2"], "train_accuracy": round(train_acc, 4),
-                           "question_only_accuracy": round(question_only, 4), **long_metrics,
+                           "question_only_accuracy": round(question_only, 4), **long_metrics, **paste_metrics,
                            "seconds": round(time.perf_counter() - t0, 1)}, **slide)
     return probe, table
 
@@ -351,9 +368,9 @@ def main(args) -> int:
     cache_path = getattr(args, "features", None)
     float_states = bool(getattr(args, "float_states", False))
     key = ModelKey.of(engine)
-    if float_states and not (cache_path and side == "input" and key.weights.startswith("int4")):
-        raise SystemExit("--float-states fits an int4 input probe on the float model's states: it needs --weights "
-                         "int4, --rail input and --features FILE written by a float run")
+    if float_states and not (cache_path and key.weights.startswith("int4")):
+        raise SystemExit("--float-states fits an int4 probe on the float model's states: it needs --weights int4 and "
+                         "--features FILE written by a float run of the same rail")
     source = dataclasses.replace(key, weights=key.weights.replace("int4", "float")) if float_states else key
     tag = {"key": source.digest, "side": side}
     cache: dict = {}
@@ -368,9 +385,9 @@ def main(args) -> int:
         missing = [i for i, r in enumerate(rows) if row_key(i, r, settings) not in cache]
         if missing:
             raise SystemExit(f"{cache_path} lacks the float states of {len(missing)} tuning rows; run `flashguard "
-                             f"calibrate --rail input --weights float --features {cache_path}` first")
-    features = collect(engine, rows, settings, progress=True, cache=cache if side == "input" else None)
-    if cache_path and side == "input" and not float_states:
+                             f"calibrate --rail {side} --weights float --features {cache_path}` first")
+    features = collect(engine, rows, settings, progress=True, cache=cache)
+    if cache_path and not float_states:
         torch.save({"tag": tag, "rows": cache}, cache_path)
     probe, table = train(engine, rows, settings, features=features)
     if float_states:   # the file says which states it was fitted on
@@ -380,6 +397,9 @@ def main(args) -> int:
     print(f"{side} probe for {probe.model_file} ({probe.weights}): layer {probe.layer}, l2 {probe.metrics['l2']}, "
           f"Yes/No feature {'on' if probe.answer_weight else 'off'}; {FOLDS}-fold accuracy on {len(rows)} tuning "
           f"replies {probe.metrics['cv_accuracy']:.1%} (question only {probe.metrics['question_only_accuracy']:.1%})")
+    if "cv_accuracy_pasted" in probe.metrics:
+        print(f"  short exchanges {probe.metrics['cv_accuracy_short']:.1%}, after a long paste "
+              f"{probe.metrics['cv_accuracy_pasted']:.1%} ({probe.metrics['pasted_rows']} rows; folds grouped by reply)")
     if probe.slides:
         print(f"long messages: windows of {probe.long_window} tokens every {probe.stride}, layer {probe.long_layer}, "
               f"l2 {probe.metrics['long_l2']}, threshold {probe.long_threshold:.2f} on the worst window; "

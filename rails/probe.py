@@ -296,8 +296,22 @@ def fit_logistic(x: torch.Tensor, y: torch.Tensor, l2: float, iters: int = 200,
     return w_raw, float(b.detach() - (w_raw * mean).sum())
 
 
-def folds(labels: Sequence[int], k: int, seed: int = 0) -> list[list[int]]:
-    """Stratified ``k`` folds of indices (deterministic)."""
+def folds(labels: Sequence[int], k: int, seed: int = 0, groups: Optional[Sequence] = None) -> list[list[int]]:
+    """Stratified ``k`` folds of indices (deterministic). ``groups``: items with the same group go to the same fold
+    (the output tuning set's long-paste copy of an exchange stays with the exchange: same reply, same fold); the
+    groups are dealt out as the items are without them (with every group of one item, the same folds)."""
+    if groups is not None:
+        first: dict = {}
+        for i, gr in enumerate(groups):
+            first.setdefault(gr, i)
+        heads = sorted(first.values())
+        where = {groups[i]: n for n, i in enumerate(heads)}
+        parts = folds([labels[i] for i in heads], k, seed)
+        fold_of = {n: f for f, part in enumerate(parts) for n in part}
+        out_g: list[list[int]] = [[] for _ in range(k)]
+        for i, gr in enumerate(groups):
+            out_g[fold_of[where[gr]]].append(i)
+        return out_g
     g = torch.Generator().manual_seed(seed)
     out: list[list[int]] = [[] for _ in range(k)]
     for cls in sorted(set(labels)):
@@ -318,11 +332,13 @@ def design(hidden: torch.Tensor, log_odds: torch.Tensor, layer: int, use_answer:
 
 def cross_validate(hidden: torch.Tensor, log_odds: torch.Tensor, labels: Sequence[int], *, layers: Sequence[int],
                    l2s: Sequence[float], answer_options: Sequence[bool] = (False, True), k: int = 5,
-                   pooled: Optional[torch.Tensor] = None, feature_options: Sequence[str] = ("last",)) -> list[dict]:
+                   pooled: Optional[torch.Tensor] = None, feature_options: Sequence[str] = ("last",),
+                   groups: Optional[Sequence] = None) -> list[dict]:
     """Out-of-fold accuracy (threshold 0.5) for every (features, layer, l2, use_answer). Sorted best first; ties go
-    to the stronger regularisation, then the earlier layer, then the order of ``feature_options``."""
+    to the stronger regularisation, then the earlier layer, then the order of ``feature_options``. ``groups``: items
+    of one group are held out together (``folds``)."""
     y = torch.tensor(labels, dtype=torch.float64)
-    parts = folds(labels, k)
+    parts = folds(labels, k, groups=groups)
     rows = []
     for layer, use_answer, features in [(a, b, c) for a in layers for b in answer_options for c in feature_options]:
         x = design(hidden, log_odds, layer, use_answer, features, pooled)
