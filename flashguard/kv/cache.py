@@ -29,6 +29,7 @@ import logging
 import os
 from collections import OrderedDict
 
+import numpy as np
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
@@ -205,13 +206,15 @@ class TieredLayer(CacheLayerMixin):
             self.l1_ks, self.l1_vs = ks, vs
 
     @torch.inference_mode()
-    def _drop_window_page(self) -> None:
-        """The oldest window page leaves L1 (it is already in the store): shift the window left by a page."""
-        s, p, nw = self.owner.sink_tokens, self.owner.page_size, self.length - self.win_start
+    def _drop_window_pages(self, n: int) -> None:
+        """The oldest ``n`` window pages leave L1 (they are in the store already): the window shifts left once by
+        ``n`` pages (a prefill chunk's 32 pages shifted a 32K window 32 times: 2.8 s of the H200's 98K-token
+        prefill)."""
+        s, shift, nw = self.owner.sink_tokens, n * self.owner.page_size, self.length - self.win_start
         for t in (self.l1_k, self.l1_v, self.l1_ks, self.l1_vs):
             if t is not None:
-                t[:, s:s + nw - p] = t[:, s + p:s + nw].clone()
-        self.win_start += p
+                t[:, s:s + nw - shift] = t[:, s + shift:s + nw].clone()
+        self.win_start += shift
 
     def _trim(self) -> None:
         """After a long prefill chunk, give the device back the buffer's extra room."""
@@ -659,8 +662,12 @@ class TieredCache(Cache):
             if not layer.is_initialized:
                 continue
             full_end = len(self.page_keys) * p
-            while layer.length - layer.win_start > self.window + p and layer.win_start + p <= full_end:
-                layer._drop_window_page()
+            leave = 0
+            while layer.length - (layer.win_start + leave * p) > self.window + p and \
+                    layer.win_start + (leave + 1) * p <= full_end:
+                leave += 1
+            if leave:
+                layer._drop_window_pages(leave)
             layer._trim()
 
     def _adapt_window(self) -> None:
@@ -1011,7 +1018,7 @@ class TieredCache(Cache):
         (every layer), one copy to ``device``, decoded there."""
         arena = self.store.arena
         rows = host_empty((arena.data.shape[0], len(slots), arena.row_bytes), torch.uint8, arena.pinned)
-        torch.index_select(arena.data, 1, torch.tensor(slots, dtype=torch.long), out=rows)
+        np.take(arena.host, slots, axis=1, out=rows.numpy())   # (numpy: no thread pool woken on the host)
         k, v = codecs.decode(arena.fields_of(rows.to(device, non_blocking=True)), dtype)   # [layers, n, kvh, p, D]
         return k.transpose(1, 2).flatten(2, 3), v.transpose(1, 2).flatten(2, 3)
 

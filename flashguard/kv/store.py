@@ -42,6 +42,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from ..config import CacheConfig
@@ -110,6 +111,7 @@ class L2Arena:
     def __init__(self, pin: bool):
         self.pin = pin
         self.data: torch.Tensor | None = None
+        self.host: np.ndarray | None = None   # ``data`` as a numpy array (the same memory)
         self.layout: list[tuple[str, torch.dtype, tuple, int, int]] = []
         self.row_bytes = 0
         self.bits = None                      # the codec's "bits" marker, shared by every page
@@ -139,9 +141,9 @@ class L2Arena:
         if self.pin and torch.cuda.is_initialized():
             torch.cuda.synchronize()  # kernels may still read the old block directly (zero-copy)
         if self.data is not None:
-            with torch.inference_mode():
-                new[:, :self.capacity].copy_(self.data)
+            np.copyto(new.numpy()[:, :self.capacity], self.host)
         self.data = new
+        self.host = new.numpy()               # the same bytes, for host copies without torch's thread pool
         self.pinned = self.pin and new.is_pinned()
         self.free.extend(range(cap - 1, self.capacity - 1, -1))   # pop() hands out the lowest slot first
         self.capacity = cap
@@ -154,12 +156,12 @@ class L2Arena:
         if not layout:
             return None
         layers = enc[layout[0][0]].shape[0]
-        out = torch.empty((layers, self.row_bytes), dtype=torch.uint8)
+        out = np.empty((layers, self.row_bytes), dtype=np.uint8)
         with torch.inference_mode():
             for name, dtype, shape, off, nbytes in layout:
                 t = enc[name].reshape(layers, -1).to(device="cpu", dtype=dtype)
-                out[:, off:off + nbytes].copy_(t.contiguous().view(torch.uint8))
-        return out
+                np.copyto(out[:, off:off + nbytes], t.contiguous().view(torch.uint8).numpy())
+        return torch.from_numpy(out)
 
     def write(self, enc: dict | torch.Tensor) -> int:
         """Store an encoded page (tensors ``[layers, ...]``, any device; or its ``rows``); returns its slot.
@@ -175,14 +177,16 @@ class L2Arena:
                 torch.cuda.current_stream().synchronize()
             self.free, self.recycled = self.recycled[::-1], []
         slot = self.free.pop()
+        # host copies with numpy: one thread, no OpenMP team (torch's copy_ of a page woke its thread pool, whose
+        # threads wait on busy cores: ~8 ms a page on two busy cores against 0.05 ms)
         with torch.inference_mode():
             if isinstance(enc, torch.Tensor):
-                self.data[:, slot].copy_(enc)
+                np.copyto(self.host[:, slot], enc.numpy())
                 return slot
             for name, dtype, shape, off, _ in self.layout:  # a page promoted from L3 may come back in float32
                 t = enc[name].reshape(enc[name].shape[0], -1).to(dtype)
-                raw = t.contiguous().view(torch.uint8)
-                self.data[:, slot, off:off + raw.shape[1]].copy_(raw)
+                raw = t.contiguous().view(torch.uint8).cpu()
+                np.copyto(self.host[:, slot, off:off + raw.shape[1]], raw.numpy())
         return slot
 
     def fields_of(self, rows: torch.Tensor) -> dict:
@@ -217,7 +221,7 @@ class L2Arena:
             rows = src[a:a + len(slots)]
         else:
             rows = host_empty((len(slots), self.row_bytes), torch.uint8, self.pin)
-            torch.index_select(src, 0, torch.tensor(slots), out=rows)
+            np.take(self.host[layer], slots, axis=0, out=rows.numpy())
         return self.fields_of(rows.to(device, non_blocking=True))
 
 
@@ -614,7 +618,7 @@ class PageStore:
             from concurrent.futures import ThreadPoolExecutor
 
             self._writer = ThreadPoolExecutor(1, thread_name_prefix="flashguard-l3")
-        rows = self.arena.data[:, page.l2].clone()
+        rows = torch.from_numpy(self.arena.host[:, page.l2].copy())
         self._pending[key] = self._writer.submit(self._write_file, key, rows)
 
     @contextlib.contextmanager
