@@ -190,6 +190,7 @@ class Engine:
             self.peers = peer.start([f"cuda:{i}" for i in self.peer_devices], self.device, self.kv.page_size)
         if self.device.type == "cuda":   # after sizing: the kernels of the pool and pages as planned
             self._warm_up()
+            self._settle_context()
 
     def _warm_up(self) -> None:
         """At start on a GPU: one 8-token forward (the int4 prompt kernels) and the decode step's kernels
@@ -212,6 +213,41 @@ class Engine:
             torch.cuda.synchronize(self.device)
         except Exception as exc:   # noqa: BLE001 - a warm-up must never stop the engine from starting
             log.info("flashguard: warm-up skipped (%s: %s)", type(exc).__name__, exc)
+
+    def _settle_context(self) -> None:
+        """After the warm-up, with its kernels loaded: the CUDA context measured again. Where it grew past the
+        start's estimate (context + ``KERNEL_MODULES``), the allocator's cap and the plan are made again from the
+        larger one, before any session holds memory: on the H200 the 128K conversations' process reached 4.17 GiB
+        of NVML within a 4 GiB budget, ~0.2 GiB of context past the estimate. A plan that no longer fits keeps the
+        old one, with a warning; a failure to measure changes nothing."""
+        if self.vram_budget is None:
+            return
+        from ..config import ConfigError
+        from ..vram.accounting import nvml_process_bytes
+
+        index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        held = nvml_process_bytes(index, os.getpid())
+        if held is None:
+            return
+        context = held - torch.cuda.memory_reserved(index) + self.KERNEL_MARGIN_AFTER_WARM_UP
+        if context <= self.cuda_context:
+            return
+        old = (self.cuda_context, self.kv, self.prefill_chunk, self.plan, self.budget_fraction)
+        log.info("flashguard: the CUDA context is %.2f GiB after the warm-up (%.2f GiB estimated at start): the pool "
+                 "is planned again", context / 2**30, self.cuda_context / 2**30)
+        self.cuda_context = context
+        self.kv = self.config.kv
+        self.prefill_chunk = self.config.prefill_chunk or self.GPU_CHUNK
+        self.budget_fraction = apply_vram_budget(max(0, self.vram_budget - context), self.device)
+        try:
+            self._fit_to_budget()
+        except ConfigError as exc:
+            log.warning("flashguard: %s; keeping the plan made at start (the process may pass vram_budget by %.2f "
+                        "GiB)", exc, (context - old[0]) / 2**30)
+            self.cuda_context, self.kv, self.prefill_chunk, self.plan, _ = old
+            self.budget_fraction = apply_vram_budget(max(0, self.vram_budget - old[0]), self.device)
+
+    KERNEL_MARGIN_AFTER_WARM_UP = 64 * 2**20   # kernels still to load after the warm-up (a rail's, a rare path's)
 
     def _warm_up_prompt(self) -> None:
         """Two prompt chunks through a throwaway session of the engine's own cache: the kernels a first prompt
