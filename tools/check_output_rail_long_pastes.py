@@ -1,6 +1,6 @@
 """Issue 14 check (docs/moderation.md, "Replies after long pastes"):
 
-    python tools/check_output_rail_long_pastes.py [float|int4] [--set-b-only]
+    python tools/check_output_rail_long_pastes.py [float|int4] [--set-b-only | --own-only]
 
 Output rail on replies to long pastes: (1) the model's own (greedy, 64-token) replies to 12 pasted documents, code
 files and CI logs (test-split sources of tools/make_long_input_items.py), (2) output test set B (held out) with
@@ -76,6 +76,8 @@ def main(argv) -> int:
         print("paste", k, n, v.allowed, round(v.p_unsafe, 3), v.path, repr(out.text[:60]), flush=True)
     if res:
         print(f"{weights}: replies to long pastes allowed {sum(res)}/{len(res)}")
+    if "--own-only" in argv:
+        return 0
     rows = set_b_after_pastes(rng, read_rows(os.path.join(ROOT, "tests/data/moderation_test_b.jsonl")))
     verdicts = check_rows(e, rows, S)
     right = [(not v.allowed) == r["block"] for r, v in zip(rows, verdicts)]
