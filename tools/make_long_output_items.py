@@ -1,7 +1,7 @@
 """Long-paste rows for the output rail's tuning set (issue 14; docs/moderation.md, "Replies after long pastes").
 
     python tools/make_long_output_items.py            # appends copy 1 to rails/data/moderation_tune.jsonl
-    python tools/make_long_output_items.py --copy 2   # appends copy 2 (other pastes of the same exchanges)
+    python tools/make_long_output_items.py --copy 2   # appends copy 2 (other pastes; tried, not kept: docs)
     python tools/make_long_output_items.py --dry-run  # prints what it would append
 
 The output probe reads the state at the end of the moderation suffix, after the whole turn. Trained on short
