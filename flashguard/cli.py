@@ -365,9 +365,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rail", choices=("output", "input"), default="output", help="which rail's probe to train")
     p.add_argument("--data", default=None, help="labelled JSONL (default: the project's tuning set)")
     p.add_argument("--out", default=None, help="probe file (default: the user cache folder, where the rail looks)")
-    p.add_argument("--features", default=None, help="input rail: keep the tuning rows' hidden states in this .pt "
+    p.add_argument("--features", default=None, help="keep the tuning rows' hidden states (either rail) in this .pt "
                    "file and read them from it (same model and weights): only rows added since run through the model")
-    p.add_argument("--float-states", action="store_true", help="with --weights int4 --rail input: fit on the float "
+    p.add_argument("--float-states", action="store_true", help="with --weights int4: fit on the float "
                    "model's states kept in --features (the int4 states agree with them to cosine 0.9999 on the "
                    "embedded model; the int4 prefill of the long tuning messages takes hours on a CPU)")
     p.set_defaults(func=cmd_calibrate)
