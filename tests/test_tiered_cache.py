@@ -92,6 +92,34 @@ def test_sparse_default_codecs_kl_and_top1(engine, text_ids, capsys):
     assert cache.store.tier_counts()["l3_pages"] > 0
 
 
+def test_short_chunks_past_the_pool_read_only_the_selected_pages(engine, text_ids, capsys):
+    """A short prompt chunk (a question after a long text, a rail's suffix) under the sparse policy attends the
+    pages Quest selects for its queries, as a decoding step does, not every page: within the sparse targets of
+    every position it prefills (KL <= 0.01 nats, top-1 >= 98% teacher-forced, as above)."""
+    from flashguard.kv.cache import SPARSE_CHUNK_TOKENS
+
+    m, prefix, chunk, chunks = engine.model, 3000, 12, 16
+    assert chunk <= SPARSE_CHUNK_TOKENS
+    tail = text_ids[prefix:prefix + chunk * chunks]
+    dyn = DynamicCache(config=m.config)
+    run(m, dyn, text_ids[:prefix])
+    ref = run(m, dyn, tail, chunk=chunk)
+    cache = TieredCache(m.config, SPARSE).attach(m)
+    run(m, cache, text_ids[:prefix])
+    reads = cache.page_reads
+    out = run(m, cache, tail, chunk=chunk)
+    per_chunk = (cache.page_reads - reads) / chunks / m.config.num_hidden_layers
+    lp_ref, lp = torch.log_softmax(ref.float(), -1), torch.log_softmax(out.float(), -1)
+    kl = (lp_ref.exp() * (lp_ref - lp)).sum(-1).mean().item()
+    top1 = (ref.argmax(-1) == out.argmax(-1)).float().mean().item()
+    with capsys.disabled():
+        print(f"\nsparse, {chunks} chunks of {chunk} tokens after {prefix}: {per_chunk:.0f} pages read per chunk and "
+              f"layer, KL={kl:.5f} nats, top-1={top1:.1%}")
+    assert per_chunk == 3 * SPARSE.budget_tokens // SPARSE.page_size   # 3 KV heads x budget: not every page
+    assert kl <= 0.01 and top1 >= 0.98
+    cache.check_integrity()
+
+
 def test_exact_default_codecs_greedy_256_tokens_equal_dynamic(engine, text_ids):
     from flashguard.engine.engine import Engine
 

@@ -42,6 +42,9 @@ log = logging.getLogger("flashguard")
 from .store import PageStore, host_empty, namespace_for, page_key
 
 
+SPARSE_CHUNK_TOKENS = 64   # a prompt chunk this short attends the pages Quest selects (sparse policy, past the pool)
+
+
 def _index(values: list[int], device: torch.device) -> torch.Tensor:
     """An index tensor on ``device``; on a GPU copied from pinned memory without waiting (a copy from pageable
     memory synchronises the stream first)."""
@@ -369,6 +372,13 @@ class TieredLayer(CacheLayerMixin):
                 log.warning("flashguard: %s; attending the pages from the store instead", err)
         if last_page > first_page:  # every page (exact policy, prefill chunks), streamed in blocks
             pages = list(range(first_page, last_page))
+            if self.owner.config.policy == "sparse" and lq <= SPARSE_CHUNK_TOKENS:
+                # a short chunk (a question after a long paste, a rail's suffix, a new session's last tokens)
+                # reads what its queries select, as a decoding step does: the pages it does not read stay where
+                # they are (a new session whose pages are on disk read them all for a 12-token question)
+                pick = self._pick(qg, first_page, last_page)
+                if pick is not None:
+                    pages = sorted(first_page + i for i in pick.tolist())
             self.owner.page_reads += len(pages)
             for k, v in self._stream_pages(pages, self.owner.fetch_block_pages(q)):
                 acc = attention.merge_into(acc, attention.segment(qg, k, v, scale))
@@ -395,11 +405,14 @@ class TieredLayer(CacheLayerMixin):
         straight from host RAM instead: no host gather, no staging copy (the prefill of a prompt longer than the
         pool streams every page that left it for every chunk)."""
         arena, stream = self.owner.store.arena, self.owner.copy_stream(self.device)
-        if self.owner.zero_copy(self.device, pages[-1] + 1) and pages == list(range(pages[0], pages[-1] + 1)):
+        if self.owner.zero_copy(self.device, pages[-1] + 1):
             slots = self.owner.device_slots(self.device, pages[-1] + 1)
+            if pages == list(range(pages[0], pages[-1] + 1)):
+                slots = slots[pages[0]:pages[-1] + 1]
+            else:   # the pages a short chunk selected (``SPARSE_CHUNK_TOKENS``)
+                slots = slots[_index(pages, self.device)]
             for a in range(0, len(pages), block):
-                rows = uva.gather_rows(arena.data[self.index], slots[pages[a]:pages[min(a + block, len(pages)) - 1] + 1],
-                                       self.device)
+                rows = uva.gather_rows(arena.data[self.index], slots[a:a + block], self.device)
                 yield self._as_kv(*codecs.decode(arena.fields_of(rows), self.dtype))
             return
         main = torch.cuda.current_stream(self.device) if stream is not None else None
@@ -434,13 +447,14 @@ class TieredLayer(CacheLayerMixin):
     def _pick(self, qg: torch.Tensor, first: int, last: int) -> torch.Tensor | None:
         """Quest over the off-window pages [first, last): a device index (relative to ``first``) of the pages one
         query attends, or None for all of them. Each KV head's top ``budget`` pages by the upper bound
-        ``sum_d max(q_d max_d, q_d min_d)``; their union comes first and is topped up with the pages of highest
-        bound to ``kv_heads * budget`` pages, a fixed count, so the GPU can pick and read without the host."""
+        ``sum_d max(q_d max_d, q_d min_d)`` (for a short chunk, the highest bound any of its queries gives a page);
+        their union comes first and is topped up with the pages of highest bound to ``kv_heads * budget`` pages,
+        a fixed count, so the GPU can pick and read without the host."""
         n, kvh = last - first, qg.shape[0]
         budget = max(1, self.owner.config.budget_tokens // self.owner.page_size)
         if n <= kvh * budget:
             return None
-        q = qg[:, :, 0]                                              # [kvh, g, D]
+        q = qg.reshape(kvh, -1, qg.shape[-1])                        # [kvh, g * Lq, D]: every query of a chunk
         bound = torch.bmm(torch.cat([q.clamp(min=0), q.clamp(max=0)], dim=-1),   # one matmul against [max; min]
                           self.bounds[:, :, first:last]).amax(dim=1).float()     # [kvh, n]
         top = bound.topk(budget, dim=-1).indices                     # [kvh, budget]
