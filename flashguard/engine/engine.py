@@ -71,9 +71,9 @@ VRAM_MARGIN = 512 * 2**20   # vram_budget auto: the GPU's free memory at start l
 KERNEL_MODULES = 192 * 2**20   # CUDA context growth after start, as kernels load lazily (flash, cuBLAS, Triton)
 
 
-def measure_cuda_context(device: torch.device) -> int:
-    """The GPU memory this process holds outside torch's allocator (the CUDA context), measured at start through
-    NVML plus ``KERNEL_MODULES`` for what loads later; ``vram/plan.py``'s ``CUDA_CONTEXT`` where NVML cannot say.
+def measure_cuda_context(device: torch.device, margin: int = KERNEL_MODULES) -> int:
+    """The GPU memory this process holds outside torch's allocator (the CUDA context), measured through NVML plus
+    ``margin`` for kernels that load later; ``vram/plan.py``'s ``CUDA_CONTEXT`` where NVML cannot say.
     (An H200 process measured 0.68 GiB at the end of a run, where the planner assumed 0.39.)"""
     from ..vram.accounting import nvml_process_bytes
     from ..vram.plan import CUDA_CONTEXT
@@ -85,7 +85,7 @@ def measure_cuda_context(device: torch.device) -> int:
     held = nvml_process_bytes(index, os.getpid())
     if held is None:
         return CUDA_CONTEXT
-    return max(CUDA_CONTEXT, held - torch.cuda.memory_reserved(index) + KERNEL_MODULES)
+    return max(CUDA_CONTEXT, held - torch.cuda.memory_reserved(index) + margin)
 
 
 def resolve_vram_budget(budget: int | str | None, device: torch.device, context: int | None = None) -> int | None:
@@ -223,13 +223,8 @@ class Engine:
         if self.vram_budget is None:
             return
         from ..config import ConfigError
-        from ..vram.accounting import nvml_process_bytes
 
-        index = self.device.index if self.device.index is not None else torch.cuda.current_device()
-        held = nvml_process_bytes(index, os.getpid())
-        if held is None:
-            return
-        context = held - torch.cuda.memory_reserved(index) + self.KERNEL_MARGIN_AFTER_WARM_UP
+        context = measure_cuda_context(self.device, margin=self.KERNEL_MARGIN_AFTER_WARM_UP)
         if context <= self.cuda_context:
             return
         old = (self.cuda_context, self.kv, self.prefill_chunk, self.plan, self.budget_fraction)

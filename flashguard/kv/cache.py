@@ -29,7 +29,6 @@ import logging
 import os
 from collections import OrderedDict
 
-import numpy as np
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
@@ -39,7 +38,7 @@ from .disk import PageLost  # the engine catches it from here
 from .peer import PeerLostError
 
 log = logging.getLogger("flashguard")
-from .store import PageStore, host_empty, namespace_for, page_key
+from .store import PageStore, namespace_for, page_key
 
 
 SPARSE_CHUNK_TOKENS = 64   # a prompt chunk this short attends the pages Quest selects (sparse policy, past the pool)
@@ -661,28 +660,25 @@ class TieredCache(Cache):
 
     def _evict_window(self) -> None:
         """Pages leave the window when it is longer than ``window`` + a page: stored first, then dropped from L1."""
-        p = self.page_size
         self._adapt_window()
         l0 = self.layers[0]
-        if l0.is_initialized:
-            full_end = len(self.page_keys) * p
-            leave = 0
-            while l0.length - (l0.win_start + leave * p) > self.window + p and l0.win_start + (leave + 1) * p <= full_end:
-                leave += 1
-            if leave:
-                first = l0.win_start // p
-                self._store_pages(first, first + leave)
+        if l0.is_initialized and (leave := self._leaving(l0)):
+            first = l0.win_start // self.page_size
+            self._store_pages(first, first + leave)
         for layer in self.layers:
             if not layer.is_initialized:
                 continue
-            full_end = len(self.page_keys) * p
-            leave = 0
-            while layer.length - (layer.win_start + leave * p) > self.window + p and \
-                    layer.win_start + (leave + 1) * p <= full_end:
-                leave += 1
-            if leave:
+            if leave := self._leaving(layer):
                 layer._drop_window_pages(leave)
             layer._trim()
+
+    def _leaving(self, layer: "TieredLayer") -> int:
+        """How many full pages leave ``layer``'s window: it may hold ``window`` + a page."""
+        p, full_end, leave = self.page_size, len(self.page_keys) * self.page_size, 0
+        while layer.length - (layer.win_start + leave * p) > self.window + p and \
+                layer.win_start + (leave + 1) * p <= full_end:
+            leave += 1
+        return leave
 
     def _adapt_window(self) -> None:
         """Grow L1 while sparse queries keep reaching just behind it; shrink back when they stop. Once per step
@@ -1028,12 +1024,9 @@ class TieredCache(Cache):
     REBUILD_PAGES = 16   # pages decoded together when L1 is refilled (an int8 pool quantizes once per run)
 
     def _pages_kv(self, slots: list[int], dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V ``[layers, kv_heads, len(slots) * page_size, D]`` of L2 pages: one host gather of their rows
-        (every layer), one copy to ``device``, decoded there."""
-        arena = self.store.arena
-        rows = host_empty((arena.data.shape[0], len(slots), arena.row_bytes), torch.uint8, arena.pinned)
-        np.take(arena.host, slots, axis=1, out=rows.numpy())   # (numpy: no thread pool woken on the host)
-        k, v = codecs.decode(arena.fields_of(rows.to(device, non_blocking=True)), dtype)   # [layers, n, kvh, p, D]
+        """K and V ``[layers, kv_heads, len(slots) * page_size, D]`` of L2 pages: gathered (every layer at once),
+        copied to ``device`` and decoded there."""
+        k, v = codecs.decode(self.store.arena.gather(None, slots, device), dtype)   # [layers, n, kvh, p, D]
         return k.transpose(1, 2).flatten(2, 3), v.transpose(1, 2).flatten(2, 3)
 
     def _kv_shape(self) -> tuple[int, int]:

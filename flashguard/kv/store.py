@@ -137,7 +137,7 @@ class L2Arena:
         layers = enc.shape[0] if isinstance(enc, torch.Tensor) else \
             next(t for n, t in enc.items() if n != "bits").shape[0]
         cap = max(64, self.capacity * 2)
-        new = host_empty((layers, cap, self.row_bytes), torch.uint8, self.pin)
+        new = _host_empty((layers, cap, self.row_bytes), torch.uint8, self.pin)
         if self.pin and torch.cuda.is_initialized():
             torch.cuda.synchronize()  # kernels may still read the old block directly (zero-copy)
         if self.data is not None:
@@ -170,23 +170,18 @@ class L2Arena:
             raise ValueError("page rows for another layout")
         if not self.free and not self.recycled:
             self._grow(enc)
-        if isinstance(enc, dict) and "bits" in enc:
-            self.bits = enc["bits"].cpu()
+        if isinstance(enc, dict):   # (a page promoted from L3 may come back in float32: rows casts it)
+            if "bits" in enc:
+                self.bits = enc["bits"].cpu()
+            enc = self.rows(enc)
         if not self.free:   # only slots a running step may still read: wait for it, once for all of them
             if self.pin and torch.cuda.is_available() and torch.cuda.is_initialized():
                 torch.cuda.current_stream().synchronize()
             self.free, self.recycled = self.recycled[::-1], []
         slot = self.free.pop()
-        # host copies with numpy: one thread, no OpenMP team (torch's copy_ of a page woke its thread pool, whose
+        # a host copy with numpy: one thread, no OpenMP team (torch's copy_ of a page woke its thread pool, whose
         # threads wait on busy cores: ~8 ms a page on two busy cores against 0.05 ms)
-        with torch.inference_mode():
-            if isinstance(enc, torch.Tensor):
-                np.copyto(self.host[:, slot], enc.numpy())
-                return slot
-            for name, dtype, shape, off, _ in self.layout:  # a page promoted from L3 may come back in float32
-                t = enc[name].reshape(enc[name].shape[0], -1).to(dtype)
-                raw = t.contiguous().view(torch.uint8).cpu()
-                np.copyto(self.host[:, slot, off:off + raw.shape[1]], raw.numpy())
+        np.copyto(self.host[:, slot], enc.numpy())
         return slot
 
     def fields_of(self, rows: torch.Tensor) -> dict:
@@ -212,20 +207,22 @@ class L2Arena:
     def page_bytes(self) -> int:
         return 0 if self.data is None else self.data.shape[0] * self.row_bytes
 
-    def gather(self, layer: int, slots: list[int], device) -> dict:
-        """One layer of several pages (fields ``[len(slots), ...]``) on ``device``: one view or host gather and
-        one copy for all fields."""
+    def gather(self, layer: int | None, slots: list[int], device) -> dict:
+        """One layer (or, with None, every layer) of several pages (fields ``[len(slots), ...]``, after the layers
+        with None) on ``device``: one view or host gather (numpy: no thread pool woken on the host) and one copy
+        for all fields."""
         a = slots[0]
-        src = self.data[layer]
+        src, host = (self.data, self.host) if layer is None else (self.data[layer], self.host[layer])
+        axis = 1 if layer is None else 0
         if slots == list(range(a, a + len(slots))):
-            rows = src[a:a + len(slots)]
+            rows = src.narrow(axis, a, len(slots))
         else:
-            rows = host_empty((len(slots), self.row_bytes), torch.uint8, self.pin)
-            np.take(self.host[layer], slots, axis=0, out=rows.numpy())
+            rows = _host_empty(src.shape[:axis] + (len(slots), self.row_bytes), torch.uint8, self.pin)
+            np.take(host, slots, axis=axis, out=rows.numpy())
         return self.fields_of(rows.to(device, non_blocking=True))
 
 
-def host_empty(shape, dtype, pin: bool) -> torch.Tensor:
+def _host_empty(shape, dtype, pin: bool) -> torch.Tensor:
     with torch.inference_mode(False):  # a normal tensor: writable inside and outside inference mode
         return _host_alloc(shape, dtype, pin)
 
