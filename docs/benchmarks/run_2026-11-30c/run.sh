@@ -3,7 +3,7 @@
 # carry .whl and .devcarry, where .devcarry/src.tar is `git archive HEAD` of the commit measured):
 #   ROWS="default l3-half" BIG=1 bash docs/benchmarks/run_2026-11-30c/run.sh "$OUT" 8192 32768 131072
 #   (TESTS=1: the GPU tests first; PROFILE=1: bench.profile; BIG=1: bench.big's 7B rows; E2E_ARGS: more
-#   bench.e2e arguments. The fifth session's call 1 was E2E_ARGS='--profile $OUT/profile' ROWS="default l3-half")
+#   bench.e2e arguments; E2E_TIMEOUT: seconds for our rows, 300. The fifth session's call 1 was E2E_ARGS='--profile $OUT/profile' ROWS="default l3-half")
 # 1. llama.cpp builds on cores 0-11 in the background (llama-bench, llama-quantize, and llama-fit-params, which
 #    docs/benchmarks/run_7b/run.sh uses when it runs next on the same machine);
 # 2. meanwhile, on cores 12-15: the GPU tests, the random-weight DeepSeek-R1-Distill-Qwen-1.5B-shape checkpoints
@@ -38,7 +38,7 @@ el "installed"
   2>&1 | tail -6) | tee "$OUT/gpu_tests.txt" && el "gpu tests done"
 (cd /tmp && python3 -c "from flashguard.bench.e2e import make_checkpoints; from pathlib import Path; \
   print(make_checkpoints(Path('$W'), '$R/.devcarry/ds-tokenizer'))" 2>&1 | tail -2)
-(cd /tmp && timeout 300 taskset -c 12-15 python3 -m flashguard.bench.e2e --workdir "$W" --tokenizer \
+(cd /tmp && timeout ${E2E_TIMEOUT:-300} taskset -c 12-15 python3 -m flashguard.bench.e2e --workdir "$W" --tokenizer \
   $R/.devcarry/ds-tokenizer --config $S/configs/flash --rows $ROWS --contexts $CONTEXTS --out "$OUT/e2e.md" \
   --json "$OUT/e2e.json" ${E2E_ARGS:-} 2> "$OUT/e2e.err" | tee "$OUT/e2e.jsonl" | grep -v '^{"row"' | tail -30)
 el "our rows done"
