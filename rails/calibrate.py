@@ -20,7 +20,9 @@ of the row's ``harm_span`` (the whole message for a harmful row without one), be
 left out in between (the short messages' mean states join it, ``SHORT_SHARE`` of the weight); its window size,
 layer, L2 and the threshold on a message's worst window are chosen by
 cross-validation grouped by message (``choose_window_probe``). Every other message follows one benign exchange
-(``earlier_exchange``), as a message in a conversation does.
+(``earlier_exchange``), as a message in a conversation does; a row with ``after`` follows the long paste exchange it
+names (``INPUT_PASTES``, tools/make_long_followup_items.py: short messages after a pasted text, issue 14), and rows
+with the same message text are held out together.
 """
 
 from __future__ import annotations
@@ -42,6 +44,9 @@ log = logging.getLogger("flashguard")
 
 TUNING_SET = Path(__file__).resolve().parent / "data" / "moderation_tune.jsonl"
 INPUT_TUNING_SET = Path(__file__).resolve().parent / "data" / "moderation_input_tune.jsonl"
+# the paste exchanges (a long pasted text with a question, and a reply) that input tuning rows with ``after`` follow
+# (tools/make_long_followup_items.py; issue 14: short messages after a long paste)
+INPUT_PASTES = Path(__file__).resolve().parent / "data" / "moderation_input_pastes.jsonl"
 L2_GRID = (1.0, 0.1, 0.01)
 FOLDS = 5
 # input rail: a tuning message longer than this (in the model's tokens) trains the probe as its first and its last
@@ -91,10 +96,13 @@ def input_moderation_ids(engine, user: str, question: str, history: Sequence[dic
                                                    {"role": "user", "content": question}])
 
 
-def earlier_exchange(i: int) -> list[dict]:
-    """The conversation before input tuning row ``i``: none for even rows; for odd rows one benign exchange from
-    the output tuning set (its allowed replies, in turn), so the input probe learns messages that come after a
-    conversation as well as first messages."""
+def earlier_exchange(i: int, row: Optional[dict] = None, pastes: Optional[Path] = None) -> list[dict]:
+    """The conversation before input tuning row ``i``: a row with ``after`` follows the paste exchange it names (a
+    long pasted text with a question, and the reply; ``pastes``, default ``INPUT_PASTES``); otherwise none for even
+    rows, and for odd rows one benign exchange from the output tuning set (its allowed replies, in turn), so the
+    input probe learns messages that come after a conversation as well as first messages."""
+    if row is not None and row.get("after"):
+        return paste_exchange(row["after"]["exchange"], pastes or INPUT_PASTES)
     if i % 2 == 0:
         return []
     benign = _benign_exchanges()
@@ -103,6 +111,18 @@ def earlier_exchange(i: int) -> list[dict]:
 
 
 _BENIGN: list = []
+_PASTES: dict = {}
+
+
+def paste_exchange(exchange: str, path: Path = INPUT_PASTES) -> list[dict]:
+    """The paste exchange ``exchange`` of ``path`` (``{id, user, bot}`` a line) as two messages."""
+    path = Path(path)
+    if path not in _PASTES:
+        _PASTES[path] = {e["id"]: e for e in map(json.loads, path.read_text(encoding="utf-8").splitlines()) if e}
+    e = _PASTES[path].get(exchange)
+    if e is None:
+        raise ValueError(f"{path} has no paste exchange {exchange!r}")
+    return [{"role": "user", "content": e["user"]}, {"role": "assistant", "content": e["bot"]}]
 
 
 def _benign_exchanges() -> list:
@@ -129,7 +149,7 @@ def collect(engine, rows: Sequence[dict], settings: ModerationSettings = Moderat
         from tqdm import tqdm
 
         it = tqdm(rows, desc="calibrate", unit="reply")
-    labels = []
+    labels, texts = [], []
     slides = {size: {"means": [], "labels": [], "message": []} for size in SLIDE_WINDOWS}
     long_labels = []
     layers = [layer for layer in LONG_LAYERS if layer <= hidden_layers(engine)]
@@ -149,6 +169,7 @@ def collect(engine, rows: Sequence[dict], settings: ModerationSettings = Moderat
                 long_labels.append(record["label"])
             elif record["kind"] == "short":
                 labels.append(record["label"])
+                texts.append(row)
                 states.append(record["hidden"])
                 pooled.append(record["mean"])
                 odds.append(record["odds"])
@@ -168,13 +189,15 @@ def collect(engine, rows: Sequence[dict], settings: ModerationSettings = Moderat
                 "windows": {size: {"means": torch.cat(out["means"], 1) if out["means"] else None,
                                    "labels": out["labels"], "message": out["message"]}
                             for size, out in slides.items()}}
-        return torch.stack(states), torch.tensor(odds, dtype=torch.float64), torch.stack(pooled), labels, long
+        return torch.stack(states), torch.tensor(odds, dtype=torch.float64), torch.stack(pooled), labels, long, texts
     return torch.stack(states), torch.tensor(odds, dtype=torch.float64)
 
 
 def row_key(i: int, row: dict, settings: ModerationSettings) -> str:
-    """A tuning row's key in the states cache: its number (its earlier exchange), text, labels and the question."""
-    return hashlib.sha256(json.dumps([i, row, settings.prompt, WINDOW, SLIDE_WINDOWS, LONG_LAYERS],
+    """A tuning row's key in the states cache: its number (its earlier exchange), text, labels and the question; for
+    a row after a paste exchange (``after``) also that conversation's text (the rows without one keep their keys)."""
+    history = [earlier_exchange(i, row)] if row.get("after") else []
+    return hashlib.sha256(json.dumps([i, row, settings.prompt, WINDOW, SLIDE_WINDOWS, LONG_LAYERS] + history,
                                      sort_keys=True).encode()).hexdigest()
 
 
@@ -182,7 +205,7 @@ def _input_row(engine, i: int, row: dict, settings: ModerationSettings, layers, 
     """One input tuning row through the rail's own path: ``{"kind": "short" | "long" | "skip", ...}``."""
     from .moderation import content_start, message_start, message_windows, pooled_state, window_means, window_starts
 
-    history = earlier_exchange(i) + [{"role": "user", "content": row["user"]}]
+    history = earlier_exchange(i, row) + [{"role": "user", "content": row["user"]}]
     ids = engine.encode_messages(history)
     if message_windows(engine, history, WINDOW) is not None:   # long: sliding windows over its own states
         if len(ids) >= engine.context_length:
@@ -301,8 +324,10 @@ def train(engine, rows: Sequence[dict], settings: ModerationSettings = Moderatio
         (None, [int(r["block"]) for r in rows])
     long = features[4] if len(features) > 4 else None
     answers = (False,) if settings.side == "input" else (False, True)   # the input probe's position asks nothing
-    # output rail: a long-paste row has the same reply as its short row; they are held out together
-    groups = [r["bot"] for r in rows] if settings.side == "output" else None
+    # output rail: a long-paste row has the same reply as its short row; they are held out together. Input rail: a
+    # short message after a paste exchange (``after``) may reuse a tuning message's text; same text, same fold
+    groups = [r["bot"] for r in rows] if settings.side == "output" else \
+        ([r["user"] for r in features[5]] if len(features) > 5 else None)
     table = cross_validate(hidden, odds, labels, layers=layers or range(1, hidden.shape[1]), l2s=L2_GRID, k=FOLDS,
                            answer_options=answers, pooled=pooled,
                            feature_options=FEATURE_OPTIONS if pooled is not None else ("last",), groups=groups)
@@ -315,6 +340,13 @@ def train(engine, rows: Sequence[dict], settings: ModerationSettings = Moderatio
             "cv_accuracy_short": round(sum(h for h, p in zip(hit, pasted) if not p) / pasted.count(False), 4),
             "cv_accuracy_pasted": round(sum(h for h, p in zip(hit, pasted) if p) / pasted.count(True), 4),
             "pasted_rows": pasted.count(True)}
+    if settings.side == "input" and len(features) > 5 and any(r.get("after") for r in features[5]):
+        hit = ((best["oof_p"] >= 0.5).long() == torch.tensor(labels)).tolist()
+        after = [bool(r.get("after")) for r in features[5]]
+        paste_metrics = {
+            "cv_accuracy_short": round(sum(h for h, a in zip(hit, after) if not a) / after.count(False), 4),
+            "cv_accuracy_after_paste": round(sum(h for h, a in zip(hit, after) if a) / after.count(True), 4),
+            "after_paste_rows": after.count(True)}
     x = design(hidden, odds, best["layer"], best["use_answer"], best["features"], pooled)
     w, b = fit_logistic(x, torch.tensor(labels), best["l2"])
     answer_weight = float(w[-1]) if best["use_answer"] else 0.0
@@ -400,6 +432,10 @@ def main(args) -> int:
     if "cv_accuracy_pasted" in probe.metrics:
         print(f"  short exchanges {probe.metrics['cv_accuracy_short']:.1%}, after a long paste "
               f"{probe.metrics['cv_accuracy_pasted']:.1%} ({probe.metrics['pasted_rows']} rows; folds grouped by reply)")
+    if "cv_accuracy_after_paste" in probe.metrics:
+        print(f"  short messages alone or after a short exchange {probe.metrics['cv_accuracy_short']:.1%}, after a "
+              f"paste exchange {probe.metrics['cv_accuracy_after_paste']:.1%} ({probe.metrics['after_paste_rows']} "
+              f"rows; folds grouped by text)")
     if probe.slides:
         print(f"long messages: windows of {probe.long_window} tokens every {probe.stride}, layer {probe.long_layer}, "
               f"l2 {probe.metrics['long_l2']}, threshold {probe.long_threshold:.2f} on the worst window; "
