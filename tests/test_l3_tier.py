@@ -196,3 +196,26 @@ def test_a_fresh_engines_first_prompt_is_not_read_back_from_disk(tmp_path):
     assert e.store.stats.page_faults == 0                 # no page came back from L3 during the prefill
     assert e.store.tier_counts()["l3_pages"] > 0           # and the pages over L2's budget went to disk after it
     e.session.cache.check_integrity()
+
+
+def test_a_long_prompts_pages_get_room_in_l2_in_one_allocation(tmp_path):
+    """A prompt's pages all stay in L2 while it is prefilled: the engine announces them (``PageStore.expect_pages``)
+    and the arena grows to them once, instead of doubling (a 128K prompt's 8.4K pages: 32K slots allocated in all,
+    8.3 GiB of pinned memory, 1.6 s of the prefill on the H200, and 16K slots kept). A later turn adds only its
+    own pages."""
+    kv = {"page_size": 16, "l1_tokens": 32, "sink_tokens": 16, "l1_max_tokens": 64, "l2_tokens": 64,
+          "l3_tokens": 1 << 16, "policy": "exact", "l2_codec": "fp16", "l3_codec": "fp16-zstd",
+          "l3_dir": str(tmp_path / "l3")}
+    e = tiny.engine(tmp_path / "model", kv=kv, prefill_chunk=32)
+    ids = e.tokenizer(tiny.text(3000, seed=5))["input_ids"][:1800]   # 113 pages: doubling went 64, then 128
+    arena = e._page_store().arena
+    grown = []
+    grow = arena._grow
+    arena._grow = lambda enc: (grown.append(arena.capacity), grow(enc))
+    e.generate(ids, SamplingParams(max_tokens=2))
+    assert len(grown) == 1, grown                                # one allocation for the whole prompt
+    assert 114 <= arena.capacity <= 128, arena.capacity          # its pages and an eighth to spare
+    e.session.cache.check_integrity()
+    more = ids + e.tokenizer(tiny.text(200, seed=6))["input_ids"][:100]
+    e.generate(more, SamplingParams(max_tokens=2))
+    assert len(grown) == 1, grown                                # L2 is back within budget: room was there

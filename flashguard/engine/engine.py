@@ -619,6 +619,8 @@ class Engine:
         with store.deferred() if store is not None else contextlib.nullcontext():
             reused = self._reuse_prefix(ids)
             rest = ids[reused:]
+            if store is not None:   # the prompt's pages, all in L2 until it is prefilled: room made at once
+                store.expect_pages(-(-len(rest) // self.kv.page_size) + 1)
             while a < len(rest):
                 chunk = self.prefill_chunk  # may shrink inside _forward after an out-of-memory
                 logits = self._forward(rest[a:a + chunk])

@@ -118,6 +118,7 @@ class L2Arena:
         self.free: list[int] = []             # slots no device work can still be reading
         self.recycled: list[int] = []         # slots released since the device was last waited for
         self.capacity = 0
+        self.wanted = 0                       # slots announced by ``expect``: the next growth goes there at once
         self.pinned = False                   # the GPU may read it directly (uva.py)
 
     def _plan(self, enc: dict) -> None:
@@ -137,6 +138,9 @@ class L2Arena:
         layers = enc.shape[0] if isinstance(enc, torch.Tensor) else \
             next(t for n, t in enc.items() if n != "bits").shape[0]
         cap = max(64, self.capacity * 2)
+        if self.wanted > self.capacity:   # announced (a long prompt): one allocation, an eighth to spare
+            cap = -(-(self.wanted + self.wanted // 8) // 64) * 64
+        self.wanted = 0
         new = _host_empty((layers, cap, self.row_bytes), torch.uint8, self.pin)
         if self.pin and torch.cuda.is_initialized():
             torch.cuda.synchronize()  # kernels may still read the old block directly (zero-copy)
@@ -147,6 +151,13 @@ class L2Arena:
         self.pinned = self.pin and new.is_pinned()
         self.free.extend(range(cap - 1, self.capacity - 1, -1))   # pop() hands out the lowest slot first
         self.capacity = cap
+
+    def expect(self, slots: int) -> None:
+        """``slots`` pages will be held at once soon (a prompt's pages, kept in L2 while it is prefilled): the next
+        growth makes room for them in one allocation instead of doubling to them. Doubling a pinned arena to a
+        128K prompt's 8.4K pages (2.1 GiB for the 1.5B shape) allocated 32K slots in all (8.3 GiB of pinned
+        memory, 1.6 s of the prefill on the H200) and ended at 16K slots (4.2 GiB)."""
+        self.wanted = max(self.wanted, slots)
 
     def rows(self, enc: dict) -> torch.Tensor | None:
         """An encoded page as this arena's rows (``[layers, row_bytes]`` uint8, on the CPU), for ``write`` to copy
@@ -595,6 +606,12 @@ class PageStore:
         the prefill's path. At the end, the writes still in flight are waited for and L2 is brought back to its
         budget: pages that have their file leave it for free."""
         return self._Deferred(self)
+
+    def expect_pages(self, pages: int) -> None:
+        """``pages`` new pages are coming (a prompt being prefilled, inside ``deferred``): L2 makes room for them at
+        once (``L2Arena.expect``)."""
+        with self.lock:
+            self.arena.expect(self.arena.used() + pages)
 
     def _end_deferred(self) -> None:
         with self.lock:
