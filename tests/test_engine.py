@@ -81,3 +81,22 @@ def test_bad_prompts_say_what_to_change(engine):
         engine.generate(long_ids, SamplingParams(max_tokens=4))
     with pytest.raises(PromptError, match="max_tokens"):
         SamplingParams(max_tokens=0)
+
+
+def test_a_conversation_encoded_again_is_not_tokenized_again(engine, monkeypatch):
+    """The input rail and the generation encode the same conversation in one turn (at 128K tokens ~0.5 s each):
+    the engine keeps its last few encodings; a changed message is encoded afresh, and callers get their own list."""
+    calls = []
+    real = engine.tokenizer.apply_chat_template
+    monkeypatch.setattr(engine.tokenizer, "apply_chat_template", lambda *a, **k: calls.append(1) or real(*a, **k))
+    msgs = [{"role": "user", "content": "Tell me about the sea, once."}]
+    first = engine.encode_messages(msgs)
+    again = engine.encode_messages([dict(m) for m in msgs])
+    assert again == first and len(calls) == 1
+    again.append(7)                                     # the caller's list: the kept ids do not change
+    assert engine.encode_messages(msgs) == first and len(calls) == 1
+    other = engine.encode_messages([{"role": "user", "content": "Tell me about the sea, twice."}])
+    assert other != first and len(calls) == 2
+    for i in range(engine.ENCODED_KEPT):                # older conversations leave: encoded again when they return
+        engine.encode_messages([{"role": "user", "content": f"filler {i}"}])
+    assert engine.encode_messages(msgs) == first and len(calls) == 3 + engine.ENCODED_KEPT
