@@ -149,7 +149,7 @@ def collect(engine, rows: Sequence[dict], settings: ModerationSettings = Moderat
         from tqdm import tqdm
 
         it = tqdm(rows, desc="calibrate", unit="reply")
-    labels, texts = [], []
+    labels, short_rows = [], []   # short_rows: the rows ``labels`` are of (long and skipped rows are not)
     slides = {size: {"means": [], "labels": [], "message": []} for size in SLIDE_WINDOWS}
     long_labels = []
     layers = [layer for layer in LONG_LAYERS if layer <= hidden_layers(engine)]
@@ -169,7 +169,7 @@ def collect(engine, rows: Sequence[dict], settings: ModerationSettings = Moderat
                 long_labels.append(record["label"])
             elif record["kind"] == "short":
                 labels.append(record["label"])
-                texts.append(row)
+                short_rows.append(row)
                 states.append(record["hidden"])
                 pooled.append(record["mean"])
                 odds.append(record["odds"])
@@ -189,7 +189,8 @@ def collect(engine, rows: Sequence[dict], settings: ModerationSettings = Moderat
                 "windows": {size: {"means": torch.cat(out["means"], 1) if out["means"] else None,
                                    "labels": out["labels"], "message": out["message"]}
                             for size, out in slides.items()}}
-        return torch.stack(states), torch.tensor(odds, dtype=torch.float64), torch.stack(pooled), labels, long, texts
+        return torch.stack(states), torch.tensor(odds, dtype=torch.float64), torch.stack(pooled), labels, long, \
+            short_rows
     return torch.stack(states), torch.tensor(odds, dtype=torch.float64)
 
 
@@ -323,30 +324,26 @@ def train(engine, rows: Sequence[dict], settings: ModerationSettings = Moderatio
     pooled, labels = (features[2], list(features[3])) if len(features) > 2 else \
         (None, [int(r["block"]) for r in rows])
     long = features[4] if len(features) > 4 else None
+    short_rows = features[5] if len(features) > 5 else rows   # the rows ``labels`` are of
     answers = (False,) if settings.side == "input" else (False, True)   # the input probe's position asks nothing
     # output rail: a long-paste row has the same reply as its short row; they are held out together. Input rail: a
     # short message after a paste exchange (``after``) may reuse a tuning message's text; same text, same fold
-    groups = [r["bot"] for r in rows] if settings.side == "output" else \
-        ([r["user"] for r in features[5]] if len(features) > 5 else None)
+    groups = [r["bot" if settings.side == "output" else "user"] for r in short_rows]
     table = cross_validate(hidden, odds, labels, layers=layers or range(1, hidden.shape[1]), l2s=L2_GRID, k=FOLDS,
                            answer_options=answers, pooled=pooled,
                            feature_options=FEATURE_OPTIONS if pooled is not None else ("last",), groups=groups)
     best = table[0]
+    # cross-validated accuracy apart for the rows with a paste (output: ``paste``, a reply after a pasted text;
+    # input: ``after``, a message after a paste exchange) and the others
+    field, name = ("paste", "pasted") if settings.side == "output" else ("after", "after_paste")
+    pasted = [bool(r.get(field)) for r in short_rows]
     paste_metrics: dict = {}
-    if settings.side == "output" and any("paste" in r for r in rows):
+    if any(pasted):
         hit = ((best["oof_p"] >= 0.5).long() == torch.tensor(labels)).tolist()
-        pasted = ["paste" in r for r in rows]
         paste_metrics = {
             "cv_accuracy_short": round(sum(h for h, p in zip(hit, pasted) if not p) / pasted.count(False), 4),
-            "cv_accuracy_pasted": round(sum(h for h, p in zip(hit, pasted) if p) / pasted.count(True), 4),
-            "pasted_rows": pasted.count(True)}
-    if settings.side == "input" and len(features) > 5 and any(r.get("after") for r in features[5]):
-        hit = ((best["oof_p"] >= 0.5).long() == torch.tensor(labels)).tolist()
-        after = [bool(r.get("after")) for r in features[5]]
-        paste_metrics = {
-            "cv_accuracy_short": round(sum(h for h, a in zip(hit, after) if not a) / after.count(False), 4),
-            "cv_accuracy_after_paste": round(sum(h for h, a in zip(hit, after) if a) / after.count(True), 4),
-            "after_paste_rows": after.count(True)}
+            f"cv_accuracy_{name}": round(sum(h for h, p in zip(hit, pasted) if p) / pasted.count(True), 4),
+            f"{name}_rows": pasted.count(True)}
     x = design(hidden, odds, best["layer"], best["use_answer"], best["features"], pooled)
     w, b = fit_logistic(x, torch.tensor(labels), best["l2"])
     answer_weight = float(w[-1]) if best["use_answer"] else 0.0
@@ -360,7 +357,7 @@ def train(engine, rows: Sequence[dict], settings: ModerationSettings = Moderatio
     if long is not None and len(set(long["message_labels"])) == 2:
         # the short messages that join the window probe's training: alone or after a short exchange, not the ones
         # after a paste exchange (with them, balanced CV on the long tuning messages fell from 92.1% to 91.4%)
-        keep = [not r.get("after") for r in features[5]] if len(features) > 5 else [True] * len(labels)
+        keep = [not r.get("after") for r in short_rows]
         short = (pooled[torch.tensor(keep)], [y for y, k in zip(labels, keep) if k])
         long_table = choose_window_probe(long, short=short)
         lb = long_table[0]

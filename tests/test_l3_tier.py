@@ -199,7 +199,7 @@ def test_a_fresh_engines_first_prompt_is_not_read_back_from_disk(tmp_path):
 
 
 def test_a_long_prompts_pages_get_room_in_l2_in_one_allocation(tmp_path):
-    """A prompt's pages all stay in L2 while it is prefilled: the engine announces them (``PageStore.expect_pages``)
+    """A prompt's pages all stay in L2 while it is prefilled: the engine announces them (``PageStore.expect_tokens``)
     and the arena grows to them once, instead of doubling (a 128K prompt's 8.4K pages: 32K slots allocated in all,
     8.3 GiB of pinned memory, 1.6 s of the prefill on the H200, and 16K slots kept). A later turn adds only its
     own pages."""

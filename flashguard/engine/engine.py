@@ -293,7 +293,7 @@ class Engine:
             ids = tuple(out["input_ids"] if hasattr(out, "keys") else out)
         with self._encoded_lock:
             # a turn encodes the same conversation for the input rail and again for the generation: at 128K
-            # tokens each encoding took ~0.5 s of the time to the first token (docs/benchmarks/e2e_h200.md)
+            # tokens each encoding took ~0.5 s of the time to the first token (run_2026-12-01/call1/profile-default.txt)
             self._encoded[key] = ids
             while len(self._encoded) > self.ENCODED_KEPT:
                 self._encoded.popitem(last=False)
@@ -639,7 +639,7 @@ class Engine:
             reused = self._reuse_prefix(ids)
             rest = ids[reused:]
             if store is not None:   # the prompt's pages, all in L2 until it is prefilled: room made at once
-                store.expect_pages(-(-len(rest) // self.kv.page_size) + 1)
+                store.expect_tokens(len(rest))
             while a < len(rest):
                 chunk = self.prefill_chunk  # may shrink inside _forward after an out-of-memory
                 logits = self._forward(rest[a:a + chunk])

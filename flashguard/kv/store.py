@@ -607,11 +607,11 @@ class PageStore:
         budget: pages that have their file leave it for free."""
         return self._Deferred(self)
 
-    def expect_pages(self, pages: int) -> None:
-        """``pages`` new pages are coming (a prompt being prefilled, inside ``deferred``): L2 makes room for them at
-        once (``L2Arena.expect``)."""
+    def expect_tokens(self, tokens: int) -> None:
+        """``tokens`` new tokens are coming (a prompt being prefilled, inside ``deferred``): L2 makes room for their
+        pages (and the one they may complete) at once (``L2Arena.expect``)."""
         with self.lock:
-            self.arena.expect(self.arena.used() + pages)
+            self.arena.expect(self.arena.used() + -(-tokens // self.config.page_size) + 1)
 
     def _end_deferred(self) -> None:
         with self.lock:

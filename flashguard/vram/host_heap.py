@@ -15,24 +15,21 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import sys
 
-_LIBC = None
-_TRIED = False
 
-
+@functools.lru_cache(maxsize=None)
 def _malloc_trim():
-    global _LIBC, _TRIED
-    if not _TRIED:
-        _TRIED = True
-        if sys.platform.startswith("linux"):
-            try:
-                libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-                _LIBC = libc.malloc_trim   # glibc only: musl has no malloc_trim (AttributeError)
-                _LIBC.argtypes, _LIBC.restype = [ctypes.c_size_t], ctypes.c_int
-            except (OSError, AttributeError):
-                _LIBC = None
-    return _LIBC
+    """glibc's ``malloc_trim``, or None (not Linux, or a libc without it: musl)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
+    return fn
 
 
 def trim() -> bool:
