@@ -3,6 +3,7 @@ step serves pages whose only copy is on disk (read once, on the prefetch worker 
 it runs again; then read from L2 while hot), a prefill writes its L3 files off its path, and why L3 is off is visible (issue 13)."""
 
 import collections
+import sys
 import threading
 
 import pytest
@@ -219,3 +220,37 @@ def test_a_long_prompts_pages_get_room_in_l2_in_one_allocation(tmp_path):
     more = ids + e.tokenizer(tiny.text(200, seed=6))["input_ids"][:100]
     e.generate(more, SamplingParams(max_tokens=2))
     assert len(grown) == 1, grown                                # L2 is back within budget: room was there
+
+
+def test_a_long_prompts_pinned_l2_block_is_allocated_on_a_thread(tmp_path, monkeypatch):
+    """Pinning host memory is slow (a 128K prompt's 2.4 GiB took 1.8 s of its time to the first token on the H200),
+    and no page leaves the pool before the pool is full: the announced block is allocated on a thread
+    (``L2Arena.ahead``) while the prompt's first chunks run, and the growth takes it; a first prompt (no page
+    layout known when it is announced) starts it at its first page, with a small block meanwhile. The pages moved
+    from the small block are intact: the same tokens as an engine that allocates as it goes. (A CPU build has no
+    pinned memory: the thread's request falls back to pageable memory, the same path.)"""
+    from flashguard.kv import store as store_mod
+
+    kv = {"page_size": 16, "l1_tokens": 32, "sink_tokens": 16, "l1_max_tokens": 64, "l2_tokens": 64,
+          "l3_tokens": 1 << 16, "policy": "exact", "l2_codec": "fp16", "l3_codec": "fp16-zstd"}
+    ids = None
+    outs, names = [], []
+    real = store_mod._host_empty
+    for ahead in (False, True):
+        e = tiny.engine(tmp_path / "model", kv=dict(kv, l3_dir=str(tmp_path / f"l3-{ahead}")), prefill_chunk=32)
+        ids = ids or e.tokenizer(tiny.text(3000, seed=5))["input_ids"][:1800]
+        arena = e._page_store().arena
+        if ahead:
+            arena.pin = True
+            monkeypatch.setattr(store_mod.L2Arena, "AHEAD_BYTES", 0)
+            monkeypatch.setattr(store_mod, "_host_empty", lambda shape, dtype, pin: (
+                names.append((threading.current_thread().name, shape[1], sys._getframe(1).f_code.co_name)),
+                real(shape, dtype, pin))[1])
+        outs.append(e.generate(ids, SamplingParams(max_tokens=4)).text)
+        e.session.cache.check_integrity()
+        e._page_store().check_integrity()
+    grows = [n[:2] for n in names if n[2] != "gather"]           # (not the gathers' buffers)
+    assert grows[0] == ("flashguard-l2-grow", grows[0][1]) and 114 <= grows[0][1] <= 128, names
+    assert grows[1:] == [("MainThread", 64)], names              # the first page's small block, meanwhile
+    assert arena.capacity == grows[0][1] and arena.ahead is None
+    assert outs[0] == outs[1]

@@ -330,6 +330,7 @@ def main(argv=None) -> int:
             if line.startswith('{"row"'):
                 results.append(json.loads(line))   # the turns a row finished, even when it broke later
                 print(line.rstrip(), flush=True)
+                _write(results, args)   # the files too: a call killed at its time limit keeps every turn it ran
         proc.wait()
         drain.join()
         stderr = "".join(err)
@@ -340,6 +341,14 @@ def main(argv=None) -> int:
 
     emit(render(results), {"rows": results}, args.out, args.json)
     return 0
+
+
+def _write(results: list, args) -> None:
+    """The table (``--out``) and the rows (``--json``) as they stand, after each turn."""
+    if args.out:
+        Path(args.out).write_text(render(results))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"rows": results}, indent=1, default=str))
 
 
 if __name__ == "__main__":

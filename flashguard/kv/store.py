@@ -40,6 +40,7 @@ import os
 import threading
 import time
 from collections import OrderedDict
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -120,6 +121,8 @@ class L2Arena:
         self.capacity = 0
         self.wanted = 0                       # slots announced by ``expect``: the next growth goes there at once
         self.pinned = False                   # the GPU may read it directly (uva.py)
+        self.layers = 0
+        self.ahead: tuple | None = None       # (slots, Future of the block) of a growth allocated on a thread
 
     def _plan(self, enc: dict) -> None:
         off, layout = 0, []
@@ -135,13 +138,26 @@ class L2Arena:
     def _grow(self, enc: dict | torch.Tensor) -> None:
         if not self.layout:
             self._plan(enc)
-        layers = enc.shape[0] if isinstance(enc, torch.Tensor) else \
-            next(t for n, t in enc.items() if n != "bits").shape[0]
-        cap = max(64, self.capacity * 2)
-        if self.wanted > self.capacity:   # announced (a long prompt): one allocation, an eighth to spare
-            cap = -(-(self.wanted + self.wanted // 8) // 64) * 64
+            self.layers = enc.shape[0] if isinstance(enc, torch.Tensor) else \
+                next(t for n, t in enc.items() if n != "bits").shape[0]
+            self._allocate_ahead()        # a long first prompt: its block on a thread, this small one meanwhile
+        layers = self.layers
+        new = None
+        if self.ahead is not None and self.capacity == 0:
+            cap = 64
+        elif self.ahead is not None:      # the announced block, allocated while the prompt's first chunks ran
+            cap, fut = self.ahead
+            self.ahead = None
+            new = fut.result()
+            if cap <= self.capacity:      # (cannot happen: it is asked only for more than the capacity)
+                cap, new = max(64, self.capacity * 2), None
+        else:
+            cap = max(64, self.capacity * 2)
+            if self.wanted > self.capacity:   # announced (a long prompt): one allocation, an eighth to spare
+                cap = self._room_for(self.wanted)
         self.wanted = 0
-        new = _host_empty((layers, cap, self.row_bytes), torch.uint8, self.pin)
+        if new is None:
+            new = _host_empty((layers, cap, self.row_bytes), torch.uint8, self.pin)
         if self.pin and torch.cuda.is_initialized():
             torch.cuda.synchronize()  # kernels may still read the old block directly (zero-copy)
         if self.data is not None:
@@ -156,8 +172,39 @@ class L2Arena:
         """``slots`` pages will be held at once soon (a prompt's pages, kept in L2 while it is prefilled): the next
         growth makes room for them in one allocation instead of doubling to them. Doubling a pinned arena to a
         128K prompt's 8.4K pages (2.1 GiB for the 1.5B shape) allocated 32K slots in all (8.3 GiB of pinned
-        memory, 1.6 s of the prefill on the H200) and ended at 16K slots (4.2 GiB)."""
+        memory, 1.6 s of the prefill on the H200) and ended at 16K slots (4.2 GiB). A pinned block of at least
+        ``AHEAD_BYTES`` is allocated on a thread from now (``_allocate_ahead``)."""
         self.wanted = max(self.wanted, slots)
+        self._allocate_ahead()
+
+    AHEAD_BYTES = 64 * 2**20
+
+    @staticmethod
+    def _room_for(slots: int) -> int:
+        return -(-(slots + slots // 8) // 64) * 64   # an eighth to spare, whole blocks of 64 slots
+
+    def _allocate_ahead(self) -> None:
+        """Allocate the announced growth's pinned block on a thread. Pinning host memory is slow (the 2.4 GiB of a
+        128K prompt took 1.8 s of its time to the first token on the H200, on the prefilling thread), and it is
+        not needed at once: no page of a prompt leaves the GPU's pool before the pool is full, so the block is
+        pinned while the prompt's first chunks run on the GPU, and ``_grow`` waits for it only if it is late.
+        Pageable arenas (the CPU) and small growths are allocated when needed, as before."""
+        if not (self.pin and self.layout and self.wanted > self.capacity) or self.ahead is not None:
+            return
+        cap = self._room_for(self.wanted)
+        if self.layers * cap * self.row_bytes < self.AHEAD_BYTES:
+            return
+        fut: Future = Future()
+        shape = (self.layers, cap, self.row_bytes)
+
+        def allocate():
+            try:
+                fut.set_result(_host_empty(shape, torch.uint8, True))
+            except BaseException as exc:  # noqa: BLE001 - handed to the thread that waits for the block
+                fut.set_exception(exc)
+
+        threading.Thread(target=allocate, name="flashguard-l2-grow", daemon=True).start()
+        self.ahead = (cap, fut)
 
     def rows(self, enc: dict) -> torch.Tensor | None:
         """An encoded page as this arena's rows (``[layers, row_bytes]`` uint8, on the CPU), for ``write`` to copy
