@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from flashguard import CacheConfig
-from flashguard.kv import codecs
+from flashguard.kv import OUT_OF_MEMORY, codecs
 from flashguard.kv.store import PageStore, page_key
 
 
@@ -195,3 +195,42 @@ def test_a_released_conversations_pages_leave_l2_before_a_live_ones(tmp_path):
         assert all(store.pages[key].l2 is not None for key in new), deferred
         assert all(store.pages[key].l2 is None and store.pages[key].l3 is not None for key in old), deferred
         store.close()
+
+
+def test_pages_that_do_not_fit_the_gpu_to_encode_are_encoded_in_halves(monkeypatch):
+    """A batch whose encode runs out of GPU memory (the 128K crop on the H200) is encoded in halves down to one page:
+    every page stored with the codes a plain store gives it, one reference each; where even one page does not fit,
+    the error reaches the caller and the references of the batch's known pages are not taken."""
+    cfg = CacheConfig(page_size=32, l1_tokens=64, l2_tokens=1 << 20, l3_tokens=0)
+    pages = [kv(i) for i in range(6)]
+    k = torch.stack([p[0] for p in pages], dim=2)   # [layers, heads, n, p, d]
+    v = torch.stack([p[1] for p in pages], dim=2)
+    bounds = torch.stack([summary(p[0]) for p in pages])
+    keys = [page_key(b"root", [i], b"ns") for i in range(6)]
+    plain = PageStore(cfg)
+    plain.put_many(keys, k, v, bounds)
+
+    encode, sizes = codecs.encode, []
+
+    def tight(k, v, codec):   # the GPU holds the temporaries of at most two pages
+        sizes.append(k.shape[2])
+        if k.shape[2] > 2:
+            raise OUT_OF_MEMORY("CUDA out of memory. Tried to allocate 28.00 MiB")
+        return encode(k, v, codec)
+
+    monkeypatch.setattr(codecs, "encode", tight)
+    store = PageStore(cfg)
+    store.put_many(keys[:1], k[:, :, :1], v[:, :, :1], bounds[:1])
+    store.put_many(keys, k, v, bounds)             # 5 new pages: 5 -> 2 + 3 -> 2 + 1 + 2
+    assert sizes[1:] == [5, 2, 3, 1, 2]
+    assert [store.pages[key].refs for key in keys] == [2, 1, 1, 1, 1, 1]
+    for key in keys:
+        got, want = store.get(key), plain.get(key)
+        assert all(torch.equal(got[f], want[f]) for f in want)
+    store.check_integrity()
+
+    monkeypatch.setattr(codecs, "encode", lambda k, v, codec: (_ for _ in ()).throw(OUT_OF_MEMORY("no memory")))
+    more = [page_key(b"more", [i], b"ns") for i in range(2)]
+    with pytest.raises(OUT_OF_MEMORY):
+        store.put_many([keys[0], more[0]], k[:, :, :2], v[:, :, :2], bounds[:2])
+    assert store.pages[keys[0]].refs == 2 and more[0] not in store.pages

@@ -28,7 +28,7 @@ import torch
 
 from ..config import EngineConfig
 from ..errors import ConfigError, GpuMemoryError, PromptError
-from ..kv import peer
+from ..kv import OUT_OF_MEMORY, peer
 from ..vram import host_heap
 from . import loader
 from .decode_step import DecodeStep
@@ -62,9 +62,6 @@ def cache_kwarg(model) -> str:
     import inspect
 
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
-OUT_OF_MEMORY = getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError  # torch < 2.5: cuda's
 
 
 VRAM_MARGIN = 512 * 2**20   # vram_budget auto: the GPU's free memory at start less this (other programs, the desktop)

@@ -1,5 +1,10 @@
 """The tiered, paged KV cache: pages, codecs, tiers, PageStore, TieredCache, attention over tiers."""
 
+import torch
+
+# what a CUDA allocation past the allocator's cap raises (torch < 2.5: torch.cuda's)
+OUT_OF_MEMORY = getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError
+
 # Tokens of off-window pages decoded and attended at once: on a GPU one fused kernel call (no score matrix), on
 # the CPU's einsum path the block's scores are materialised, so they stay small. The memory planner budgets the
 # GPU value (vram/plan.py).

@@ -47,7 +47,7 @@ import numpy as np
 import torch
 
 from ..config import CacheConfig
-from . import codecs
+from . import OUT_OF_MEMORY, codecs
 from .disk import L3Folder, PageLost
 from .policy import TierPolicy
 
@@ -344,23 +344,22 @@ class PageStore:
         """Several pages at once: k/v ``[layers, kv_heads, n, page_size, head_dim]``, summary ``[n, layers, ...]``.
         Pages already stored take a reference; the new ones are encoded in one go and copied to the host once."""
         with self.lock:
-            new = []
+            new = [i for i, key in enumerate(keys) if key not in self.pages]
+            if new:   # before any reference is taken: an out-of-memory error raised here leaves the store as it was
+                t0 = time.perf_counter()
+                if len(new) < len(keys):
+                    pick = torch.tensor(new, device=k.device)
+                    k, v, summary = k.index_select(2, pick), v.index_select(2, pick), summary[new]
+                enc = self._encode_to_host(k, v)
+                summary = summary.to("cpu")
+            fresh = set(new)
             for i, key in enumerate(keys):
-                page = self.pages.get(key)
-                if page is None:
-                    new.append(i)
-                    continue
-                page.refs += 1
-                self.stats.pages_shared += 1
-                self.pages.move_to_end(key)
+                if i not in fresh:
+                    self.pages[key].refs += 1
+                    self.stats.pages_shared += 1
+                    self.pages.move_to_end(key)
             if not new:
                 return
-            t0 = time.perf_counter()
-            if len(new) < len(keys):
-                pick = torch.tensor(new, device=k.device)
-                k, v, summary = k.index_select(2, pick), v.index_select(2, pick), summary[new]
-            enc = {n: t.to("cpu") for n, t in codecs.encode(k, v, self.config.l2_codec).items()}
-            summary = summary.to("cpu")
             for j, i in enumerate(new):
                 slot = self.arena.write({n: (t if n == "bits" else t[:, :, j]) for n, t in enc.items()})
                 self.pages[keys[i]] = _Page(refs=1, l2=slot, summary=summary[j].clone())
@@ -369,6 +368,24 @@ class PageStore:
             self.stats.codec_seconds += time.perf_counter() - t0
             self.stats.bytes_to_l2 += len(new) * self.arena.page_bytes()
             self._enforce_budgets()
+
+    def _encode_to_host(self, k: torch.Tensor, v: torch.Tensor) -> dict:
+        """``codecs.encode`` of pages ``[layers, kv_heads, n, page_size, head_dim]`` on their device, every field
+        copied to the host. Where the encode's temporaries do not fit the GPU (a crop at 128K under a 4 GiB budget
+        ran out of memory here on the H200, with the allocator at its cap), the pages are encoded in halves, down
+        to one page; the codes are the same (pages are quantized each on their own)."""
+        try:
+            return {n: t.to("cpu") for n, t in codecs.encode(k, v, self.config.l2_codec).items()}
+        except OUT_OF_MEMORY:
+            n = k.shape[2]
+            if n == 1:
+                raise
+            if torch.cuda.is_initialized():
+                torch.cuda.empty_cache()
+            log.info("flashguard: out of GPU memory encoding %d pages for L2; encoding them in halves", n)
+            a = self._encode_to_host(k[:, :, :n // 2], v[:, :, :n // 2])
+            b = self._encode_to_host(k[:, :, n // 2:], v[:, :, n // 2:])
+            return {f: a[f] if f == "bits" else torch.cat([a[f], b[f]], dim=2) for f in a}
 
     def _touch(self, key: bytes) -> _Page | None:
         """The page, marked most recently used; None (and a miss) if unknown. Call with the lock held."""
