@@ -254,3 +254,42 @@ def test_a_long_prompts_pinned_l2_block_is_allocated_on_a_thread(tmp_path, monke
     assert grows[1:] == [("MainThread", 64)], names              # the first page's small block, meanwhile
     assert arena.capacity == grows[0][1] and arena.ahead is None
     assert outs[0] == outs[1]
+
+
+def test_a_larger_announcement_replaces_the_pinned_allocation_on_its_way(monkeypatch):
+    """A conversation's announced pages start a pinned allocation that may still be on its way (or unused: its
+    pages stayed in the pool) when a longer prompt is announced: the longer one replaces it, so the growth makes
+    room for the longer prompt at once instead of taking the smaller allocation and doubling from there; a
+    smaller announcement keeps the larger one; closing waits for and discards one on its way."""
+    from flashguard.kv import codecs
+    from flashguard.kv import store as store_mod
+
+    monkeypatch.setattr(store_mod.L2Arena, "AHEAD_BYTES", 0)
+    gate, real = threading.Event(), store_mod._host_empty
+
+    def slow(shape, dtype, pin):   # the pinning thread waits until the test lets it finish
+        if threading.current_thread().name == "flashguard-l2-grow":
+            gate.wait(10)
+        return real(shape, dtype, pin)
+
+    monkeypatch.setattr(store_mod, "_host_empty", slow)
+    arena = store_mod.L2Arena(pin=True)   # (a CPU build: the pinned request falls back to pageable memory)
+    k = torch.randn(2, 2, 16, 8)
+    page = codecs.encode(k, k, "int8")
+    arena.write(page)                      # the layout; 64 slots
+    arena.expect(1000)
+    first = arena.ahead
+    arena.expect(5000)
+    second = arena.ahead
+    assert first is not None and second is not first and second[0] == arena._room_for(5000)
+    arena.expect(2000)
+    assert arena.ahead is second
+    gate.set()
+    for _ in range(64):                    # the 65th page grows the arena
+        arena.write(page)
+    assert arena.capacity == arena._room_for(5000) and arena.ahead is None and arena.wanted == 0
+    assert arena.used() == 65
+    arena.expect(arena.capacity + 100)
+    assert arena.ahead is not None
+    arena.drop_ahead()
+    assert arena.ahead is None

@@ -136,30 +136,34 @@ class L2Arena:
         self.layout = layout                  # set last, at once: reader threads ask for ``rows`` meanwhile
 
     def _grow(self, enc: dict | torch.Tensor) -> None:
+        """Room for more slots: the announced allocation (``ahead``) when one is on its way, else one allocation
+        for the announced pages (``wanted``), else twice the capacity. The arena's pages are copied over, and
+        ``wanted`` is cleared once the new capacity holds it."""
         if not self.layout:
             self._plan(enc)
             self.layers = enc.shape[0] if isinstance(enc, torch.Tensor) else \
                 next(t for n, t in enc.items() if n != "bits").shape[0]
-            self._allocate_ahead()        # a long first prompt: its block on a thread, this small one meanwhile
+            self._allocate_ahead()        # a long first prompt: its allocation on a thread, 64 slots meanwhile
         layers = self.layers
         new = None
         if self.ahead is not None and self.capacity == 0:
             cap = 64
-        elif self.ahead is not None:      # the announced block, allocated while the prompt's first chunks ran
+        elif self.ahead is not None:      # the announced allocation, pinned while the prompt's first chunks ran
             cap, fut = self.ahead
             self.ahead = None
             new = fut.result()
-            if cap <= self.capacity:      # (cannot happen: it is asked only for more than the capacity)
+            if cap <= self.capacity:      # (an announcement of no more than the first 64 slots)
                 cap, new = max(64, self.capacity * 2), None
         else:
             cap = max(64, self.capacity * 2)
             if self.wanted > self.capacity:   # announced (a long prompt): one allocation, an eighth to spare
                 cap = self._room_for(self.wanted)
-        self.wanted = 0
+        if self.wanted <= cap:
+            self.wanted = 0
         if new is None:
             new = _host_empty((layers, cap, self.row_bytes), torch.uint8, self.pin)
         if self.pin and torch.cuda.is_initialized():
-            torch.cuda.synchronize()  # kernels may still read the old block directly (zero-copy)
+            torch.cuda.synchronize()  # kernels may still read the old allocation directly (zero-copy)
         if self.data is not None:
             np.copyto(new.numpy()[:, :self.capacity], self.host)
         self.data = new
@@ -172,8 +176,8 @@ class L2Arena:
         """``slots`` pages will be held at once soon (a prompt's pages, kept in L2 while it is prefilled): the next
         growth makes room for them in one allocation instead of doubling to them. Doubling a pinned arena to a
         128K prompt's 8.4K pages (2.1 GiB for the 1.5B shape) allocated 32K slots in all (8.3 GiB of pinned
-        memory, 1.6 s of the prefill on the H200) and ended at 16K slots (4.2 GiB). A pinned block of at least
-        ``AHEAD_BYTES`` is allocated on a thread from now (``_allocate_ahead``)."""
+        memory, 1.6 s of the prefill on the H200) and ended at 16K slots (4.2 GiB). A pinned allocation of at
+        least ``AHEAD_BYTES`` is made on a thread from now (``_allocate_ahead``)."""
         self.wanted = max(self.wanted, slots)
         self._allocate_ahead()
 
@@ -181,18 +185,20 @@ class L2Arena:
 
     @staticmethod
     def _room_for(slots: int) -> int:
-        return -(-(slots + slots // 8) // 64) * 64   # an eighth to spare, whole blocks of 64 slots
+        return -(-(slots + slots // 8) // 64) * 64   # an eighth to spare, in whole multiples of 64 slots
 
     def _allocate_ahead(self) -> None:
-        """Allocate the announced growth's pinned block on a thread. Pinning host memory is slow (the 2.4 GiB of a
-        128K prompt took 1.8 s of its time to the first token on the H200, on the prefilling thread), and it is
-        not needed at once: no page of a prompt leaves the GPU's pool before the pool is full, so the block is
-        pinned while the prompt's first chunks run on the GPU, and ``_grow`` waits for it only if it is late.
+        """Make the announced growth's pinned allocation on a thread (``ahead``: its slots and a Future; ``_grow``
+        takes it, ``drop_ahead`` discards it). Pinning host memory is slow (the 2.4 GiB of a 128K prompt took
+        1.8 s of its time to the first token on the H200, on the prefilling thread), and it is not needed at once:
+        no page of a prompt leaves the GPU's pool before the pool is full, so the memory is pinned while the
+        prompt's first chunks run on the GPU, and ``_grow`` waits for it only if it is late. A larger
+        announcement while one is on its way replaces it (the smaller one is freed when its thread ends).
         Pageable arenas (the CPU) and small growths are allocated when needed, as before."""
-        if not (self.pin and self.layout and self.wanted > self.capacity) or self.ahead is not None:
+        if not (self.pin and self.layout and self.wanted > self.capacity):
             return
         cap = self._room_for(self.wanted)
-        if self.layers * cap * self.row_bytes < self.AHEAD_BYTES:
+        if (self.ahead is not None and self.ahead[0] >= cap) or self.layers * cap * self.row_bytes < self.AHEAD_BYTES:
             return
         fut: Future = Future()
         shape = (self.layers, cap, self.row_bytes)
@@ -200,11 +206,19 @@ class L2Arena:
         def allocate():
             try:
                 fut.set_result(_host_empty(shape, torch.uint8, True))
-            except BaseException as exc:  # noqa: BLE001 - handed to the thread that waits for the block
+            except BaseException as exc:  # noqa: BLE001 - handed to the thread that takes the allocation
                 fut.set_exception(exc)
 
-        threading.Thread(target=allocate, name="flashguard-l2-grow", daemon=True).start()
+        # not a daemon: the interpreter's exit waits for it rather than stopping it inside the CUDA driver's call
+        threading.Thread(target=allocate, name="flashguard-l2-grow").start()
         self.ahead = (cap, fut)
+
+    def drop_ahead(self) -> None:
+        """Discard an announced allocation on its way (the store closes): wait for its thread, free the memory."""
+        if self.ahead is not None:
+            _, fut = self.ahead
+            self.ahead = None
+            fut.exception()   # waits; an allocation that failed has nothing to free
 
     def rows(self, enc: dict) -> torch.Tensor | None:
         """An encoded page as this arena's rows (``[layers, row_bytes]`` uint8, on the CPU), for ``write`` to copy
@@ -342,16 +356,15 @@ class PageStore:
 
     def put_many(self, keys: list[bytes], k: torch.Tensor, v: torch.Tensor, summary: torch.Tensor) -> None:
         """Several pages at once: k/v ``[layers, kv_heads, n, page_size, head_dim]``, summary ``[n, layers, ...]``.
-        Pages already stored take a reference; the new ones are encoded in one go and copied to the host once."""
+        Pages already stored take a reference; the new ones are encoded together (``_encode_to_host``) and copied
+        to the host. An error raised by the encode (a CUDA out-of-memory on a single page) leaves the store as it
+        was: no reference is taken before it."""
         with self.lock:
             new = [i for i, key in enumerate(keys) if key not in self.pages]
-            if new:   # before any reference is taken: an out-of-memory error raised here leaves the store as it was
+            if new:
                 t0 = time.perf_counter()
-                if len(new) < len(keys):
-                    pick = torch.tensor(new, device=k.device)
-                    k, v, summary = k.index_select(2, pick), v.index_select(2, pick), summary[new]
-                enc = self._encode_to_host(k, v)
-                summary = summary.to("cpu")
+                enc = self._encode_to_host(k, v, new)
+                summary = summary[new].to("cpu") if len(new) < len(keys) else summary.to("cpu")
             fresh = set(new)
             for i, key in enumerate(keys):
                 if i not in fresh:
@@ -369,23 +382,30 @@ class PageStore:
             self.stats.bytes_to_l2 += len(new) * self.arena.page_bytes()
             self._enforce_budgets()
 
-    def _encode_to_host(self, k: torch.Tensor, v: torch.Tensor) -> dict:
-        """``codecs.encode`` of pages ``[layers, kv_heads, n, page_size, head_dim]`` on their device, every field
-        copied to the host. Where the encode's temporaries do not fit the GPU (a crop at 128K under a 4 GiB budget
-        ran out of memory here on the H200, with the allocator at its cap), the pages are encoded in halves, down
-        to one page; the codes are the same (pages are quantized each on their own)."""
+    def _encode_to_host(self, k: torch.Tensor, v: torch.Tensor, pages: list[int]) -> dict:
+        """``codecs.encode`` of the pages ``pages`` of ``k``/``v`` (``[layers, kv_heads, n, page_size, head_dim]``)
+        on their device, every field (``[layers, kv_heads, len(pages), ...]``) copied to the host. Where the
+        encode's temporaries do not fit the GPU (a crop at 128K under a 4 GiB budget ran out of memory here on the
+        H200, with the allocator at its cap), the pages are encoded in halves, down to one page, whose error is
+        raised (the engine's prefill recovers from it); the codes are the same (each page is quantized alone)."""
         try:
-            return {n: t.to("cpu") for n, t in codecs.encode(k, v, self.config.l2_codec).items()}
+            if pages == list(range(k.shape[2])):
+                enc = codecs.encode(k, v, self.config.l2_codec)
+            else:
+                pick = torch.tensor(pages, device=k.device)
+                enc = codecs.encode(k.index_select(2, pick), v.index_select(2, pick), self.config.l2_codec)
+            return {n: t.to("cpu") for n, t in enc.items()}
         except OUT_OF_MEMORY:
-            n = k.shape[2]
-            if n == 1:
+            if len(pages) == 1:
                 raise
-            if torch.cuda.is_initialized():
-                torch.cuda.empty_cache()
-            log.info("flashguard: out of GPU memory encoding %d pages for L2; encoding them in halves", n)
-            a = self._encode_to_host(k[:, :, :n // 2], v[:, :, :n // 2])
-            b = self._encode_to_host(k[:, :, n // 2:], v[:, :, n // 2:])
-            return {f: a[f] if f == "bits" else torch.cat([a[f], b[f]], dim=2) for f in a}
+        # past the except block: its traceback (and the failed attempt's GPU temporaries) is released first
+        if torch.cuda.is_initialized():
+            torch.cuda.empty_cache()
+        log.info("flashguard: out of GPU memory encoding %d pages for L2; encoding them in halves", len(pages))
+        half = len(pages) // 2
+        a = self._encode_to_host(k, v, pages[:half])
+        b = self._encode_to_host(k, v, pages[half:])
+        return {f: a[f] if f == "bits" else torch.cat([a[f], b[f]], dim=2) for f in a}
 
     def _touch(self, key: bytes) -> _Page | None:
         """The page, marked most recently used; None (and a miss) if unknown. Call with the lock held."""
@@ -854,6 +874,8 @@ class PageStore:
                 assert p.summary is not None and p.summary.dim() == 4
 
     def close(self) -> None:
+        if "arena" in self.__dict__:
+            self.arena.drop_ahead()
         for pool in self.__dict__.get("_readers", {}).values():
             pool.shutdown(wait=True, cancel_futures=True)
         self._fetching.clear()
