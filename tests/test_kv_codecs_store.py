@@ -234,3 +234,44 @@ def test_pages_that_do_not_fit_the_gpu_to_encode_are_encoded_in_halves(monkeypat
     with pytest.raises(OUT_OF_MEMORY):
         store.put_many([keys[0], more[0]], k[:, :, :2], v[:, :, :2], bounds[:2])
     assert store.pages[keys[0]].refs == 2 and more[0] not in store.pages
+
+
+def test_an_l3_file_whose_gpu_codec_work_does_not_fit_is_written_from_the_cpu(tmp_path, monkeypatch):
+    """The L3 writer does a page's codec work on the GPU's worker stream; where that runs out of memory (the H200's
+    128K output rail with the allocator at its cap raised it through NeMo), the page is encoded on the CPU: the same
+    page comes back from its file, and the prefill that waits for it goes on. (A CPU build has no GPU worker: the test stands one in whose
+    every codec call runs out of memory.)"""
+    import contextlib
+
+    cfg = CacheConfig(page_size=32, l1_tokens=64, l2_tokens=2 * 32, l3_tokens=1 << 16, l3_dir=str(tmp_path / "a"))
+    keys = [page_key(b"root", [i], b"ns") for i in range(5)]
+
+    def fill(store):
+        with store.deferred():
+            for i, key in enumerate(keys):
+                k, v = kv(i)
+                store.put(key, k, v, summary(k))
+        store.check_integrity()
+        return {key: store.pages[key].l3 for key in keys}
+
+    plain = PageStore(cfg)
+    files = fill(plain)
+    real, tried = PageStore._l3_blob, []
+
+    def gpu_blob(self, rows, device):
+        tried.append(device.type)
+        if device.type != "cpu":
+            raise OUT_OF_MEMORY("CUDA out of memory. Tried to allocate 20.00 MiB")
+        return real(self, rows, device)
+
+    monkeypatch.setattr(PageStore, "_l3_blob", gpu_blob)
+    monkeypatch.setattr(PageStore, "_worker_device", lambda self: contextlib.nullcontext(torch.device("meta")))
+    store = PageStore(cfg.replace(l3_dir=str(tmp_path / "b")))
+    written = fill(store)
+    assert tried and tried[::2] == ["meta"] * (len(tried) // 2) and tried[1::2] == ["cpu"] * (len(tried) // 2)
+    assert [k for k in keys if written[k]] == [k for k in keys if files[k]] and any(written.values())
+    for key in keys:   # the same pages back (the files' bytes differ: each is encrypted with its own nonce)
+        got, want = store.get(key), plain.get(key)
+        assert all(torch.equal(got[f], want[f]) for f in want)
+    plain.close()
+    store.close()

@@ -729,13 +729,26 @@ class PageStore:
         with torch.cuda.stream(self._worker_stream):
             yield torch.device("cuda", torch.cuda.current_device())
 
+    def _l3_blob(self, rows: torch.Tensor, device: torch.device) -> bytes:
+        """A page's L2 rows as its L3 file's bytes, the codec work on ``device``."""
+        k, v = codecs.decode(self.arena.fields_of(rows.to(device)), torch.float32)
+        return codecs.to_bytes({n: t.cpu() for n, t in codecs.encode(k, v, self.config.l3_codec).items()})
+
     def _write_file(self, key: bytes, rows: torch.Tensor) -> None:
         try:
             t0 = time.perf_counter()
+            blob = None
             with torch.inference_mode(), self._worker_device() as device:
-                # on a GPU (a store that serves one): the codec work there, on the worker's own stream
-                k, v = codecs.decode(self.arena.fields_of(rows.to(device)), torch.float32)
-                blob = codecs.to_bytes({n: t.cpu() for n, t in codecs.encode(k, v, self.config.l3_codec).items()})
+                # on a GPU (a store that serves one): the codec work there, on the worker's own stream; where its
+                # temporaries do not fit (the H200's 128K output rail, allocator at its cap), on the CPU instead
+                try:
+                    blob = self._l3_blob(rows, device)
+                except OUT_OF_MEMORY:
+                    if device.type == "cpu":
+                        raise
+            if blob is None:
+                with torch.inference_mode():
+                    blob = self._l3_blob(rows, torch.device("cpu"))
             t1 = time.perf_counter()
             path = self.disk.write(key, blob)
             t2 = time.perf_counter()
