@@ -122,7 +122,7 @@ class L2Arena:
         self.wanted = 0                       # slots announced by ``expect``: the next growth goes there at once
         self.pinned = False                   # the GPU may read it directly (uva.py)
         self.layers = 0
-        self.ahead: tuple | None = None       # (slots, Future of the block) of a growth allocated on a thread
+        self.ahead: tuple | None = None       # (slots, Future of the allocation) of a growth made on a thread
 
     def _plan(self, enc: dict) -> None:
         off, layout = 0, []
