@@ -7,6 +7,11 @@ import time
 def emit(table: str, data, out: str | None, json_path: str | None) -> None:
     """Print ``table`` and write it (``--out``) and ``data`` (``--json``) where asked."""
     print(table)
+    save(table, data, out, json_path)
+
+
+def save(table: str, data, out: str | None, json_path: str | None) -> None:
+    """Write ``table`` (``--out``) and ``data`` (``--json``) where asked (a benchmark's results so far)."""
     if json_path:
         with open(json_path, "w") as fh:
             json.dump(data, fh, indent=1, default=str)

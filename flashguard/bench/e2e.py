@@ -32,6 +32,8 @@ import sys
 import time
 from pathlib import Path
 
+from . import emit, save
+
 ROWS = {
     "default": {"vram_budget": "4GiB"},
     # 6 GiB: a 16-bit pool would hold ~85K of the 135K-token context, so kv.l1_codec: auto picks int8, which holds
@@ -330,25 +332,16 @@ def main(argv=None) -> int:
             if line.startswith('{"row"'):
                 results.append(json.loads(line))   # the turns a row finished, even when it broke later
                 print(line.rstrip(), flush=True)
-                _write(results, args)   # the files too: a call killed at its time limit keeps every turn it ran
+                # the files too: a call killed at its time limit keeps every turn it ran
+                save(render(results), {"rows": results}, args.out, args.json)
         proc.wait()
         drain.join()
         stderr = "".join(err)
         sys.stderr.write(stderr[-4000:])
         if proc.returncode != 0:
             results.append({"row": name, "error": f"exit {proc.returncode}: {stderr.strip()[-150:]}"})
-    from . import emit
-
     emit(render(results), {"rows": results}, args.out, args.json)
     return 0
-
-
-def _write(results: list, args) -> None:
-    """The table (``--out``) and the rows (``--json``) as they stand, after each turn."""
-    if args.out:
-        Path(args.out).write_text(render(results))
-    if args.json:
-        Path(args.json).write_text(json.dumps({"rows": results}, indent=1, default=str))
 
 
 if __name__ == "__main__":

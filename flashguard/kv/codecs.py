@@ -40,7 +40,6 @@ def _quant(x: torch.Tensor, dim: int, bits: int) -> tuple[torch.Tensor, torch.Te
     # ran out of memory in a 128K turn's crop on the H200 (docs/benchmarks/run_2026-12-01b/e2e.err)
     y = x.to(torch.float32, copy=True)
     q = y.sub_(lo).div_(scale).round_().clamp_(0, levels).to(torch.uint8)
-    del y
     return q, scale.to(torch.float16), lo.to(torch.float16)
 
 

@@ -121,7 +121,6 @@ class L2Arena:
         self.capacity = 0
         self.wanted = 0                       # slots announced by ``expect``: the next growth goes there at once
         self.pinned = False                   # the GPU may read it directly (uva.py)
-        self.layers = 0
         self.ahead: tuple | None = None       # (slots, Future of the allocation) of a growth made on a thread
 
     def _plan(self, enc: dict) -> None:
@@ -139,21 +138,17 @@ class L2Arena:
         """Room for more slots: the announced allocation (``ahead``) when one is on its way, else one allocation
         for the announced pages (``wanted``), else twice the capacity. The arena's pages are copied over, and
         ``wanted`` is cleared once the new capacity holds it."""
+        layers = enc.shape[0] if isinstance(enc, torch.Tensor) else \
+            next(t for n, t in enc.items() if n != "bits").shape[0]
         if not self.layout:
             self._plan(enc)
-            self.layers = enc.shape[0] if isinstance(enc, torch.Tensor) else \
-                next(t for n, t in enc.items() if n != "bits").shape[0]
-            self._allocate_ahead()        # a long first prompt: its allocation on a thread, 64 slots meanwhile
-        layers = self.layers
+            self._allocate_ahead(layers)  # a long first prompt: its allocation on a thread, 64 slots meanwhile
         new = None
         if self.ahead is not None and self.capacity == 0:
             cap = 64
         elif self.ahead is not None:      # the announced allocation, pinned while the prompt's first chunks ran
-            cap, fut = self.ahead
-            self.ahead = None
+            (cap, fut), self.ahead = self.ahead, None
             new = fut.result()
-            if cap <= self.capacity:      # (an announcement of no more than the first 64 slots)
-                cap, new = max(64, self.capacity * 2), None
         else:
             cap = max(64, self.capacity * 2)
             if self.wanted > self.capacity:   # announced (a long prompt): one allocation, an eighth to spare
@@ -179,7 +174,8 @@ class L2Arena:
         memory, 1.6 s of the prefill on the H200) and ended at 16K slots (4.2 GiB). A pinned allocation of at
         least ``AHEAD_BYTES`` is made on a thread from now (``_allocate_ahead``)."""
         self.wanted = max(self.wanted, slots)
-        self._allocate_ahead()
+        if self.data is not None:         # (else the first growth, which knows the layout, starts it)
+            self._allocate_ahead(self.data.shape[0])
 
     AHEAD_BYTES = 64 * 2**20
 
@@ -187,21 +183,23 @@ class L2Arena:
     def _room_for(slots: int) -> int:
         return -(-(slots + slots // 8) // 64) * 64   # an eighth to spare, in whole multiples of 64 slots
 
-    def _allocate_ahead(self) -> None:
+    def _allocate_ahead(self, layers: int) -> None:
         """Make the announced growth's pinned allocation on a thread (``ahead``: its slots and a Future; ``_grow``
         takes it, ``drop_ahead`` discards it). Pinning host memory is slow (the 2.4 GiB of a 128K prompt took
         1.8 s of its time to the first token on the H200, on the prefilling thread), and it is not needed at once:
         no page of a prompt leaves the GPU's pool before the pool is full, so the memory is pinned while the
         prompt's first chunks run on the GPU, and ``_grow`` waits for it only if it is late. A larger
         announcement while one is on its way replaces it (the smaller one is freed when its thread ends).
-        Pageable arenas (the CPU) and small growths are allocated when needed, as before."""
-        if not (self.pin and self.layout and self.wanted > self.capacity):
+        Pageable arenas (the CPU) and small growths (under ``AHEAD_BYTES``, or no more than the first 64 slots:
+        so the allocation taken is always larger than the capacity) are allocated when needed, as before."""
+        if not (self.pin and self.wanted > self.capacity):
             return
         cap = self._room_for(self.wanted)
-        if (self.ahead is not None and self.ahead[0] >= cap) or self.layers * cap * self.row_bytes < self.AHEAD_BYTES:
+        if (self.ahead is not None and self.ahead[0] >= cap) or cap <= 64 or \
+                layers * cap * self.row_bytes < self.AHEAD_BYTES:
             return
         fut: Future = Future()
-        shape = (self.layers, cap, self.row_bytes)
+        shape = (layers, cap, self.row_bytes)
 
         def allocate():
             try:
@@ -364,7 +362,7 @@ class PageStore:
             if new:
                 t0 = time.perf_counter()
                 enc = self._encode_to_host(k, v, new)
-                summary = summary[new].to("cpu") if len(new) < len(keys) else summary.to("cpu")
+                summary = summary[new].to("cpu")
             fresh = set(new)
             for i, key in enumerate(keys):
                 if i not in fresh:
@@ -737,16 +735,10 @@ class PageStore:
     def _write_file(self, key: bytes, rows: torch.Tensor) -> None:
         try:
             t0 = time.perf_counter()
-            blob = None
-            with torch.inference_mode(), self._worker_device() as device:
-                # on a GPU (a store that serves one): the codec work there, on the worker's own stream; where its
-                # temporaries do not fit (the H200's 128K output rail, allocator at its cap), on the CPU instead
-                try:
+            try:   # on a GPU (a store that serves one): the codec work there, on the worker's own stream
+                with torch.inference_mode(), self._worker_device() as device:
                     blob = self._l3_blob(rows, device)
-                except OUT_OF_MEMORY:
-                    if device.type == "cpu":
-                        raise
-            if blob is None:
+            except OUT_OF_MEMORY:   # its temporaries do not fit (the H200's 128K output rail, allocator at its cap)
                 with torch.inference_mode():
                     blob = self._l3_blob(rows, torch.device("cpu"))
             t1 = time.perf_counter()
