@@ -222,6 +222,30 @@ def test_a_long_prompts_pages_get_room_in_l2_in_one_allocation(tmp_path):
     assert len(grown) == 1, grown                                # L2 is back within budget: room was there
 
 
+def test_a_prompt_that_fits_the_pool_announces_no_l2_room(tmp_path, monkeypatch):
+    """Only the pages that leave the pool go to L2 while a prompt is prefilled, so only they are announced: a prompt
+    that fits the pool starts no pinned allocation (a 32K prompt's 0.5 GiB, never used, was pinned during its
+    prefill on the H200). Past the pool, the announcement covers the pages that leave it, in one allocation."""
+    from flashguard.kv import store as store_mod
+
+    monkeypatch.setattr(store_mod.L2Arena, "AHEAD_BYTES", 0)
+    kv = {"page_size": 16, "l1_tokens": 2048, "sink_tokens": 16, "l1_max_tokens": 2048, "l2_tokens": 64,
+          "l3_tokens": 1 << 16, "policy": "exact", "l2_codec": "fp16", "l3_codec": "fp16-zstd",
+          "l3_dir": str(tmp_path / "l3")}
+    e = tiny.engine(tmp_path / "model", kv=kv, prefill_chunk=256)
+    ids = e.tokenizer(tiny.text(3000, seed=5))["input_ids"][:1800]
+    assert e.session is None or e.session.leaving(len(ids)) == 0
+    arena = e._page_store().arena
+    arena.pin = True   # (a CPU build pins nothing: the request falls back to pageable memory, the same path)
+    announced = []
+    expect = arena.expect
+    arena.expect = lambda slots: (announced.append(slots), expect(slots))[1]
+    e.generate(ids, SamplingParams(max_tokens=2))
+    assert announced == [] and arena.ahead is None and arena.capacity <= 64, (announced, arena.capacity)
+    assert e.session.leaving(0) == 0 and e.session.leaving(300) > 0   # past the pool: some would leave
+    e.session.cache.check_integrity()
+
+
 def test_a_long_prompts_pinned_l2_block_is_allocated_on_a_thread(tmp_path, monkeypatch):
     """Pinning host memory is slow (a 128K prompt's 2.4 GiB took 1.8 s of its time to the first token on the H200),
     and no page leaves the pool before the pool is full: the announced block is allocated on a thread

@@ -635,8 +635,11 @@ class Engine:
         with store.deferred() if store is not None else contextlib.nullcontext():
             reused = self._reuse_prefix(ids)
             rest = ids[reused:]
-            if store is not None:   # the prompt's pages, all in L2 until it is prefilled: room made at once
-                store.expect_tokens(len(rest))
+            # the pages of the prompt that leave the pool stay in L2 until it is prefilled: room made at once. Only
+            # those: a 32K prompt that fits the pool announced all its 2K pages, and the pinning of 0.5 GiB it never
+            # used showed as 0.59 s of cudaHostAlloc in its prefill's profile (run_2026-12-02/profile_32768.txt)
+            if store is not None and (leaving := self.session.leaving(len(rest))):
+                store.expect_tokens(leaving)
             while a < len(rest):
                 chunk = self.prefill_chunk  # may shrink inside _forward after an out-of-memory
                 logits = self._forward(rest[a:a + chunk])

@@ -576,6 +576,12 @@ class TieredCache(Cache):
             self._complete_pages(len(self.page_keys), min(full, len(self.page_keys) + self.SETTLE_PAGES))
         self._evict_window()
 
+    def tokens_leaving(self, new_tokens: int) -> int:
+        """How many tokens would have left L1 for the store once ``new_tokens`` more are in (``_leaving``: the
+        pool keeps the sinks and the window plus a page), counted from the tokens held now. An upper bound of
+        what prefilling a prompt of ``new_tokens`` writes to L2: nothing for a prompt that fits the pool."""
+        return max(0, self.length + new_tokens - self.sink_tokens - self.window - self.page_size)
+
     def _complete_pages(self, first: int, end: int) -> None:
         """Pages [first, end) are full: key them and bound their keys per layer. Sink pages go to the store now;
         window pages only when they leave L1 (``_store_pages``), so a context that fits the pool never pays

@@ -38,6 +38,10 @@ class KVSession:
     def commit(self, tokens: Sequence[int]) -> None:
         self.ids.extend(int(t) for t in tokens)
 
+    def leaving(self, tokens: int) -> int:
+        """Of the tokens held once ``tokens`` more are fed, how many leave the device for the store (at most)."""
+        return 0
+
     def undo(self) -> None:
         raise NotImplementedError
 
@@ -103,6 +107,9 @@ class TieredSession(KVSession):
 
     def feed(self, tokens: Sequence[int]) -> None:
         self.cache.feed(tokens)
+
+    def leaving(self, tokens: int) -> int:
+        return self.cache.tokens_leaving(tokens)
 
     def undo(self) -> None:
         keep = len(self.ids)
