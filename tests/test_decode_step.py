@@ -148,3 +148,22 @@ def test_resident_tiered_cache_runs_the_whole_step_path():
     assert 0 < statics < 80                          # resident first, then paged once past the 224-token window
     assert ours.length == 330 and ours.layers[0].win_start > 32
     ours.check_integrity()
+
+
+def test_fused_norms_give_the_models_own_forward():
+    """On a GPU the engine runs each RMSNorm of the prompt's forward as one ``F.rms_norm`` (``fuse_norms``), as the
+    decode step does: the same logits as transformers' norms (to float rounding), every norm changed once."""
+    import copy
+
+    from flashguard.engine.decode_step import fuse_norms
+    from tests import tiny
+
+    for arch in ("llama", "qwen2"):
+        model = tiny.model(arch, layers=2)
+        fused = copy.deepcopy(model)
+        assert fuse_norms(fused) == 2 * 2 + 1          # two a layer and the final one
+        assert fuse_norms(fused) == 0                  # once
+        ids = torch.randint(3, 90, (1, 40), generator=torch.Generator().manual_seed(1))
+        with torch.inference_mode():
+            want, got = model(input_ids=ids).logits, fused(input_ids=ids).logits
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)

@@ -26,6 +26,7 @@ Contract:
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -501,6 +502,19 @@ def _rms_norm(module, x: torch.Tensor) -> torch.Tensor:
     if type(module).__name__ in _RMS_NORMS:
         return torch.nn.functional.rms_norm(x, module.weight.shape, module.weight, module.variance_epsilon)
     return module(x)
+
+
+def fuse_norms(model) -> int:
+    """Every Llama / Qwen2 RMSNorm of ``model`` runs as ``_rms_norm`` (one fused kernel on a GPU) in the model's own
+    forward too, so a prompt's chunks launch what the decode step launches: transformers' module launches eight
+    kernels, 57 times a chunk for the 28-layer 1.5B shape, a quarter of a 2048-token chunk's launches on the H200
+    (where a chunk's host time is about its GPU time). Returns how many modules were changed."""
+    n = 0
+    for module in model.modules():
+        if type(module).__name__ in _RMS_NORMS and "forward" not in vars(module):
+            module.forward = functools.partial(_rms_norm, module)
+            n += 1
+    return n
 
 
 def greedy_step(model, cache, token: torch.Tensor, step: "DecodeStep | None", kwarg: str = "past_key_values"):

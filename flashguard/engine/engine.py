@@ -164,6 +164,10 @@ class Engine:
         self.eos_ids = self._eos_ids()
         self._cache_kwarg = cache_kwarg(self.model)
         self._use_causal_sdpa()
+        if self.device.type == "cuda":   # (the CPU keeps transformers' norms: the shipped probes read its states)
+            from .decode_step import fuse_norms
+
+            fuse_norms(self.model)
         self.embedding_on_host = False
         if self.device.type == "cuda" and self.weights_kind == "int4":
             # the GPU needs one row of the table per token; its 16-bit copy would take a quarter of an int4

@@ -3,7 +3,8 @@
 # carry .whl and .devcarry, where .devcarry/src.tar is `git archive HEAD` of the commit measured):
 #   ROWS="default l3-half" BIG=1 bash docs/benchmarks/run_2026-11-30c/run.sh "$OUT" 8192 32768 131072
 #   (TESTS=1: the GPU tests first; PROFILE=1: bench.profile; BIG=1: bench.big's 7B rows; E2E_ARGS: more
-#   bench.e2e arguments; E2E_TIMEOUT: seconds for our rows, 300. The fifth session's call 1 was E2E_ARGS='--profile $OUT/profile' ROWS="default l3-half")
+#   bench.e2e arguments; E2E_TIMEOUT: seconds for our rows, 300; ANCHOR_PROMPTS: llama.cpp's prefill lengths,
+#   "32768 131072" unless set (the eighth session added 8192). The fifth session's call 1 was E2E_ARGS='--profile $OUT/profile' ROWS="default l3-half")
 # 1. llama.cpp builds on cores 0-11 in the background (llama-bench, llama-quantize, and llama-fit-params, which
 #    docs/benchmarks/run_7b/run.sh uses when it runs next on the same machine);
 # 2. meanwhile, on cores 12-15: the GPU tests, the random-weight DeepSeek-R1-Distill-Qwen-1.5B-shape checkpoints
@@ -55,8 +56,8 @@ if [ -n "${BIG:-}" ]; then   # issue 18's 7B in 4 GiB, our side (llama.cpp's: do
 fi
 while [ ! -f "$W/llama.built" ]; do sleep 2; done; tail -2 $L/build.log
 el "llama.cpp built"
-sed -e "s/for kv in q8_0 f16/for kv in q8_0/" \
-    -e "s/run -ctk q8_0 -ctv q8_0 -p 32768 -n 0;/run -ctk q8_0 -ctv q8_0 -p 32768 -n 0; run -ctk q8_0 -ctv q8_0 -p 131072 -n 0;/" \
+PP=""; for p in ${ANCHOR_PROMPTS:-32768 131072}; do PP="$PP run -ctk q8_0 -ctv q8_0 -p $p -n 0;"; done   # prefill anchors
+sed -e "s/for kv in q8_0 f16/for kv in q8_0/" -e "s/run -ctk q8_0 -ctv q8_0 -p 32768 -n 0;/$PP/" \
     .devcarry/llamacpp_bench.sh > /tmp/llamacpp_bench.sh
 grep -c "131072 -n 0" /tmp/llamacpp_bench.sh
 timeout 150 bash /tmp/llamacpp_bench.sh $W/ds15b-fp16 "$OUT" 2>&1 | tail -12   # alone on the GPU: $OUT/llamacpp.md
