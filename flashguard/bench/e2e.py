@@ -253,6 +253,11 @@ def _turns(args, rails, engine, tok, context: int, out: list):
             "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30 if cuda else 0.0,
             "allocated_after_gib": torch.cuda.memory_allocated() / 2**30 if cuda else 0.0,
             "nvml_gib": (nvml_process_bytes(torch.cuda.current_device(), os.getpid()) or 0) / 2**30 if cuda else 0.0,
+            # out-of-memory errors so far in the process: the allocator's (each one a cache flush) and the engine's
+            # recoveries (each one halves prefill_chunk for good), and the chunk now
+            "cuda_ooms": torch.cuda.memory_stats().get("num_ooms", 0) if cuda else 0,
+            "alloc_retries": torch.cuda.memory_stats().get("num_alloc_retries", 0) if cuda else 0,
+            "oom_retries": engine.oom_retries, "prefill_chunk": engine.prefill_chunk,
         }
         info = engine.info()
         if "tiers" in info:
@@ -337,7 +342,7 @@ def main(argv=None) -> int:
         proc.wait()
         drain.join()
         stderr = "".join(err)
-        sys.stderr.write(stderr[-4000:])
+        sys.stderr.write(stderr[-200000:])   # (the memory reports, when asked for, are long)
         if proc.returncode != 0:
             results.append({"row": name, "error": f"exit {proc.returncode}: {stderr.strip()[-150:]}"})
     emit(render(results), {"rows": results}, args.out, args.json)
