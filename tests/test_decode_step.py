@@ -167,3 +167,20 @@ def test_fused_norms_give_the_models_own_forward():
         with torch.inference_mode():
             want, got = model(input_ids=ids).logits, fused(input_ids=ids).logits
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+
+
+def test_a_sparse_graph_over_replaced_buffers_is_stale():
+    """A sparse step's graph recorded over buffers since replaced (a grown L2 arena, a new session's L1, regrown
+    tables) goes when the next one is recorded (its pool held device memory: a 128K new session ran out of memory
+    recording beside three such graphs); variants over the same buffers stay, and resident-step graphs are not
+    touched."""
+    from flashguard.engine.decode_step import stale_graph
+
+    layers = ((1, 2, 3, 64),)
+    key = ("sparse", layers, 100, 200, 300, 400, 8, 4096, 2, False)
+    assert not stale_graph(key, key)
+    assert not stale_graph(key, key[:6] + (16, 4096, 4, True))              # a variant: same buffers
+    assert stale_graph(key, key[:2] + (101,) + key[3:])                     # the arena grew
+    assert stale_graph(key, ("sparse", ((5, 6, 3, 64),)) + key[2:])         # a new session's L1
+    assert stale_graph(key, key[:5] + (401,) + key[6:])                     # the step's table regrown
+    assert not stale_graph(("static", 1, 2), key) and not stale_graph(key, ("static", 1, 2))

@@ -223,9 +223,9 @@ def test_a_long_prompts_pages_get_room_in_l2_in_one_allocation(tmp_path):
 
 
 def test_a_prompt_that_fits_the_pool_announces_no_l2_room(tmp_path, monkeypatch):
-    """Only the pages that leave the pool go to L2 while a prompt is prefilled, so only they are announced: a prompt
-    that fits the pool starts no pinned allocation (a 32K prompt's 0.5 GiB, never used, was pinned during its
-    prefill on the H200). Past the pool, the announcement covers the pages that leave it, in one allocation."""
+    """Only the pages that leave the pool go to L2 while a prompt is prefilled: a prompt that fits the pool
+    announces nothing and starts no pinned allocation (a 32K prompt's 0.5 GiB, never used, was pinned during its
+    prefill on the H200). Past the pool the whole prompt is announced (the test above)."""
     from flashguard.kv import store as store_mod
 
     monkeypatch.setattr(store_mod.L2Arena, "AHEAD_BYTES", 0)

@@ -421,6 +421,8 @@ class DecodeStep:
                 logits = self._static_layers(kv)
             return graph, logits
 
+        for old in [k for k in self.step_graphs if stale_graph(k, kv.key)]:
+            del self.step_graphs[old]
         while len(self.step_graphs) >= self.MAX_STEP_GRAPHS:
             self.step_graphs.pop(next(iter(self.step_graphs)))
         entry = self._record(lambda: self._static_layers(kv), record, isinstance(kv, SparseKV))
@@ -502,6 +504,14 @@ def _rms_norm(module, x: torch.Tensor) -> torch.Tensor:
     if type(module).__name__ in _RMS_NORMS:
         return torch.nn.functional.rms_norm(x, module.weight.shape, module.weight, module.variance_epsilon)
     return module(x)
+
+
+def stale_graph(old_key, new_key) -> bool:
+    """A sparse step's graph recorded over buffers that ``new_key``'s step no longer uses (its L1 buffers, the L2
+    arena or the step's tables were replaced: a grown arena, a new session): it will not be replayed again, and its
+    pool holds device memory until it goes. Variants over the same buffers (budget, capacity, pages on disk) stay."""
+    return (isinstance(old_key, tuple) and isinstance(new_key, tuple) and old_key[:1] == new_key[:1] == ("sparse",)
+            and old_key[1:6] != new_key[1:6])
 
 
 def fuse_norms(model) -> int:

@@ -639,11 +639,13 @@ class Engine:
         with store.deferred() if store is not None else contextlib.nullcontext():
             reused = self._reuse_prefix(ids)
             rest = ids[reused:]
-            # the pages of the prompt that leave the pool stay in L2 until it is prefilled: room made at once. Only
-            # those: a 32K prompt that fits the pool announced all its 2K pages, and the pinning of 0.5 GiB it never
-            # used showed as 0.59 s of cudaHostAlloc in its prefill's profile (run_2026-12-02/profile_32768.txt)
-            if store is not None and (leaving := self.session.leaving(len(rest))):
-                store.expect_tokens(leaving)
+            # the prompt's pages stay in L2 until it is prefilled: room made at once, for all of them (with the
+            # pages past the pool alone, the 128K prompt's arena grew again after it, and the sparse steps' graphs
+            # were recorded once more over the new one: 2-3 s of its first token, run_2026-12-02/call3). A prompt
+            # that fits the pool announces nothing: a 32K prompt's 0.5 GiB, pinned and never used, showed as 0.59 s
+            # of cudaHostAlloc in its prefill's profile (run_2026-12-02/profile_32768.txt)
+            if store is not None and self.session.leaving(len(rest)):
+                store.expect_tokens(len(rest))
             while a < len(rest):
                 chunk = self.prefill_chunk  # may shrink inside _forward after an out-of-memory
                 logits = self._forward(rest[a:a + chunk])
@@ -710,6 +712,9 @@ class Engine:
                 torch.cuda.empty_cache()
             if len(tokens) <= self.MIN_CHUNK:
                 if len(tokens) == 1 and not retried:  # one more try after releasing the cached blocks
+                    if self._step is not None and self.device.type == "cuda":   # and the step graphs' pools (a
+                        self._step.forget_steps()   # new session's 128K decode step ran out of memory recording
+                        torch.cuda.empty_cache()    # its graph beside three others, run_2026-12-02/call3)
                     return self._forward_fitting(tokens, retried=True)
                 budget = self.vram_budget
                 raise GpuMemoryError(
