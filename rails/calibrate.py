@@ -4,8 +4,10 @@
 
 Runs every labelled (user, reply) of ``rails/data/moderation_tune.jsonl`` through the model exactly as the
 rail does (the chat template, the reply's tokens, the moderation suffix), keeps the hidden states of the
-suffix's last token, chooses the layer, the L2 strength and whether to add the question's Yes/No log-odds by
-5-fold cross-validation on that set only, fits the chosen probe on all of it and writes it to the user cache
+suffix's last token and the mean of the suffix's states (read in the same forward: ``moderation.suffix_state``),
+chooses the features (``OUTPUT_FEATURE_OPTIONS``: the last state, or it and the suffix's mean), the layer, the L2
+strength and whether to add the question's Yes/No log-odds by 5-fold cross-validation on that set only (an exchange
+and its long-paste copy in one fold), fits the chosen probe on all of it and writes it to the user cache
 folder, where the rail finds it for that model (and those weights). The test set (tests/data) is never read.
 
 ``--rail input`` trains the input rail's probe the same way on ``rails/data/moderation_input_tune.jsonl`` (user

@@ -4,7 +4,9 @@ The output rail's forward pass over the turn's own cached tokens plus the modera
 the model would answer the question (an input rail probe, ``rail: input``, reads the last token of the generation's
 own prompt instead: where the model is about to answer the user). A logistic regression on that token's hidden state after one decoder
 layer (optionally with the question's Yes/No log-odds as one more feature) reads the verdict from what the
-model represents there, instead of from the two answer words a small model ranks badly.
+model represents there, instead of from the two answer words a small model ranks badly. An output probe with
+``features: last+mean`` (file format 2, issue 14) also reads the mean of the suffix's states at that layer, from the
+same forward (``moderation.suffix_state``).
 
 A probe is one small JSON file, trained by ``flashguard calibrate`` (``rails/calibrate.py``) on
 ``rails/data/moderation_tune.jsonl``. It is only valid for the model (and float/int4 weights) and the
