@@ -370,6 +370,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--float-states", action="store_true", help="with --weights int4: fit on the float "
                    "model's states kept in --features (the int4 states agree with them to cosine 0.9999 on the "
                    "embedded model; the int4 prefill of the long tuning messages takes hours on a CPU)")
+    p.add_argument("--probe-features", default=None, help="the candidate features, comma-separated, chosen among by "
+                   "cross-validation (output rail: last, last+mean; input rail: mean, last+mean, last; default: all "
+                   "of the rail's)")
     p.set_defaults(func=cmd_calibrate)
     utf8_output()
     args = parser.parse_args(argv)

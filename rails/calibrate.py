@@ -4,8 +4,10 @@
 
 Runs every labelled (user, reply) of ``rails/data/moderation_tune.jsonl`` through the model exactly as the
 rail does (the chat template, the reply's tokens, the moderation suffix), keeps the hidden states of the
-suffix's last token, chooses the layer, the L2 strength and whether to add the question's Yes/No log-odds by
-5-fold cross-validation on that set only, fits the chosen probe on all of it and writes it to the user cache
+suffix's last token and the mean of the suffix's states (read in the same forward: ``moderation.suffix_state``),
+chooses the features (``OUTPUT_FEATURE_OPTIONS``: the last state, or it and the suffix's mean), the layer, the L2
+strength and whether to add the question's Yes/No log-odds by 5-fold cross-validation on that set only (an exchange
+and its long-paste copy in one fold), fits the chosen probe on all of it and writes it to the user cache
 folder, where the rail finds it for that model (and those weights). The test set (tests/data) is never read.
 
 ``--rail input`` trains the input rail's probe the same way on ``rails/data/moderation_input_tune.jsonl`` (user
@@ -54,6 +56,9 @@ FOLDS = 5
 WINDOW = 64
 # the input probe's candidate features (probe.FEATURES), in the order ties go: the message's mean state first
 FEATURE_OPTIONS = ("mean", "last+mean", "last")
+# the output probe's candidate features, ties going to the first: the suffix's last state (v3), and that state with
+# the mean of the suffix's states at the same layer (format 2, issue 14: read in the same forward over the suffix)
+OUTPUT_FEATURE_OPTIONS = ("last", "last+mean")
 # input rail, v5: a message longer than WINDOW tokens is judged by sliding windows over its own states (the
 # generation's prefill); the window probe's candidates: window sizes (stride: half a window) and layers
 SLIDE_WINDOWS = (32, 64)
@@ -134,7 +139,9 @@ def _benign_exchanges() -> list:
 
 def collect(engine, rows: Sequence[dict], settings: ModerationSettings = ModerationSettings(),
             progress: bool = False, cache: Optional[dict] = None):
-    """``(hidden[n, layers + 1, hidden_size], log_odds[n])`` for every row: output rail, of the suffix's last token.
+    """``(hidden[n, layers + 1, hidden_size], log_odds[n], pooled[n, layers + 1, hidden_size])`` for every row:
+    output rail, the suffix's last token's states and the mean of the suffix's states (read in the rail's forward,
+    ``moderation.suffix_state``).
     Input rail, ``(hidden, log_odds, pooled, labels, long)``: for every message of at most ``WINDOW`` tokens, the
     hidden states of the generation prompt's last token, their mean over the user's turn (``pooled``, same shape),
     the question's Yes/No log-odds on its branch (only to report the question verdict's accuracy beside the probe's)
@@ -176,13 +183,18 @@ def collect(engine, rows: Sequence[dict], settings: ModerationSettings = Moderat
             continue
         key = row_key(i, row, settings)
         record = cache.get(key) if cache is not None else None
-        if record is None:
+        if record is None or "mean" not in record:   # a cache written before the suffix mean was kept: again
+            from .moderation import suffix_state
+
             ids = moderation_ids(engine, row["user"], row["bot"], settings.prompt)
-            logprobs, hidden, _ = engine.next_token_state(ids, task="calibration", hidden=True)
-            record = {"hidden": hidden, "odds": answer_log_odds(logprobs, bad, good)}
+            start = len(ids) - len(moderation_suffix(engine, settings.prompt))
+            logprobs, hidden, mean, _ = suffix_state(engine, ids, start, range(hidden_layers(engine) + 1),
+                                                     task="calibration")
+            record = {"hidden": hidden, "mean": mean, "odds": answer_log_odds(logprobs, bad, good)}
             if cache is not None:
                 cache[key] = record
         states.append(record["hidden"])
+        pooled.append(record["mean"])
         odds.append(record["odds"])
     if settings.side == "input":
         long = {"layers": layers, "message_labels": long_labels,
@@ -191,7 +203,7 @@ def collect(engine, rows: Sequence[dict], settings: ModerationSettings = Moderat
                             for size, out in slides.items()}}
         return torch.stack(states), torch.tensor(odds, dtype=torch.float64), torch.stack(pooled), labels, long, \
             short_rows
-    return torch.stack(states), torch.tensor(odds, dtype=torch.float64)
+    return torch.stack(states), torch.tensor(odds, dtype=torch.float64), torch.stack(pooled)
 
 
 def row_key(i: int, row: dict, settings: ModerationSettings) -> str:
@@ -313,37 +325,53 @@ def hidden_layers(engine) -> int:
 
 def train(engine, rows: Sequence[dict], settings: ModerationSettings = ModerationSettings(), *,
           progress: bool = False, features=None, key: ModelKey | None = None,
-          layers: Sequence[int] | None = None) -> tuple[Probe, list[dict]]:
-    """Choose (layer, l2, use_answer) by cross-validation on ``rows``, fit on all rows. Returns
-    ``(probe, cv table best first)``. ``layers``: the candidates (default every decoder layer's output).
+          layers: Sequence[int] | None = None,
+          feature_options: Sequence[str] | None = None) -> tuple[Probe, list[dict]]:
+    """Choose (layer, l2, use_answer, features) by cross-validation on ``rows``, fit on all rows. Returns
+    ``(probe, cv table best first)``. ``layers``: the candidates (default every decoder layer's output);
+    ``feature_options``: the candidate features (default ``FEATURE_OPTIONS`` for the input rail,
+    ``OUTPUT_FEATURE_OPTIONS`` for the output rail; "last" only when ``features`` has no means).
     ``features`` (precomputed ``collect`` output) and ``key`` (the model's ModelKey) let a probe be fitted
     again without the engine (``engine=None``)."""
     t0 = time.perf_counter()
     features = features if features is not None else collect(engine, rows, settings, progress)
     hidden, odds = features[:2]
-    pooled, labels = (features[2], list(features[3])) if len(features) > 2 else \
-        (None, [int(r["block"]) for r in rows])
+    pooled = features[2] if len(features) > 2 else None   # output: the suffix's means; input: the message's
+    labels = list(features[3]) if len(features) > 3 else [int(r["block"]) for r in rows]
     long = features[4] if len(features) > 4 else None
     short_rows = features[5] if len(features) > 5 else rows   # the rows ``labels`` are of
     answers = (False,) if settings.side == "input" else (False, True)   # the input probe's position asks nothing
     # output rail: a long-paste row has the same reply as its short row; they are held out together. Input rail: a
     # short message after a paste exchange (``after``) may reuse a tuning message's text; same text, same fold
     groups = [r["bot" if settings.side == "output" else "user"] for r in short_rows]
+    if pooled is None:
+        feature_options = ("last",)
+    elif feature_options is None:
+        feature_options = FEATURE_OPTIONS if settings.side == "input" else OUTPUT_FEATURE_OPTIONS
     table = cross_validate(hidden, odds, labels, layers=layers or range(1, hidden.shape[1]), l2s=L2_GRID, k=FOLDS,
-                           answer_options=answers, pooled=pooled,
-                           feature_options=FEATURE_OPTIONS if pooled is not None else ("last",), groups=groups)
+                           answer_options=answers, pooled=pooled, feature_options=tuple(feature_options),
+                           groups=groups)
     best = table[0]
     # cross-validated accuracy apart for the rows with a paste (output: ``paste``, a reply after a pasted text;
     # input: ``after``, a message after a paste exchange) and the others
     field, name = ("paste", "pasted") if settings.side == "output" else ("after", "after_paste")
     pasted = [bool(r.get(field)) for r in short_rows]
     paste_metrics: dict = {}
+
+    def split(row) -> dict:   # a CV row's accuracy on the rows with and without a paste
+        hit = ((row["oof_p"] >= 0.5).long() == torch.tensor(labels)).tolist()
+        return {"cv_accuracy_short": round(sum(h for h, p in zip(hit, pasted) if not p) / pasted.count(False), 4),
+                f"cv_accuracy_{name}": round(sum(h for h, p in zip(hit, pasted) if p) / pasted.count(True), 4)}
+
     if any(pasted):
-        hit = ((best["oof_p"] >= 0.5).long() == torch.tensor(labels)).tolist()
-        paste_metrics = {
-            "cv_accuracy_short": round(sum(h for h, p in zip(hit, pasted) if not p) / pasted.count(False), 4),
-            f"cv_accuracy_{name}": round(sum(h for h, p in zip(hit, pasted) if p) / pasted.count(True), 4),
-            f"{name}_rows": pasted.count(True)}
+        paste_metrics = {**split(best), f"{name}_rows": pasted.count(True)}
+    if settings.side == "output" and len(set(r["features"] for r in table)) > 1:
+        # the best of each candidate feature set, to compare them (``flashguard calibrate`` prints it)
+        paste_metrics["cv_by_features"] = {
+            f: {"layer": r["layer"], "l2": r["l2"], "use_answer": r["use_answer"],
+                "cv_accuracy": round(r["cv_accuracy"], 4), **(split(r) if any(pasted) else {})}
+            for f in dict.fromkeys(r["features"] for r in table)
+            for r in [next(r for r in table if r["features"] == f)]}
     x = design(hidden, odds, best["layer"], best["use_answer"], best["features"], pooled)
     w, b = fit_logistic(x, torch.tensor(labels), best["l2"])
     answer_weight = float(w[-1]) if best["use_answer"] else 0.0
@@ -395,6 +423,10 @@ def main(args) -> int:
     config = EngineConfig.from_parameters(params)
     side = getattr(args, "rail", None) or "output"
     settings = ModerationSettings.from_custom_data(data.get("custom_data"), side=side)
+    choices = getattr(args, "probe_features", None)
+    allowed = FEATURE_OPTIONS if side == "input" else OUTPUT_FEATURE_OPTIONS
+    if choices and not set(choices.split(",")) <= set(allowed):
+        raise SystemExit(f"--probe-features {choices}: the {side} rail's probe reads one of {', '.join(allowed)}")
     engine = Engine(config)
     data_path = Path(args.data) if args.data else (INPUT_TUNING_SET if side == "input" else TUNING_SET)
     rows = read_rows(data_path, side)
@@ -422,17 +454,23 @@ def main(args) -> int:
     features = collect(engine, rows, settings, progress=True, cache=cache)
     if cache_path and not float_states:
         torch.save({"tag": tag, "rows": cache}, cache_path)
-    probe, table = train(engine, rows, settings, features=features)
+    probe, table = train(engine, rows, settings, features=features,
+                         feature_options=choices.split(",") if choices else None)
     if float_states:   # the file says which states it was fitted on
         probe = dataclasses.replace(probe, metrics={**probe.metrics, "fitted_on": "float states (--float-states)"})
     out = Path(args.out) if args.out else user_probe_path(ModelKey.of(engine), side)
     probe.save(out)
     print(f"{side} probe for {probe.model_file} ({probe.weights}): layer {probe.layer}, l2 {probe.metrics['l2']}, "
-          f"Yes/No feature {'on' if probe.answer_weight else 'off'}; {FOLDS}-fold accuracy on {len(rows)} tuning "
-          f"replies {probe.metrics['cv_accuracy']:.1%} (question only {probe.metrics['question_only_accuracy']:.1%})")
+          f"Yes/No feature {'on' if probe.answer_weight else 'off'}, features {probe.features}; {FOLDS}-fold "
+          f"accuracy on {len(rows)} tuning replies {probe.metrics['cv_accuracy']:.1%} (question only {probe.metrics['question_only_accuracy']:.1%})")
     if "cv_accuracy_pasted" in probe.metrics:
         print(f"  short exchanges {probe.metrics['cv_accuracy_short']:.1%}, after a long paste "
               f"{probe.metrics['cv_accuracy_pasted']:.1%} ({probe.metrics['pasted_rows']} rows; folds grouped by reply)")
+    for f, r in probe.metrics.get("cv_by_features", {}).items():
+        print(f"  best with features {f}: layer {r['layer']}, l2 {r['l2']}, Yes/No "
+              f"{'on' if r['use_answer'] else 'off'}: {r['cv_accuracy']:.1%}"
+              + (f" (short {r['cv_accuracy_short']:.1%}, after a long paste {r['cv_accuracy_pasted']:.1%})"
+                 if "cv_accuracy_pasted" in r else ""))
     if "cv_accuracy_after_paste" in probe.metrics:
         print(f"  short messages alone or after a short exchange {probe.metrics['cv_accuracy_short']:.1%}, after a "
               f"paste exchange {probe.metrics['cv_accuracy_after_paste']:.1%} ({probe.metrics['after_paste_rows']} "

@@ -304,13 +304,21 @@ def turn_ids(engine, turn, settings: ModerationSettings) -> list[int]:
 
 def _score(engine, ids, settings, probe, task: str = "moderation") -> tuple[float, float, str, int, float]:
     """One forward over ``ids`` (the unseen suffix of them): ``(p_unsafe, threshold, method, reused,
-    p_question)``."""
-    logprobs, hidden, reused = engine.next_token_state(ids, task=task, hidden=probe is not None)
+    p_question)``. A probe that reads the suffix's mean (``features: last+mean``, format 2) gets it from the same
+    forward: the mean over the last ``len(moderation_suffix)`` positions of ``ids`` (the suffix, which ends every
+    output rail's ids), so the prefill is still only the suffix."""
+    pooled = None
+    if probe is not None and probe.pools:
+        start = len(ids) - len(moderation_suffix(engine, settings.prompt))
+        logprobs, hidden, means, reused = suffix_state(engine, ids, start, (probe.layer,), task=task)
+        pooled = means[0]
+    else:
+        logprobs, hidden, reused = engine.next_token_state(ids, task=task, hidden=probe is not None)
     log_odds = answer_log_odds(logprobs, answer_ids(engine, settings.unsafe_answer),
                                answer_ids(engine, settings.safe_answer))
     p_question = 1.0 / (1.0 + math.exp(-log_odds))
     if probe is not None:
-        return probe.p_unsafe(hidden, log_odds), probe.threshold, "probe", reused, p_question
+        return probe.p_unsafe(hidden, log_odds, pooled), probe.threshold, "probe", reused, p_question
     return p_question, settings.threshold, "question", reused, p_question
 
 
@@ -571,6 +579,20 @@ def pooled_state(engine, ids: list[int], start: int, layers, task: str = "input_
     on must run through this forward for their mean, so a session that already holds them is cropped back to
     ``start`` first (the same message checked twice pays its prefill twice). ``keep``: a fourth value, the states
     of every position from ``start`` on at ``layers`` (``[len(layers), len(ids) - start, d]``)."""
+    _, hidden, mean, reused, kept = _pooled_forward(engine, ids, start, layers, task, keep)
+    return (hidden, mean, reused, kept) if keep else (hidden, mean, reused)
+
+
+def suffix_state(engine, ids: list[int], start: int, layers, task: str = "moderation"):
+    """The output rail's forward for a probe that reads the suffix's mean (``features: last+mean``, format version
+    2): ``(logprobs [vocab], hidden [layers + 1, d] of the last token, the mean state over ids[start:] at each of
+    ``layers`` [len(layers), d], reused)``. ``start`` is the suffix's first position: the turn's pages are reused
+    as by ``engine.next_token_state``, only the suffix runs."""
+    logprobs, hidden, mean, reused, _ = _pooled_forward(engine, ids, start, layers, task, False)
+    return logprobs, hidden, mean, reused
+
+
+def _pooled_forward(engine, ids, start, layers, task, keep):
     state = _pool_hook(engine)
     with engine.lock:
         held = engine.session_ids
@@ -582,7 +604,7 @@ def pooled_state(engine, ids: list[int], start: int, layers, task: str = "input_
         for attempt in range(2):
             state.pool = _Pool(start, layers, keep)
             try:
-                _, hidden, reused = engine.next_token_state(ids, task=task, hidden=True)
+                logprobs, hidden, reused = engine.next_token_state(ids, task=task, hidden=True)
                 pool = state.pool
             finally:
                 state.pool = None
@@ -590,10 +612,10 @@ def pooled_state(engine, ids: list[int], start: int, layers, task: str = "input_
                 break
             engine.session.crop(start) if start > 0 else engine.reset_session()
         if pool.sum is None or pool.count < len(ids) - max(start, reused):
-            raise RuntimeError(f"the input probe's mean covered {pool.count} of {len(ids) - start} message tokens")
+            raise RuntimeError(f"the probe's mean covered {pool.count} of {len(ids) - start} tokens")
+        kept = None
         if keep:
             kept = torch.stack([torch.cat(pool.kept[layer], 0) for layer in pool.layers])
             if kept.shape[1] != len(ids) - start:
                 raise RuntimeError(f"the input probe's windows covered {kept.shape[1]} of {len(ids) - start} tokens")
-            return hidden, pool.sum / pool.count, reused, kept
-        return hidden, pool.sum / pool.count, reused
+        return logprobs, hidden, pool.sum / pool.count, reused, kept

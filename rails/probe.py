@@ -4,7 +4,9 @@ The output rail's forward pass over the turn's own cached tokens plus the modera
 the model would answer the question (an input rail probe, ``rail: input``, reads the last token of the generation's
 own prompt instead: where the model is about to answer the user). A logistic regression on that token's hidden state after one decoder
 layer (optionally with the question's Yes/No log-odds as one more feature) reads the verdict from what the
-model represents there, instead of from the two answer words a small model ranks badly.
+model represents there, instead of from the two answer words a small model ranks badly. An output probe with
+``features: last+mean`` (file format 2, issue 14) also reads the mean of the suffix's states at that layer, from the
+same forward (``moderation.suffix_state``).
 
 A probe is one small JSON file, trained by ``flashguard calibrate`` (``rails/calibrate.py``) on
 ``rails/data/moderation_tune.jsonl``. It is only valid for the model (and float/int4 weights) and the
@@ -32,6 +34,12 @@ from .state import rail_state
 log = logging.getLogger("flashguard")
 
 FORMAT = "flashguard-probe/1"
+# format 2 (issue 14): an output probe that also reads the mean of the moderation suffix's states (``features``
+# "last+mean", ``mean_over: suffix``). Version 1 files keep their meaning (``mean``: the user's message, input probes
+# only) and are still written for every other probe, so code that knows only version 1 refuses a version 2 file
+# instead of reading its mean as something else
+FORMAT_2 = "flashguard-probe/2"
+FORMATS = (FORMAT, FORMAT_2)
 SHIPPED_DIR = Path(__file__).resolve().parent / "probes"
 CALIBRATE_HINT = "flashguard calibrate"
 FEATURES = ("last", "mean", "last+mean")
@@ -93,7 +101,8 @@ class Probe:
     metrics: dict = field(default_factory=dict, compare=False)
     rail: str = "output"   # "output": the moderation suffix's last token; "input": the generation prompt's last token
     # what the weights read at ``layer``: "last" (the last token's state), "mean" (the mean of the states over the
-    # user's last message, input probes only: ``moderation.message_start``) or "last+mean" (both, concatenated)
+    # user's last message, input probes only: ``moderation.message_start``) or "last+mean" (both, concatenated; an
+    # output probe's mean is over the moderation suffix's positions: ``mean_over``, format 2)
     features: str = "last"
     # input probes: a message longer than ``window`` tokens is judged by its first and by its last ``window`` tokens,
     # each as the user's message in the same conversation (moderation.message_windows); 0: always the whole message
@@ -114,6 +123,16 @@ class Probe:
         return "mean" in self.features
 
     @property
+    def mean_over(self) -> str:
+        """What a pooling probe's mean covers: the user's message (input probes) or the moderation suffix (output
+        probes, format 2); "" for a probe that reads the last state only."""
+        return ("message" if self.rail == "input" else "suffix") if self.pools else ""
+
+    @property
+    def format(self) -> str:
+        return FORMAT_2 if self.pools and self.rail == "output" else FORMAT
+
+    @property
     def slides(self) -> bool:
         """Long messages are judged by sliding windows over their own states (``p_windows``)."""
         return bool(self.long_weight) and self.window > 0 and self.stride > 0 and self.long_window > 0
@@ -128,13 +147,14 @@ class Probe:
 
     def p_unsafe(self, hidden: torch.Tensor, answer_log_odds: float, pooled: Optional[torch.Tensor] = None) -> float:
         """``hidden``: ``[layers + 1, hidden_size]`` from ``Engine.next_token_state``; ``pooled``: the mean state
-        at the probe's layer over the message (``[hidden_size]``), for a probe whose features use it."""
+        at the probe's layer over the message (input probes) or the moderation suffix (output probes, format 2)
+        (``[hidden_size]``), for a probe whose features use it."""
         width = hidden.shape[1] * (2 if self.features == "last+mean" else 1)
         if hidden.shape[0] <= self.layer or width != len(self.weight):
             raise ProbeError(f"the probe expects hidden states of size {len(self.weight)} at layer {self.layer}, "
                              f"the model gives {tuple(hidden.shape)}; run `{CALIBRATE_HINT}` for this model")
         if self.pools and pooled is None:
-            raise ProbeError(f"the {self.features} probe needs the mean state over the message")
+            raise ProbeError(f"the {self.features} probe needs the mean state over the {self.mean_over}")
         x = {"last": lambda: hidden[self.layer], "mean": lambda: pooled,
              "last+mean": lambda: torch.cat([hidden[self.layer], pooled])}[self.features]()
         z = float(x.double() @ torch.tensor(self.weight, dtype=torch.float64))
@@ -150,9 +170,9 @@ class Probe:
 
     # ---- file ---------------------------------------------------------------------------
     def to_json(self) -> dict:
-        return {"format": FORMAT, "layer": self.layer, "bias": self.bias, "answer_weight": self.answer_weight,
+        return {"format": self.format, "layer": self.layer, "bias": self.bias, "answer_weight": self.answer_weight,
                 "threshold": self.threshold, "question": self.question, "rail": self.rail, "features": self.features,
-                "window": self.window,
+                **({"mean_over": self.mean_over} if self.format == FORMAT_2 else {}), "window": self.window,
                 **({"long": {"layer": self.long_layer, "window": self.long_window, "stride": self.stride,
                              "bias": self.long_bias,
                              "threshold": self.long_threshold,
@@ -176,8 +196,8 @@ class Probe:
         path = Path(path)
         try:
             data = json.loads(path.read_text())
-            if data.get("format") != FORMAT:
-                raise ValueError(f"format is {data.get('format')!r}, expected {FORMAT!r}")
+            if data.get("format") not in FORMATS:
+                raise ValueError(f"format is {data.get('format')!r}, expected one of {', '.join(map(repr, FORMATS))}")
             m = data["model"]
             probe = cls(layer=int(data["layer"]), weight=tuple(float(w) for w in data["weight"]),
                         bias=float(data["bias"]), answer_weight=float(data["answer_weight"]),
@@ -199,9 +219,15 @@ class Probe:
                                  "weights and a threshold in (0, 1)")
             if probe.rail not in ("output", "input"):
                 raise ValueError(f"rail is {probe.rail!r}, expected output or input")
-            if probe.features not in FEATURES or (probe.pools and probe.rail != "input"):
-                raise ValueError(f"features is {probe.features!r}, expected one of {', '.join(FEATURES)} "
-                                 "(mean: input probes only)")
+            if data["format"] == FORMAT:   # version 1: a mean is the user's message's, input probes only
+                if probe.features not in FEATURES or (probe.pools and probe.rail != "input"):
+                    raise ValueError(f"features is {probe.features!r}, expected one of {', '.join(FEATURES)} "
+                                     "(mean: input probes only)")
+            elif not (probe.rail == "output" and probe.features == "last+mean" and data.get("mean_over") == "suffix"):
+                # version 2: an output probe that reads the suffix's last state and its mean (nothing else yet)
+                raise ValueError(f"a {FORMAT_2} probe is an output probe with features 'last+mean' and mean_over "
+                                 f"'suffix', not rail {probe.rail!r}, features {probe.features!r}, mean_over "
+                                 f"{data.get('mean_over')!r}")
             if probe.window < 0 or (probe.window and probe.rail != "input"):
                 raise ValueError(f"window is {probe.window}, expected 0 or (input probes) a number of tokens")
             numbers = probe.weight + (probe.bias, probe.answer_weight, probe.threshold)
