@@ -446,8 +446,9 @@ def main(args) -> int:
             print(f"hidden states of {len(cache)} rows read from {cache_path}")
         else:
             print(f"{cache_path} was collected for another model or rail; collecting again")
-    if float_states:
-        missing = [i for i, r in enumerate(rows) if row_key(i, r, settings) not in cache]
+    if float_states:   # (a cache from before the output rail kept the suffix's mean lacks it: collect again)
+        missing = [i for i, r in enumerate(rows) if (rec := cache.get(row_key(i, r, settings))) is None
+                   or (side == "output" and "mean" not in rec)]
         if missing:
             raise SystemExit(f"{cache_path} lacks the float states of {len(missing)} tuning rows; run `flashguard "
                              f"calibrate --rail {side} --weights float --features {cache_path}` first")

@@ -509,7 +509,8 @@ def _rms_norm(module, x: torch.Tensor) -> torch.Tensor:
 def stale_graph(old_key, new_key) -> bool:
     """A sparse step's graph recorded over buffers that ``new_key``'s step no longer uses (its L1 buffers, the L2
     arena or the step's tables were replaced: a grown arena, a new session): it will not be replayed again, and its
-    pool holds device memory until it goes. Variants over the same buffers (budget, capacity, pages on disk) stay."""
+    pool holds device memory until it goes. Variants over the same buffers (the pool's capacity, pages on disk)
+    stay; a change of budget or read-ahead replaces the step's ``missed`` table, so its old graph goes too."""
     return (isinstance(old_key, tuple) and isinstance(new_key, tuple) and old_key[:1] == new_key[:1] == ("sparse",)
             and old_key[1:6] != new_key[1:6])
 
@@ -518,7 +519,8 @@ def fuse_norms(model) -> int:
     """Every Llama / Qwen2 RMSNorm of ``model`` runs as ``_rms_norm`` (one fused kernel on a GPU) in the model's own
     forward too, so a prompt's chunks launch what the decode step launches: transformers' module launches eight
     kernels, 57 times a chunk for the 28-layer 1.5B shape, a quarter of a 2048-token chunk's launches on the H200
-    (where a chunk's host time is about its GPU time). Returns how many modules were changed."""
+    (where a chunk's host time is about its GPU time). The modules are changed in place (a model the caller passed
+    to the engine too). Returns how many modules were changed."""
     n = 0
     for module in model.modules():
         if type(module).__name__ in _RMS_NORMS and "forward" not in vars(module):

@@ -641,9 +641,9 @@ class Engine:
             rest = ids[reused:]
             # the prompt's pages stay in L2 until it is prefilled: room made at once, for all of them (with the
             # pages past the pool alone, the 128K prompt's arena grew again after it, and the sparse steps' graphs
-            # were recorded once more over the new one: 2-3 s of its first token, run_2026-12-02/call3). A prompt
+            # were recorded once more over the new one: 2-3 s of its first token, docs/benchmarks/run_2026-12-02/call2-call3). A prompt
             # that fits the pool announces nothing: a 32K prompt's 0.5 GiB, pinned and never used, showed as 0.59 s
-            # of cudaHostAlloc in its prefill's profile (run_2026-12-02/profile_32768.txt)
+            # of cudaHostAlloc in its prefill's profile (docs/benchmarks/run_2026-12-02/call1/profile_32768.txt)
             if store is not None and self.session.leaving(len(rest)):
                 store.expect_tokens(len(rest))
             while a < len(rest):
@@ -714,7 +714,7 @@ class Engine:
                 if len(tokens) == 1 and not retried:  # one more try after releasing the cached blocks
                     if self._step is not None and self.device.type == "cuda":   # and the step graphs' pools (a
                         self._step.forget_steps()   # new session's 128K decode step ran out of memory recording
-                        torch.cuda.empty_cache()    # its graph beside three others, run_2026-12-02/call3)
+                        torch.cuda.empty_cache()    # its graph beside three others, run_2026-12-02/call3/e2e.err)
                     return self._forward_fitting(tokens, retried=True)
                 budget = self.vram_budget
                 raise GpuMemoryError(

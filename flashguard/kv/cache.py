@@ -577,10 +577,12 @@ class TieredCache(Cache):
         self._evict_window()
 
     def tokens_leaving(self, new_tokens: int) -> int:
-        """How many tokens would have left L1 for the store once ``new_tokens`` more are in (``_leaving``: the
-        pool keeps the sinks and the window plus a page), counted from the tokens held now. An upper bound of
-        what prefilling a prompt of ``new_tokens`` writes to L2: nothing for a prompt that fits the pool."""
-        return max(0, self.length + new_tokens - self.sink_tokens - self.window - self.page_size)
+        """Window tokens that will have left L1 for the store once ``new_tokens`` more are in, counted from the
+        sequence's start (``_leaving``: the window keeps at most ``window`` + a page; whole pages leave), at the
+        window's smallest size (``l1_tokens``: an adaptive window may shrink while a prompt is prefilled). 0 exactly
+        when no window page leaves (sink pages go to the store in any case)."""
+        over = self.length + new_tokens - self.sink_tokens - self.config.l1_tokens - self.page_size
+        return -(-over // self.page_size) * self.page_size if over > 0 else 0
 
     def _complete_pages(self, first: int, end: int) -> None:
         """Pages [first, end) are full: key them and bound their keys per layer. Sink pages go to the store now;

@@ -11,6 +11,8 @@ interface, so no caller needs to know which cache it is:
   ``keep_pages`` its resident pages are stored first, for a later session with the same prefix). Every path
   that drops a session calls it; afterwards the session holds nothing and must not be used.
 - ``references()``: page references this session holds (tests check they go back to zero).
+- ``leaving(tokens)``: window tokens that will leave the device for the store once ``tokens`` more are fed (the
+  engine announces L2 room for a prompt only when some will).
 
 ``DynamicSession`` wraps transformers' DynamicCache (no pages); ``TieredSession`` wraps ``TieredCache`` over the
 engine's shared ``PageStore``.
@@ -39,7 +41,8 @@ class KVSession:
         self.ids.extend(int(t) for t in tokens)
 
     def leaving(self, tokens: int) -> int:
-        """Of the tokens held once ``tokens`` more are fed, how many leave the device for the store (at most)."""
+        """Window tokens that leave the device for the store once ``tokens`` more are fed (whole pages; 0 when
+        the sequence still fits the device, and always for a cache without pages)."""
         return 0
 
     def undo(self) -> None:
