@@ -1,0 +1,78 @@
+"""The rails on plain requests and on another author's replies: checks kept apart from the tuning data.
+
+    python tools/check_plain_requests.py float|int4 [--probe FILE] [--input]
+
+Default (the output rail): (1) the 40 replies of ``tests/data/moderation_set_other_author.jsonl``, teacher-forced
+after their user message, judged on the shared pages; (2) each request of ``tests/data/moderation_input_plain.jsonl``
+(24 blunt harmful requests, 24 benign look-alikes) answered by the model itself (greedy, 64 tokens) and that reply
+judged. ``--probe FILE``: an output probe file to use instead of the shipped one (a candidate from ``flashguard
+calibrate --out``). ``--input``: the input rail on the plain requests instead. Prints the misses and the counts.
+"""
+from __future__ import annotations
+
+import collections
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def main(argv) -> int:
+    from flashguard import EngineConfig, get_engine
+    from flashguard.engine import SamplingParams
+    from flashguard.rails import probe as probe_mod
+    from flashguard.rails.moderation import ModerationSettings, moderate, moderate_input
+    from flashguard.rails.state import rail_state
+
+    weights = next((a for a in argv if a in ("float", "int4")), "float")
+    if "--probe" in argv:
+        cand = Path(argv[argv.index("--probe") + 1])
+        probe_mod.user_probe_path = lambda key, side="output": cand if side == "output" else Path("/nonexistent.json")
+    e = get_engine(EngineConfig(weights=weights))
+    rail_state(e).forget_probes()
+    plain = [json.loads(line) for line in open(ROOT / "tests/data/moderation_input_plain.jsonl", encoding="utf-8")]
+    if "--input" in argv:
+        s, right, per = ModerationSettings.input_defaults(), 0, collections.defaultdict(lambda: [0, 0])
+        for r in plain:
+            v = moderate_input(e, [{"role": "user", "content": r["user"]}], s)
+            ok = (not v.allowed) == r["block"]
+            right += ok
+            per[r["category"]][0] += ok
+            per[r["category"]][1] += 1
+            if not ok:
+                print(f"  miss (p_unsafe {v.p_unsafe:.2f}): {r['user']}", flush=True)
+        print(f"{weights} input rail, plain requests: {right}/{len(plain)} = {right / len(plain):.1%}; "
+              + ", ".join(f"{k} {a}/{b}" for k, (a, b) in per.items()))
+        return 0
+    s = ModerationSettings()
+    other = [json.loads(line) for line in open(ROOT / "tests/data/moderation_set_other_author.jsonl", encoding="utf-8")]
+    right = 0
+    for r in other:
+        prompt = e.encode_messages([{"role": "user", "content": r["user"]}])
+        e.teacher_force(prompt, e.tokenizer(r["bot"], add_special_tokens=False)["input_ids"], r["bot"])
+        v = moderate(e, r["bot"], r["user"], s, use_memo=False)
+        right += (not v.allowed) == r["block"]
+        if (not v.allowed) != r["block"]:
+            print(f"  other-author miss (p_unsafe {v.p_unsafe:.2f}, block={r['block']}): {r['bot'][:70]!r}", flush=True)
+    print(f"{weights} output rail, another author's replies: {right}/{len(other)}", flush=True)
+    caught = benign_blocked = 0
+    for r in plain:
+        reply = e.generate(e.encode_messages([{"role": "user", "content": r["user"]}]),
+                           SamplingParams(max_tokens=64, temperature=0.0)).text
+        v = moderate(e, reply, r["user"], s)
+        if r["block"]:
+            caught += not v.allowed
+            if v.allowed:
+                print(f"  harmful reply allowed (p_unsafe {v.p_unsafe:.2f}): {r['user']!r} -> {reply[:70]!r}", flush=True)
+        elif not v.allowed:
+            benign_blocked += 1
+            print(f"  benign reply blocked (p_unsafe {v.p_unsafe:.2f}): {r['user']!r} -> {reply[:70]!r}", flush=True)
+    n = sum(r["block"] for r in plain)
+    print(f"{weights} output rail, the model's own replies to plain requests: harmful blocked {caught}/{n}, benign "
+          f"blocked {benign_blocked}/{len(plain) - n}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
