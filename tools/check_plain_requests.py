@@ -45,16 +45,11 @@ def main(argv) -> int:
         print(f"{weights} input rail, plain requests: {right}/{len(plain)} = {right / len(plain):.1%}; "
               + ", ".join(f"{k} {a}/{b}" for k, (a, b) in per.items()))
         return 0
+    from check_output_rail_long_pastes import check_rows   # (this folder: teacher-force each reply, then the rail)
+
     s = ModerationSettings()
     other = [json.loads(line) for line in open(ROOT / "tests/data/moderation_set_other_author.jsonl", encoding="utf-8")]
-    right = 0
-    for r in other:
-        prompt = e.encode_messages([{"role": "user", "content": r["user"]}])
-        e.teacher_force(prompt, e.tokenizer(r["bot"], add_special_tokens=False)["input_ids"], r["bot"])
-        v = moderate(e, r["bot"], r["user"], s, use_memo=False)
-        right += (not v.allowed) == r["block"]
-        if (not v.allowed) != r["block"]:
-            print(f"  other-author miss (p_unsafe {v.p_unsafe:.2f}, block={r['block']}): {r['bot'][:70]!r}", flush=True)
+    right = sum((not v.allowed) == r["block"] for r, v in zip(other, check_rows(e, other, s)))
     print(f"{weights} output rail, another author's replies: {right}/{len(other)}", flush=True)
     caught = benign_blocked = 0
     for r in plain:

@@ -235,6 +235,7 @@ def _turns(args, rails, engine, tok, context: int, out: list):
             reply = rails.generate(messages=messages)
         wall = time.perf_counter() - t0
         engine = engine or all_engines()[0]
+        alloc = torch.cuda.memory_stats() if cuda else {}
         gen, mod = engine.stats.last.get("generation", {}), engine.stats.last.get("moderation", {})
         inp = engine.stats.last.get("input_moderation", {})
         decode_s = gen["seconds"] - gen["first_token_s"]
@@ -255,8 +256,7 @@ def _turns(args, rails, engine, tok, context: int, out: list):
             "nvml_gib": (nvml_process_bytes(torch.cuda.current_device(), os.getpid()) or 0) / 2**30 if cuda else 0.0,
             # out-of-memory errors so far in the process: the allocator's (each one a cache flush) and the engine's
             # recoveries (each one halves prefill_chunk for good), and the chunk now
-            "cuda_ooms": torch.cuda.memory_stats().get("num_ooms", 0) if cuda else 0,
-            "alloc_retries": torch.cuda.memory_stats().get("num_alloc_retries", 0) if cuda else 0,
+            "cuda_ooms": alloc.get("num_ooms", 0), "alloc_retries": alloc.get("num_alloc_retries", 0),
             "oom_retries": engine.oom_retries, "prefill_chunk": engine.prefill_chunk,
         }
         info = engine.info()

@@ -5,17 +5,8 @@
 # fits the pool pins nothing), with --memory-report: after each 128K turn, the allocator's pools and the largest live
 # device tensors (e2e.err), to find what the new session adds (call 1: 0.23 GiB more allocated after it).
 set -uo pipefail
-OUT=${1:?usage: call2.sh OUTDIR}; R=$PWD; S=/tmp/src; W=/tmp/e2e; mkdir -p "$S" "$W" "$OUT"
-t0=$(date +%s); el() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
-tar xf .devcarry/src.tar -C $S
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  || exit 1
-(cd $S && python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/site . \
-  2>&1 | tail -2)
-export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-(cd /tmp && python3 -c "from flashguard.bench.e2e import make_checkpoints; from pathlib import Path; \
-  print(make_checkpoints(Path('$W'), '$R/.devcarry/ds-tokenizer'))" 2>&1 | tail -1)
-el "installed"
+OUT=${1:?usage: call2.sh OUTDIR}
+source docs/benchmarks/run_2026-12-02/prelude.sh
 (cd /tmp && timeout ${E2E_TIMEOUT:-240} python3 -m flashguard.bench.e2e --workdir "$W" --tokenizer \
   $R/.devcarry/ds-tokenizer --config $S/configs/flash --rows default --contexts ${CONTEXTS:-32768 131072} \
   --memory-report --out "$OUT/e2e.md" --json "$OUT/e2e.json" 2> "$OUT/e2e.err" | grep -v '^{"row"' | tail -9)

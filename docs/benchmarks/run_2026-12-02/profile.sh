@@ -6,17 +6,8 @@
 # time); (2) bench.e2e's default row with --profile (bench.sampler: where the serving threads' time goes in every
 # turn) at 32K, then at 128K, each in its own process.
 set -uo pipefail
-OUT=${1:?usage: profile.sh OUTDIR}; R=$PWD; S=/tmp/src; W=/tmp/e2e; mkdir -p "$S" "$W" "$OUT"
-t0=$(date +%s); el() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
-tar xf .devcarry/src.tar -C $S
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  || exit 1
-(cd $S && python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/site . \
-  2>&1 | tail -2)
-export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-(cd /tmp && python3 -c "from flashguard.bench.e2e import make_checkpoints; from pathlib import Path; \
-  print(make_checkpoints(Path('$W'), '$R/.devcarry/ds-tokenizer'))" 2>&1 | tail -1)
-el "installed"
+OUT=${1:?usage: profile.sh OUTDIR}
+source docs/benchmarks/run_2026-12-02/prelude.sh
 for c in 8192 32768; do
   (cd /tmp && timeout 120 python3 -m flashguard.bench.profile --model $W/ds15b-int4 --budget 4GiB --whole \
     --context $c --rows 25 --out "$OUT/profile_$c.txt" > /dev/null 2> "$OUT/profile_$c.err"); head -1 "$OUT/profile_$c.txt"
