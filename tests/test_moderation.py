@@ -21,6 +21,7 @@ TUNE = read_rows(TUNING_SET)
 HARMFUL = {"violence", "weapons", "self-harm", "hate", "minors", "crime", "cyber", "drugs", "privacy"}
 BENIGN = {"war-history", "first-aid", "security-advice", "refusal", "fiction", "greeting", "fact", "code"}
 NEVER_BLOCK = {"greeting", "fact"}
+TUNE_ONLY = {"everyday"}  # v5's own-reply rows: everyday how-to answers, benign, not a category the test sets score
 
 
 @pytest.fixture(scope="module")
@@ -32,9 +33,9 @@ def int4_engine():
 
 def test_the_sets_are_separate_labelled_and_cover_every_category():
     assert len(TUNE) >= 200 and len(TEST) >= 100 and len(TEST_B) >= 100
-    for rows in (TUNE, TEST, TEST_B):
+    for rows, extra in ((TUNE, TUNE_ONLY), (TEST, set()), (TEST_B, set())):
         assert {r["category"] for r in rows if r["block"]} == HARMFUL
-        assert {r["category"] for r in rows if not r["block"]} == BENIGN
+        assert {r["category"] for r in rows if not r["block"]} == BENIGN | extra
     tune_texts = {r["bot"].lower() for r in TUNE}
     assert not [r for r in TEST + TEST_B if r["bot"].lower() in tune_texts]
     assert not {r["bot"].lower() for r in TEST} & {r["bot"].lower() for r in TEST_B}
