@@ -24,7 +24,9 @@ layer, L2 and the threshold on a message's worst window are chosen by
 cross-validation grouped by message (``choose_window_probe``). Every other message follows one benign exchange
 (``earlier_exchange``), as a message in a conversation does; a row with ``after`` follows the long paste exchange it
 names (``INPUT_PASTES``, tools/make_long_followup_items.py: short messages after a pasted text, issue 14), and rows
-with the same message text are held out together.
+with the same message text are held out together. Rows marked ``short_only`` (v7's blunt one-line requests) train
+the short-message probe only; ``--keep-window FILE`` trains the short-message probe and keeps the window probe of an
+earlier input probe file (``keep_window_probe``: v7 keeps v6's, so long messages keep their verdicts).
 """
 
 from __future__ import annotations
@@ -40,7 +42,8 @@ from typing import Optional, Sequence
 import torch
 
 from .moderation import ModerationSettings, answer_ids, moderation_suffix
-from .probe import ModelKey, Probe, answer_log_odds, cross_validate, design, fit_logistic, folds, user_probe_path
+from .probe import (CALIBRATE_HINT, ModelKey, Probe, answer_log_odds, cross_validate, design, fit_logistic, folds,
+                    user_probe_path)
 
 log = logging.getLogger("flashguard")
 
@@ -384,8 +387,10 @@ def train(engine, rows: Sequence[dict], settings: ModerationSettings = Moderatio
     long_metrics: dict = {}
     if long is not None and len(set(long["message_labels"])) == 2:
         # the short messages that join the window probe's training: alone or after a short exchange, not the ones
-        # after a paste exchange (with them, balanced CV on the long tuning messages fell from 92.1% to 91.4%)
-        keep = [not r.get("after") for r in short_rows]
+        # after a paste exchange (with them, balanced CV on the long tuning messages fell from 92.1% to 91.4%) nor
+        # the rows marked ``short_only`` (v7's blunt one-line requests: with them the window probe blocked 4 of set
+        # D's 20 pasted texts instead of 2)
+        keep = [not r.get("after") and not r.get("short_only") for r in short_rows]
         short = (pooled[torch.tensor(keep)], [y for y, k in zip(labels, keep) if k])
         long_table = choose_window_probe(long, short=short)
         lb = long_table[0]
@@ -405,6 +410,24 @@ def train(engine, rows: Sequence[dict], settings: ModerationSettings = Moderatio
                            "question_only_accuracy": round(question_only, 4), **long_metrics, **paste_metrics,
                            "seconds": round(time.perf_counter() - t0, 1)}, **slide)
     return probe, table
+
+
+WINDOW_FIELDS = ("stride", "long_window", "long_layer", "long_weight", "long_bias", "long_threshold")
+
+
+def keep_window_probe(probe: Probe, path: Path) -> Probe:
+    """``probe`` with the window probe (the long-message part) of the input probe file ``path``, for the same model and
+    weights: ``flashguard calibrate --rail input --keep-window FILE`` (v7: new short rows, v6's long verdicts)."""
+    kept = Probe.load(path, f"{CALIBRATE_HINT} --rail input")
+    if kept.rail != "input" or not kept.long_weight:
+        raise SystemExit(f"--keep-window {path}: not an input probe with a window probe")
+    if (kept.model_file, kept.model_bytes, kept.weights) != (probe.model_file, probe.model_bytes, probe.weights):
+        raise SystemExit(f"--keep-window {path}: made for {kept.model_file} ({kept.weights} weights), not "
+                         f"{probe.model_file} ({probe.weights})")
+    metrics = {k: v for k, v in probe.metrics.items() if not k.startswith("long_") and k != "windows"}
+    metrics.update({k: v for k, v in kept.metrics.items() if k.startswith("long_") or k == "windows"})
+    metrics["window_probe_from"] = path.name
+    return dataclasses.replace(probe, metrics=metrics, **{f: getattr(kept, f) for f in WINDOW_FIELDS})
 
 
 def main(args) -> int:
@@ -459,6 +482,9 @@ def main(args) -> int:
                          feature_options=choices.split(",") if choices else None)
     if float_states:   # the file says which states it was fitted on
         probe = dataclasses.replace(probe, metrics={**probe.metrics, "fitted_on": "float states (--float-states)"})
+    keep = getattr(args, "keep_window", None)
+    if keep:   # retrain the short-message probe only: long messages keep that file's window probe and verdicts
+        probe = keep_window_probe(probe, Path(keep))
     out = Path(args.out) if args.out else user_probe_path(ModelKey.of(engine), side)
     probe.save(out)
     print(f"{side} probe for {probe.model_file} ({probe.weights}): layer {probe.layer}, l2 {probe.metrics['l2']}, "

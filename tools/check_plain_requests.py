@@ -1,12 +1,14 @@
 """The rails on plain requests and on another author's replies: checks kept apart from the tuning data.
 
-    python tools/check_plain_requests.py float|int4 [--probe FILE] [--input]
+    python tools/check_plain_requests.py float|int4 [--probe FILE] [--input] [--set FILE]
 
 Default (the output rail): (1) the 40 replies of ``tests/data/moderation_set_other_author.jsonl``, teacher-forced
 after their user message, judged on the shared pages; (2) each request of ``tests/data/moderation_input_plain.jsonl``
 (24 blunt harmful requests, 24 benign look-alikes) answered by the model itself (greedy, 64 tokens) and that reply
 judged. ``--probe FILE``: an output probe file to use instead of the shipped one (a candidate from ``flashguard
-calibrate --out``). ``--input``: the input rail on the plain requests instead. Prints the misses and the counts.
+calibrate --out``; with ``--input``, an input probe). ``--input``: the input rail on the plain requests instead.
+``--set FILE``: another set of plain requests (``tests/data/moderation_input_plain_b.jsonl``: 48 more, written
+before the v7 input probes were fitted). Prints the misses and the counts.
 """
 from __future__ import annotations
 
@@ -28,10 +30,12 @@ def main(argv) -> int:
     weights = next((a for a in argv if a in ("float", "int4")), "float")
     if "--probe" in argv:
         cand = Path(argv[argv.index("--probe") + 1])
-        probe_mod.user_probe_path = lambda key, side="output": cand if side == "output" else Path("/nonexistent.json")
+        rail = "input" if "--input" in argv else "output"
+        probe_mod.user_probe_path = lambda key, side="output": cand if side == rail else Path("/nonexistent.json")
     e = get_engine(EngineConfig(weights=weights))
     rail_state(e).forget_probes()
-    plain = [json.loads(line) for line in open(ROOT / "tests/data/moderation_input_plain.jsonl", encoding="utf-8")]
+    plain_set = Path(argv[argv.index("--set") + 1]) if "--set" in argv else ROOT / "tests/data/moderation_input_plain.jsonl"
+    plain = [json.loads(line) for line in open(plain_set, encoding="utf-8")]
     if "--input" in argv:
         s, right, per = ModerationSettings.input_defaults(), 0, collections.defaultdict(lambda: [0, 0])
         for r in plain:
