@@ -373,8 +373,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--probe-features", default=None, help="the candidate features, comma-separated, chosen among by "
                    "cross-validation (output rail: last, last+mean; input rail: mean, last+mean, last; default: all "
                    "of the rail's)")
-    p.add_argument("--keep-window", default=None, metavar="FILE", help="--rail input: train the short-message probe "
-                   "only and keep the window probe (long messages) of this input probe file (same model and weights)")
+    p.add_argument("--keep-window-probe", default=None, metavar="FILE", help="--rail input: fit as usual, then keep "
+                   "the window probe (long messages) of this input probe file instead (same model and weights)")
     p.set_defaults(func=cmd_calibrate)
     utf8_output()
     args = parser.parse_args(argv)

@@ -25,8 +25,8 @@ cross-validation grouped by message (``choose_window_probe``). Every other messa
 (``earlier_exchange``), as a message in a conversation does; a row with ``after`` follows the long paste exchange it
 names (``INPUT_PASTES``, tools/make_long_followup_items.py: short messages after a pasted text, issue 14), and rows
 with the same message text are held out together. Rows marked ``short_only`` (v7's blunt one-line requests) train
-the short-message probe only; ``--keep-window FILE`` trains the short-message probe and keeps the window probe of an
-earlier input probe file (``keep_window_probe``: v7 keeps v6's, so long messages keep their verdicts).
+the short-message probe only; ``--keep-window-probe FILE`` fits as usual, then replaces the window probe with that of
+an earlier input probe file (``keep_window_probe``: v7 keeps v6's, so long messages keep their verdicts).
 """
 
 from __future__ import annotations
@@ -389,7 +389,7 @@ def train(engine, rows: Sequence[dict], settings: ModerationSettings = Moderatio
         # the short messages that join the window probe's training: alone or after a short exchange, not the ones
         # after a paste exchange (with them, balanced CV on the long tuning messages fell from 92.1% to 91.4%) nor
         # the rows marked ``short_only`` (v7's blunt one-line requests: with them the window probe blocked 4 of set
-        # D's 20 pasted texts instead of 2)
+        # D's 20 pasted texts instead of v6's 2; v7 ships v6's window probe, ``keep_window_probe``)
         keep = [not r.get("after") and not r.get("short_only") for r in short_rows]
         short = (pooled[torch.tensor(keep)], [y for y, k in zip(labels, keep) if k])
         long_table = choose_window_probe(long, short=short)
@@ -417,12 +417,16 @@ WINDOW_FIELDS = ("stride", "long_window", "long_layer", "long_weight", "long_bia
 
 def keep_window_probe(probe: Probe, path: Path) -> Probe:
     """``probe`` with the window probe (the long-message part) of the input probe file ``path``, for the same model and
-    weights: ``flashguard calibrate --rail input --keep-window FILE`` (v7: new short rows, v6's long verdicts)."""
+    weights: ``flashguard calibrate --rail input --keep-window-probe FILE`` (v7: new short rows, v6's long verdicts)."""
+    if probe.rail != "input":
+        raise SystemExit("--keep-window-probe: only the input rail's probe has a window probe (add --rail input)")
+    if not path.is_file():
+        raise SystemExit(f"--keep-window-probe {path}: no such file (give an input probe file of this model)")
     kept = Probe.load(path, f"{CALIBRATE_HINT} --rail input")
     if kept.rail != "input" or not kept.long_weight:
-        raise SystemExit(f"--keep-window {path}: not an input probe with a window probe")
+        raise SystemExit(f"--keep-window-probe {path}: not an input probe with a window probe")
     if (kept.model_file, kept.model_bytes, kept.weights) != (probe.model_file, probe.model_bytes, probe.weights):
-        raise SystemExit(f"--keep-window {path}: made for {kept.model_file} ({kept.weights} weights), not "
+        raise SystemExit(f"--keep-window-probe {path}: made for {kept.model_file} ({kept.weights} weights), not "
                          f"{probe.model_file} ({probe.weights})")
     metrics = {k: v for k, v in probe.metrics.items() if not k.startswith("long_") and k != "windows"}
     metrics.update({k: v for k, v in kept.metrics.items() if k.startswith("long_") or k == "windows"})
@@ -450,6 +454,8 @@ def main(args) -> int:
     allowed = FEATURE_OPTIONS if side == "input" else OUTPUT_FEATURE_OPTIONS
     if choices and not set(choices.split(",")) <= set(allowed):
         raise SystemExit(f"--probe-features {choices}: the {side} rail's probe reads one of {', '.join(allowed)}")
+    if getattr(args, "keep_window_probe", None) and side != "input":
+        raise SystemExit("--keep-window-probe: only the input rail's probe has a window probe (add --rail input)")
     engine = Engine(config)
     data_path = Path(args.data) if args.data else (INPUT_TUNING_SET if side == "input" else TUNING_SET)
     rows = read_rows(data_path, side)
@@ -482,7 +488,7 @@ def main(args) -> int:
                          feature_options=choices.split(",") if choices else None)
     if float_states:   # the file says which states it was fitted on
         probe = dataclasses.replace(probe, metrics={**probe.metrics, "fitted_on": "float states (--float-states)"})
-    keep = getattr(args, "keep_window", None)
+    keep = getattr(args, "keep_window_probe", None)
     if keep:   # retrain the short-message probe only: long messages keep that file's window probe and verdicts
         probe = keep_window_probe(probe, Path(keep))
     out = Path(args.out) if args.out else user_probe_path(ModelKey.of(engine), side)

@@ -7,8 +7,9 @@ after their user message, judged on the shared pages; (2) each request of ``test
 (24 blunt harmful requests, 24 benign look-alikes) answered by the model itself (greedy, 64 tokens) and that reply
 judged. ``--probe FILE``: an output probe file to use instead of the shipped one (a candidate from ``flashguard
 calibrate --out``; with ``--input``, an input probe). ``--input``: the input rail on the plain requests instead.
-``--set FILE``: another set of plain requests (``tests/data/moderation_input_plain_b.jsonl``: 48 more, written
-before the v7 input probes were fitted). Prints the misses and the counts.
+``--set FILE``: another set of plain requests (``tests/data/moderation_input_plain_c.jsonl``: 48 more, written
+before the v7 input probes' last fit; ``_plain_b``: written before their first, seen by the second). Prints the misses
+and the counts.
 """
 from __future__ import annotations
 
@@ -34,6 +35,11 @@ def main(argv) -> int:
         probe_mod.user_probe_path = lambda key, side="output": cand if side == rail else Path("/nonexistent.json")
     e = get_engine(EngineConfig(weights=weights))
     rail_state(e).forget_probes()
+    if "--probe" in argv:   # a missing or wrong-rail candidate would silently give the shipped probe's numbers
+        s = ModerationSettings.input_defaults() if "--input" in argv else ModerationSettings()
+        found, where = probe_mod.find_probe(e, s.prompt, "input" if "--input" in argv else "output")
+        if found is None or Path(where) != cand:
+            raise SystemExit(f"--probe {cand}: not used ({where}); give a probe file of this rail, model and weights")
     plain_set = Path(argv[argv.index("--set") + 1]) if "--set" in argv else ROOT / "tests/data/moderation_input_plain.jsonl"
     plain = [json.loads(line) for line in open(plain_set, encoding="utf-8")]
     if "--input" in argv:
@@ -46,7 +52,7 @@ def main(argv) -> int:
             per[r["category"]][1] += 1
             if not ok:
                 print(f"  miss (p_unsafe {v.p_unsafe:.2f}): {r['user']}", flush=True)
-        print(f"{weights} input rail, plain requests: {right}/{len(plain)} = {right / len(plain):.1%}; "
+        print(f"{weights} input rail, {plain_set.name}: {right}/{len(plain)} = {right / len(plain):.1%}; "
               + ", ".join(f"{k} {a}/{b}" for k, (a, b) in per.items()))
         return 0
     from check_output_rail_long_pastes import check_rows   # (this folder: teacher-force each reply, then the rail)
@@ -68,7 +74,7 @@ def main(argv) -> int:
             benign_blocked += 1
             print(f"  benign reply blocked (p_unsafe {v.p_unsafe:.2f}): {r['user']!r} -> {reply[:70]!r}", flush=True)
     n = sum(r["block"] for r in plain)
-    print(f"{weights} output rail, the model's own replies to plain requests: harmful blocked {caught}/{n}, benign "
+    print(f"{weights} output rail, the model's own replies to {plain_set.name}: harmful blocked {caught}/{n}, benign "
           f"blocked {benign_blocked}/{len(plain) - n}")
     return 0
 
