@@ -413,13 +413,14 @@ def train(engine, rows: Sequence[dict], settings: ModerationSettings = Moderatio
 
 
 WINDOW_FIELDS = ("stride", "long_window", "long_layer", "long_weight", "long_bias", "long_threshold")
+KEEP_WINDOW_NEEDS_INPUT = "--keep-window-probe: only the input rail's probe has a window probe (add --rail input)"
 
 
 def keep_window_probe(probe: Probe, path: Path) -> Probe:
     """``probe`` with the window probe (the long-message part) of the input probe file ``path``, for the same model and
     weights: ``flashguard calibrate --rail input --keep-window-probe FILE`` (v7: new short rows, v6's long verdicts)."""
     if probe.rail != "input":
-        raise SystemExit("--keep-window-probe: only the input rail's probe has a window probe (add --rail input)")
+        raise SystemExit(KEEP_WINDOW_NEEDS_INPUT)
     if not path.is_file():
         raise SystemExit(f"--keep-window-probe {path}: no such file (give an input probe file of this model)")
     kept = Probe.load(path, f"{CALIBRATE_HINT} --rail input")
@@ -454,8 +455,8 @@ def main(args) -> int:
     allowed = FEATURE_OPTIONS if side == "input" else OUTPUT_FEATURE_OPTIONS
     if choices and not set(choices.split(",")) <= set(allowed):
         raise SystemExit(f"--probe-features {choices}: the {side} rail's probe reads one of {', '.join(allowed)}")
-    if getattr(args, "keep_window_probe", None) and side != "input":
-        raise SystemExit("--keep-window-probe: only the input rail's probe has a window probe (add --rail input)")
+    if getattr(args, "keep_window_probe", None) and side != "input":   # before the model loads
+        raise SystemExit(KEEP_WINDOW_NEEDS_INPUT)
     engine = Engine(config)
     data_path = Path(args.data) if args.data else (INPUT_TUNING_SET if side == "input" else TUNING_SET)
     rows = read_rows(data_path, side)

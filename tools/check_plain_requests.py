@@ -29,20 +29,20 @@ def main(argv) -> int:
     from flashguard.rails.state import rail_state
 
     weights = next((a for a in argv if a in ("float", "int4")), "float")
+    rail = "input" if "--input" in argv else "output"
     if "--probe" in argv:
         cand = Path(argv[argv.index("--probe") + 1])
-        rail = "input" if "--input" in argv else "output"
         probe_mod.user_probe_path = lambda key, side="output": cand if side == rail else Path("/nonexistent.json")
     e = get_engine(EngineConfig(weights=weights))
     rail_state(e).forget_probes()
     if "--probe" in argv:   # a missing or wrong-rail candidate would silently give the shipped probe's numbers
-        s = ModerationSettings.input_defaults() if "--input" in argv else ModerationSettings()
-        found, where = probe_mod.find_probe(e, s.prompt, "input" if "--input" in argv else "output")
+        s = ModerationSettings.input_defaults() if rail == "input" else ModerationSettings()
+        found, where = probe_mod.find_probe(e, s.prompt, rail)
         if found is None or Path(where) != cand:
             raise SystemExit(f"--probe {cand}: not used ({where}); give a probe file of this rail, model and weights")
     plain_set = Path(argv[argv.index("--set") + 1]) if "--set" in argv else ROOT / "tests/data/moderation_input_plain.jsonl"
     plain = [json.loads(line) for line in open(plain_set, encoding="utf-8")]
-    if "--input" in argv:
+    if rail == "input":
         s, right, per = ModerationSettings.input_defaults(), 0, collections.defaultdict(lambda: [0, 0])
         for r in plain:
             v = moderate_input(e, [{"role": "user", "content": r["user"]}], s)
