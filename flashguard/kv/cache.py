@@ -255,7 +255,7 @@ class TieredLayer(CacheLayerMixin):
             store = self.owner.store
             slots = self.owner._l2_slots(missing)
             if store.l3_pages:   # decoding reads them: the policy keeps them in L2 while they stay hot
-                store.warm([self.owner.page_keys[p] for p in missing])
+                store.warm([self.owner.page_keys[p] for p in missing], steps=int(self.index == 0))
             k, v = codecs.decode(store.arena.gather(self.index, slots, self.device), self.dtype)
             parts_k.append(k)
             parts_v.append(v)
@@ -840,9 +840,9 @@ class TieredCache(Cache):
         seen = st.seen[:n].cpu()
         picked = torch.nonzero(seen >= self._warmed_at).flatten().tolist() if self._warmed_at >= 0 else \
             torch.nonzero(seen >= 0).flatten().tolist()
+        steps = self.length - self._warmed_at if self._warmed_at >= 0 else 1
         self._warmed_at = self.length
-        if picked:
-            self.store.warm([self.page_keys[p] for p in picked])
+        self.store.warm([self.page_keys[p] for p in picked], steps=steps)
 
     MAX_RETRIES = 4
     REPLAY_SHARE = 1 / 32   # a step that found more than this share of its picked pages only on disk runs again

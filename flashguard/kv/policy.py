@@ -8,7 +8,7 @@ round, so it means "read lately".
   compute device) from what the VRAM budget leaves, L2 from the host RAM available.
 - ``TierPolicy.l2_victims`` picks the pages that leave L2 when it is over budget: pages no live sequence references
   first (a released conversation's, kept only for a later session with the same prefix), then the coldest, never
-  a page being read right now (``protect``) or one a live sequence's decoding read lately (``hot_seconds``), and
+  a page being read right now (``protect``) or one a live sequence's decoding read lately (``hot_steps``), and
   among equally cold ones the least recently used. A page that already has an L3 file leaves L2 for free
   (nothing is written again).
 - ``TierPolicy.l3_victim`` picks the page whose L3 file is removed when L3 is full: a page no live sequence
@@ -86,20 +86,22 @@ class TierPolicy:
     ``heat``; insertion order is least recently used first)."""
 
     decay: float = 0.5
-    hot_seconds: float = 2.0   # a referenced page decoding read (``PageStore.warm``) this recently stays in L2
+    # a referenced page decoding read (``PageStore.warm``) in this many of the last decode steps stays in L2. Counted
+    # in steps, not seconds: a wall-clock window let a slow machine (a loaded 2-core CPU) demote and read again from
+    # disk pages a fast one kept. 256 steps are ~2 s of the 1.5B model's decoding on the H200.
+    hot_steps: int = 256
 
-    def l2_victims(self, pages: dict, n: int, protect: set) -> list:
+    def l2_victims(self, pages: dict, n: int, protect: set, clock: int) -> list:
         """Up to ``n`` keys of pages in L2 to demote: unreferenced pages first (no live sequence reads them: a
         released conversation's pages go to disk before a live one's, whatever heat they gathered while they were
         read), then coldest first; LRU order breaks ties (sorted is stable). A page of a live sequence that its
-        decoding read in the last ``hot_seconds`` is not one: L2 holds what decoding reads (the budget bounds the
-        cold pages), so a page promoted from L3 is not read from disk again while it stays hot. Once no sequence
-        references it, that protection ends (``reset_session`` hands a conversation's pages back to the budget)."""
+        decoding read in the last ``hot_steps`` decode steps (``clock``: the store's count of them) is not one:
+        L2 holds what decoding reads (the budget bounds the cold pages), so a page promoted from L3 is not read
+        from disk again while it stays hot. Once no sequence references it, that protection ends
+        (``reset_session`` hands a conversation's pages back to the budget)."""
         if n <= 0:
             return []
-        import time
-
-        hot = time.monotonic() - self.hot_seconds
+        hot = clock - self.hot_steps
         in_l2 = [k for k, p in pages.items()
                  if p.l2 is not None and k not in protect and (p.refs == 0 or p.read_at < hot)]
         return sorted(in_l2, key=lambda k: (pages[k].refs > 0, pages[k].heat))[:n]

@@ -21,7 +21,8 @@ Contract:
   sequence needs is ever dropped. A page read from L3 is promoted to L2 and stays there while it is read.
 - The one-graph sparse step reads L2 without asking the store: ``peek_slots(keys)`` gives its slot table (-1 for a
   page only in L3, nothing promoted; valid until ``moves`` changes), ``warm(keys)`` reports what it read (a page a
-  live sequence's decoding read lately stays in L2 over budget: ``TierPolicy.hot_seconds``), and its misses go
+  live sequence's decoding read in the last ``TierPolicy.hot_steps`` decode steps stays in L2 over budget; ``clock``
+  counts the steps reported, so what stays does not depend on how fast a machine decodes), and its misses go
   to ``prefetch(keys)``: read, verified and transcoded (int4 -> int8, ``codecs.transcode``) on worker threads,
   put in L2 by ``install_prefetched()`` on the caller's thread between steps (or promoted at once with ``slots``
   when a step missed many). A synchronous read of a page in flight waits for the worker's read. ``deferred()`` (a prefill): pages over budget stay in L2 and their L3 files are written
@@ -77,7 +78,7 @@ class _Page:
     l3: str | None = None        # file path
     summary: torch.Tensor | None = None  # [layers, kv_heads, 2, head_dim] key min/max, CPU
     heat: float = 0.0
-    read_at: float = -1e9        # time.monotonic() of the last decoding read (``warm``): hot pages stay in L2
+    read_at: int = -(1 << 62)    # the store's ``clock`` at the last decoding read (``warm``): hot pages stay in L2
 
 
 @dataclass
@@ -327,6 +328,7 @@ class PageStore:
         self._fetching: dict = {}          # key -> (its L3 file, Future of its read) in flight
         self.pages: "OrderedDict[bytes, _Page]" = OrderedDict()  # LRU order: oldest first
         self.lock = threading.RLock()
+        self.clock = 0                     # decode steps reported by ``warm`` (the policy's "read lately")
         self.stats = TierStats()
         self.l3_enabled = config.l3_tokens > 0
         self.disk = None
@@ -495,16 +497,18 @@ class PageStore:
     def slot_log_end(self) -> int:
         return self.slot_log_base + len(self.slot_log)
 
-    def warm(self, keys) -> None:
+    def warm(self, keys, steps: int = 0) -> None:
         """Pages attention read without asking the store (zero-copy reads in the one-graph step): they count as
-        read now for the policy (heat, recency), so what decoding keeps reading is not what leaves L2."""
-        now = time.monotonic()
+        read now for the policy (heat, recency), so what decoding keeps reading is not what leaves L2. ``steps``:
+        the decode steps this report closes (the store's ``clock`` advances by them; 0 for a report within a
+        step already counted)."""
         with self.lock:
+            self.clock += steps
             for key in keys:
                 page = self.pages.get(key)
                 if page is not None:
                     page.heat += 1.0
-                    page.read_at = now
+                    page.read_at = self.clock
                     self.pages.move_to_end(key)
 
     def count_hits(self, n: int) -> None:
@@ -637,7 +641,7 @@ class PageStore:
             else:
                 done = list(self._fetching)
             work = [(k, *self._fetching.pop(k)) for k in done]
-        installed, now = [], time.monotonic()
+        installed = []
         for key, path, fut in work:
             try:
                 result = fut.result()
@@ -654,7 +658,7 @@ class PageStore:
                 page.l2 = self.arena.write(enc)
                 self._moved(key, page.l2)
                 page.heat += 1.0
-                page.read_at = now
+                page.read_at = self.clock
                 self.pages.move_to_end(key)
                 self.stats.page_faults += 1
                 self.stats.hits["l3"] += 1
@@ -771,12 +775,12 @@ class PageStore:
             return
         if self._deferred:
             if self.disk is not None and not written:
-                for key in self.policy.l2_victims(self.pages, excess, protect):
+                for key in self.policy.l2_victims(self.pages, excess, protect, self.clock):
                     page = self.pages[key]
                     if page.l3 is None:
                         self._write_later(key, page)
             return
-        victims = self.policy.l2_victims(self.pages, excess, protect)
+        victims = self.policy.l2_victims(self.pages, excess, protect, self.clock)
         for key in victims:
             self._demote(key, self.pages[key], protect)
         if victims:
