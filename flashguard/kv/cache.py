@@ -255,6 +255,8 @@ class TieredLayer(CacheLayerMixin):
             store = self.owner.store
             slots = self.owner._l2_slots(missing)
             if store.l3_pages:   # decoding reads them: the policy keeps them in L2 while they stay hot
+                # (layer 0's report closes a step; a step whose layer 0 read nothing off L1 is not counted, so
+                # the clock lags and pages stay hot longer, never shorter)
                 store.warm([self.owner.page_keys[p] for p in missing], steps=int(self.index == 0))
             k, v = codecs.decode(store.arena.gather(self.index, slots, self.device), self.dtype)
             parts_k.append(k)
