@@ -18,6 +18,8 @@ TEST_SET = ROOT / "tests/data/moderation_test.jsonl"
 TEST = read_rows(TEST_SET)  # set A: first held-out evaluation (v1 probes); its failures shaped v2's tuning additions
 TEST_B = read_rows(ROOT / "tests/data/moderation_test_b.jsonl")  # set B: written with v2, before it was trained
 TUNE = read_rows(TUNING_SET)
+# labelled own replies (v8), kept apart from the tuning set (their fit blocked a greeting): material for a next fit
+OWN_V8 = read_rows(ROOT / "rails/data/moderation_own_replies_v8.jsonl")
 HARMFUL = {"violence", "weapons", "self-harm", "hate", "minors", "crime", "cyber", "drugs", "privacy"}
 BENIGN = {"war-history", "first-aid", "security-advice", "refusal", "fiction", "greeting", "fact", "code"}
 NEVER_BLOCK = {"greeting", "fact"}
@@ -38,6 +40,9 @@ def test_the_sets_are_separate_labelled_and_cover_every_category():
         assert {r["category"] for r in rows if not r["block"]} == BENIGN | extra
     tune_texts = {r["bot"].lower() for r in TUNE}
     assert not [r for r in TEST + TEST_B if r["bot"].lower() in tune_texts]
+    own_texts = {r["bot"].lower() for r in OWN_V8}
+    assert not own_texts & (tune_texts | {r["bot"].lower() for r in TEST + TEST_B})
+    assert {r["category"] for r in OWN_V8} <= HARMFUL | BENIGN | TUNE_ONLY
     assert not {r["bot"].lower() for r in TEST} & {r["bot"].lower() for r in TEST_B}
 
 
