@@ -197,10 +197,10 @@ def test_a_released_conversations_pages_leave_l2_before_a_live_ones(tmp_path):
         store.close()
 
 
-def test_hot_pages_stay_in_l2_for_decode_steps_not_seconds(tmp_path, monkeypatch):
-    """A live sequence's page decoding read stays in L2 over budget for ``TierPolicy.hot_steps`` decode steps,
-    however long they take: CI's loaded 2-core machine once took over the old 2-second window between two reports
-    and read a promoted page from disk a second time (test_l3_promotion_with_the_real_smollm2)."""
+def test_hot_pages_stay_in_l2_for_forwards_not_seconds(tmp_path, monkeypatch):
+    """A live sequence's page decoding read stays in L2 over budget for ``TierPolicy.hot_steps`` forwards (the
+    store's ``clock``), however long they take: CI's loaded 2-core machine once took over the old 2-second window
+    between two reports and read a promoted page from disk a second time (test_l3_promotion_with_the_real_smollm2)."""
     import time
 
     cfg = CacheConfig(page_size=32, l1_tokens=64, l2_tokens=32, l3_tokens=1 << 16, l3_dir=str(tmp_path))
@@ -210,13 +210,15 @@ def test_hot_pages_stay_in_l2_for_decode_steps_not_seconds(tmp_path, monkeypatch
         for i, key in enumerate(keys):
             k, v = kv(i)
             store.put(key, k, v, summary(k))                 # (a put is the live sequence's reference)
-        store.warm(keys, steps=1)                            # its decoding read all four this step
+        store.warm(keys)                                     # its decoding read all four
     later = time.monotonic() + 3600.0
     monkeypatch.setattr(time, "monotonic", lambda: later)    # an hour of wall time passes: nothing changes
-    store.warm([], steps=store.policy.hot_steps - 1)
+    for _ in range(store.policy.hot_steps):                  # read exactly hot_steps forwards ago: still hot
+        store.tick()
     store.put(page_key(b"live", [9], b"ns"), *kv(9), summary(kv(9)[0]))
     assert all(store.pages[key].l2 is not None for key in keys)
-    store.warm(keys[:1], steps=2)                            # hot_steps + 1 steps on, only the first still read
+    store.warm(keys[:1])                                     # only the first read again, then one forward more
+    store.tick()
     store.put(page_key(b"live", [10], b"ns"), *kv(10), summary(kv(10)[0]))
     assert store.pages[keys[0]].l2 is not None
     assert all(store.pages[key].l2 is None and store.pages[key].l3 is not None for key in keys[1:])

@@ -55,6 +55,7 @@ def _decode(model, l2_tokens: int, steps: int, ids: list[int], chunk: int = 100,
                 cache.feed(ids[a:a + chunk])
                 logits = model(input_ids=torch.tensor([ids[a:a + chunk]]), past_key_values=cache).logits[0, -1]
         prefill_reads, counts = len(reads), store.tier_counts()
+        assert store.clock == -(-len(ids) // chunk)           # the policy's clock: one tick a forward (``update``)
         out, tokens = [], []
         for _ in range(steps):
             token = int(logits.argmax())
@@ -62,6 +63,7 @@ def _decode(model, l2_tokens: int, steps: int, ids: list[int], chunk: int = 100,
             cache.feed([token])
             logits = step.step(token, cache).float()
             out.append(logits)
+    assert store.clock == -(-len(ids) // chunk) + steps       # ... and one a one-graph step (``advance``)
     cache.check_integrity()
     return torch.stack(out), tokens, cache, reads, prefill_reads, counts
 

@@ -101,6 +101,8 @@ class TieredLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         if self.index == 0:
             self.owner._settle_pages()  # the previous forward is complete in every layer: store pages, trim L1
+            if self.owner.store is not None:
+                self.owner.store.tick()   # one forward: the tier policy's clock ("read lately")
         self._append(key_states[0], value_states[0])
         self.keys_returned = key_states  # the attention function checks it got *this* cache's keys
         attention.note_update(self.index, self)
@@ -255,9 +257,7 @@ class TieredLayer(CacheLayerMixin):
             store = self.owner.store
             slots = self.owner._l2_slots(missing)
             if store.l3_pages:   # decoding reads them: the policy keeps them in L2 while they stay hot
-                # (layer 0's report closes a step; a step whose layer 0 read nothing off L1 is not counted, so
-                # the clock lags and pages stay hot longer, never shorter)
-                store.warm([self.owner.page_keys[p] for p in missing], steps=int(self.index == 0))
+                store.warm([self.owner.page_keys[p] for p in missing])
             k, v = codecs.decode(store.arena.gather(self.index, slots, self.device), self.dtype)
             parts_k.append(k)
             parts_v.append(v)
@@ -842,9 +842,9 @@ class TieredCache(Cache):
         seen = st.seen[:n].cpu()
         picked = torch.nonzero(seen >= self._warmed_at).flatten().tolist() if self._warmed_at >= 0 else \
             torch.nonzero(seen >= 0).flatten().tolist()
-        steps = self.length - self._warmed_at if self._warmed_at >= 0 else 1
         self._warmed_at = self.length
-        self.store.warm([self.page_keys[p] for p in picked], steps=steps)
+        if picked:
+            self.store.warm([self.page_keys[p] for p in picked])
 
     MAX_RETRIES = 4
     REPLAY_SHARE = 1 / 32   # a step that found more than this share of its picked pages only on disk runs again
@@ -893,6 +893,8 @@ class TieredCache(Cache):
         for layer in self.layers:
             layer.length += n
         self.length += n
+        if self.store is not None:
+            self.store.tick()   # one forward (the graph's step), as ``update`` counts one
         # off the pool (a sparse step), the next step's ``sparse_view`` or ``update`` settles, as after ``update``
         if self.length // self.page_size > len(self.page_keys) and self.layers[0].resident:
             self._settle_pages()

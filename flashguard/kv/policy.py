@@ -86,16 +86,18 @@ class TierPolicy:
     ``heat``; insertion order is least recently used first)."""
 
     decay: float = 0.5
-    # a referenced page decoding read (``PageStore.warm``) in this many of the last decode steps stays in L2. Counted
-    # in steps, not seconds: a wall-clock window let a slow machine (a loaded 2-core CPU) demote and read again from
-    # disk pages a fast one kept. 256 steps are ~2 s of the 1.5B model's decoding on the H200.
+    # a referenced page decoding read (``PageStore.warm``) in the last ``hot_steps`` forwards of the sequences on its
+    # store (``PageStore.clock``: decode steps and prefill chunks) stays in L2. Counted in forwards, not seconds: a
+    # wall-clock window let a slow machine (a loaded 2-core CPU) demote and read again from disk pages a fast one
+    # kept. 256 are ~2 s of the 1.5B model's decoding on the H200, ~10-25 s on a laptop CPU: the pages over budget are
+    # those decoding read in that many steps (sparse selections drift slowly: a few selections' worth).
     hot_steps: int = 256
 
     def l2_victims(self, pages: dict, n: int, protect: set, clock: int) -> list:
         """Up to ``n`` keys of pages in L2 to demote: unreferenced pages first (no live sequence reads them: a
         released conversation's pages go to disk before a live one's, whatever heat they gathered while they were
         read), then coldest first; LRU order breaks ties (sorted is stable). A page of a live sequence that its
-        decoding read in the last ``hot_steps`` decode steps (``clock``: the store's count of them) is not one:
+        decoding read in the last ``hot_steps`` forwards (``clock``: the store's count of them) is not one:
         L2 holds what decoding reads (the budget bounds the cold pages), so a page promoted from L3 is not read
         from disk again while it stays hot. Once no sequence references it, that protection ends
         (``reset_session`` hands a conversation's pages back to the budget)."""

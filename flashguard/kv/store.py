@@ -21,8 +21,9 @@ Contract:
   sequence needs is ever dropped. A page read from L3 is promoted to L2 and stays there while it is read.
 - The one-graph sparse step reads L2 without asking the store: ``peek_slots(keys)`` gives its slot table (-1 for a
   page only in L3, nothing promoted; valid until ``moves`` changes), ``warm(keys)`` reports what it read (a page a
-  live sequence's decoding read in the last ``TierPolicy.hot_steps`` decode steps stays in L2 over budget; ``clock``
-  counts the steps reported, so what stays does not depend on how fast a machine decodes), and its misses go
+  live sequence's decoding read in the last ``TierPolicy.hot_steps`` forwards stays in L2 over budget; ``clock``
+  counts the forwards of the sequences on this store, ``tick``, so what stays does not depend on how fast a machine
+  decodes), and its misses go
   to ``prefetch(keys)``: read, verified and transcoded (int4 -> int8, ``codecs.transcode``) on worker threads,
   put in L2 by ``install_prefetched()`` on the caller's thread between steps (or promoted at once with ``slots``
   when a step missed many). A synchronous read of a page in flight waits for the worker's read. ``deferred()`` (a prefill): pages over budget stay in L2 and their L3 files are written
@@ -328,7 +329,7 @@ class PageStore:
         self._fetching: dict = {}          # key -> (its L3 file, Future of its read) in flight
         self.pages: "OrderedDict[bytes, _Page]" = OrderedDict()  # LRU order: oldest first
         self.lock = threading.RLock()
-        self.clock = 0                     # decode steps reported by ``warm`` (the policy's "read lately")
+        self.clock = 0                     # forwards of the sequences on this store (``tick``): "read lately" 
         self.stats = TierStats()
         self.l3_enabled = config.l3_tokens > 0
         self.disk = None
@@ -497,13 +498,16 @@ class PageStore:
     def slot_log_end(self) -> int:
         return self.slot_log_base + len(self.slot_log)
 
-    def warm(self, keys, steps: int = 0) -> None:
+    def tick(self) -> None:
+        """One forward of a sequence on this store (a decode step or a prefill chunk; ``TieredCache`` calls it):
+        the policy's clock. Counted in forwards, not seconds, so what stays hot does not depend on the machine."""
+        self.clock += 1
+
+    def warm(self, keys) -> None:
         """Pages attention read without asking the store (zero-copy reads in the one-graph step): they count as
-        read now for the policy (heat, recency), so what decoding keeps reading is not what leaves L2. ``steps``:
-        the decode steps this report closes (the store's ``clock`` advances by them; 0 for a report within a
-        step already counted)."""
+        read now (at ``clock``) for the policy (heat, recency), so what decoding keeps reading is not what leaves
+        L2."""
         with self.lock:
-            self.clock += steps
             for key in keys:
                 page = self.pages.get(key)
                 if page is not None:
