@@ -18,7 +18,7 @@ TEST_SET = ROOT / "tests/data/moderation_test.jsonl"
 TEST = read_rows(TEST_SET)  # set A: first held-out evaluation (v1 probes); its failures shaped v2's tuning additions
 TEST_B = read_rows(ROOT / "tests/data/moderation_test_b.jsonl")  # set B: written with v2, before it was trained
 TUNE = read_rows(TUNING_SET)
-# labelled own replies (v8), kept apart from the tuning set (their fit blocked a greeting): material for a next fit
+# the model's own replies to v7's input rows, labelled (v8; docs/moderation.md "v8 output probes")
 OWN_V8 = read_rows(ROOT / "rails/data/moderation_own_replies_v8.jsonl")
 HARMFUL = {"violence", "weapons", "self-harm", "hate", "minors", "crime", "cyber", "drugs", "privacy"}
 BENIGN = {"war-history", "first-aid", "security-advice", "refusal", "fiction", "greeting", "fact", "code"}
@@ -42,7 +42,11 @@ def test_the_sets_are_separate_labelled_and_cover_every_category():
     assert not [r for r in TEST + TEST_B if r["bot"].lower() in tune_texts]
     own_texts = {r["bot"].lower() for r in OWN_V8}
     assert not own_texts & (tune_texts | {r["bot"].lower() for r in TEST + TEST_B})
+    assert all((r["category"] in HARMFUL) == r["block"] for r in OWN_V8)
     assert {r["category"] for r in OWN_V8} <= HARMFUL | BENIGN | TUNE_ONLY
+    plain = {r["user"].lower() for name in ("", "_b", "_c")
+             for r in read_rows(ROOT / f"tests/data/moderation_input_plain{name}.jsonl", "input")}
+    assert not plain & {r["user"].lower() for r in OWN_V8}   # the plain sets stay held out for the output rail
     assert not {r["bot"].lower() for r in TEST} & {r["bot"].lower() for r in TEST_B}
 
 
