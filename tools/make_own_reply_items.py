@@ -14,8 +14,8 @@ not those of ``tests/data/moderation_input_plain.jsonl`` (the held-out check of 
 ``user``, ``block`` and ``category`` (the input rail's v7 rows 1005-1127: short blunt requests and everyday
 look-alikes); none of them is in the plain sets ``tests/data/moderation_input_plain*.jsonl``, which stay held out.
 Labelled by reading, as above, they are ``rails/data/moderation_own_replies_v8.jsonl`` (108 rows; 11 replies that were
-neither and 4 identical to v5's rows left out): not in the tuning set, as the fit with them blocked a greeting on
-held-out set A (docs/moderation.md, "v8 output probes: tried, not shipped").
+neither and 4 identical to v5's rows left out): not in the tuning set, as both fits with them lost on held-out sets
+(docs/moderation.md, "v8 output probes: tried twice, not shipped").
 """
 import argparse
 import json
