@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import sys
 from pathlib import Path
 
@@ -29,13 +28,15 @@ def main(argv) -> int:
     from flashguard import EngineConfig, get_engine
     from flashguard.engine import SamplingParams
     from flashguard.rails import probe as probe_mod
+    from flashguard.rails.calibrate import read_rows
     from flashguard.rails.moderation import ModerationSettings, moderate, moderate_input
     from flashguard.rails.state import rail_state
 
     parser = argparse.ArgumentParser(prog="check_plain_requests.py", description=__doc__.split("\n")[0],
                                      allow_abbrev=False)
     parser.add_argument("weights", nargs="?", choices=("float", "int4"), default="float")
-    parser.add_argument("--probe", type=Path, help="a candidate probe file (the output rail's; with --input, the input rail's)")
+    parser.add_argument("--probe", type=Path,
+                        help="a candidate probe file (the output rail's; with --input, the input rail's)")
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--input", action="store_true", help="the input rail on the plain requests")
     mode.add_argument("--both", action="store_true", help="the guarded turn: input rail, reply, output rail")
@@ -46,7 +47,8 @@ def main(argv) -> int:
         parser.error(f"--set {args.set}: no such file")
     if args.probe is not None and not args.probe.is_file():
         parser.error(f"--probe {args.probe}: no such file")
-    weights, rail, both, cand, plain_set = args.weights, "input" if args.input else "output", args.both, args.probe, args.set
+    weights, rail, cand, plain_set = args.weights, "input" if args.input else "output", args.probe, args.set
+    plain = read_rows(plain_set, "input")   # before the model loads (an error names the file and line)
     if cand is not None:
         probe_mod.user_probe_path = lambda key, side="output": cand if side == rail else Path("/nonexistent.json")
     e = get_engine(EngineConfig(weights=weights))
@@ -56,7 +58,12 @@ def main(argv) -> int:
         found, where = probe_mod.find_probe(e, s.prompt, rail)
         if found is None or Path(where) != cand:
             raise SystemExit(f"--probe {cand}: not used ({where}); give a probe file of this rail, model and weights")
-    plain = [json.loads(line) for line in open(plain_set, encoding="utf-8")]
+
+    def reply_to(user: str) -> str:
+        """The model's own greedy 64-token reply to ``user`` alone."""
+        return e.generate(e.encode_messages([{"role": "user", "content": user}]),
+                          SamplingParams(max_tokens=64, temperature=0.0)).text
+
     if rail == "input":
         s, right, per = ModerationSettings.input_defaults(), 0, collections.defaultdict(lambda: [0, 0])
         for r in plain:
@@ -70,7 +77,7 @@ def main(argv) -> int:
         print(f"{weights} input rail, {plain_set.name}: {right}/{len(plain)} = {right / len(plain):.1%}; "
               + ", ".join(f"{k} {a}/{b}" for k, (a, b) in per.items()))
         return 0
-    if both:
+    if args.both:
         s_in, s_out, outcome = ModerationSettings.input_defaults(), ModerationSettings(), collections.Counter()
         for r in plain:
             v = moderate_input(e, [{"role": "user", "content": r["user"]}], s_in)
@@ -79,8 +86,7 @@ def main(argv) -> int:
                 if not r["block"]:
                     print(f"  benign request blocked by the input rail ({v.p_unsafe:.2f}): {r['user']!r}", flush=True)
                 continue
-            reply = e.generate(e.encode_messages([{"role": "user", "content": r["user"]}]),
-                               SamplingParams(max_tokens=64, temperature=0.0)).text
+            reply = reply_to(r["user"])
             w = moderate(e, reply, r["user"], s_out)
             outcome[r["block"], "output" if not w.allowed else "through"] += 1
             if r["block"] and w.allowed:
@@ -98,18 +104,18 @@ def main(argv) -> int:
     from check_output_rail_long_pastes import check_rows   # (this folder: teacher-force each reply, then the rail)
 
     s = ModerationSettings()
-    other = [json.loads(line) for line in open(ROOT / "tests/data/moderation_set_other_author.jsonl", encoding="utf-8")]
+    other = read_rows(ROOT / "tests/data/moderation_set_other_author.jsonl")
     right = sum((not v.allowed) == r["block"] for r, v in zip(other, check_rows(e, other, s)))
     print(f"{weights} output rail, another author's replies: {right}/{len(other)}", flush=True)
     caught = benign_blocked = 0
     for r in plain:
-        reply = e.generate(e.encode_messages([{"role": "user", "content": r["user"]}]),
-                           SamplingParams(max_tokens=64, temperature=0.0)).text
+        reply = reply_to(r["user"])
         v = moderate(e, reply, r["user"], s)
         if r["block"]:
             caught += not v.allowed
             if v.allowed:
-                print(f"  harmful reply allowed (p_unsafe {v.p_unsafe:.2f}): {r['user']!r} -> {reply[:70]!r}", flush=True)
+                print(f"  harmful reply allowed (p_unsafe {v.p_unsafe:.2f}): {r['user']!r} -> {reply[:70]!r}",
+                      flush=True)
         elif not v.allowed:
             benign_blocked += 1
             print(f"  benign reply blocked (p_unsafe {v.p_unsafe:.2f}): {r['user']!r} -> {reply[:70]!r}", flush=True)

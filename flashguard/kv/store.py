@@ -329,7 +329,7 @@ class PageStore:
         self._fetching: dict = {}          # key -> (its L3 file, Future of its read) in flight
         self.pages: "OrderedDict[bytes, _Page]" = OrderedDict()  # LRU order: oldest first
         self.lock = threading.RLock()
-        self.clock = 0                     # forwards of the sequences on this store (``tick``): "read lately" 
+        self.clock = 0                     # forwards of the sequences on this store (``tick``): "read lately"
         self.stats = TierStats()
         self.l3_enabled = config.l3_tokens > 0
         self.disk = None
