@@ -84,7 +84,8 @@ def read_rows(path: Path, side: str = "output") -> list[dict]:
             row = json.loads(line)
             bot_ok = side == "input" or isinstance(row["bot"], str)
             if not (isinstance(row["user"], str) and bot_ok and isinstance(row["block"], bool)):
-                raise TypeError("user and bot must be strings, block a boolean")
+                raise TypeError("user must be a string, block a boolean" if side == "input"
+                                else "user and bot must be strings, block a boolean")
         except (json.JSONDecodeError, KeyError, TypeError) as exc:
             raise ValueError(f"{path}:{n}: {exc}") from exc
         rows.append(row)
