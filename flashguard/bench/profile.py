@@ -8,7 +8,9 @@ random tokens (untimed), then the profiler records (1) one more ``prefill_chunk`
 pages that left the pool, and (2) ``--steps`` decode steps (the one-graph sparse step). For each: the wall time,
 and the top CUDA kernels and CPU operators by time. What it answers: what dominates a 128K conversation's
 prefill past the pool and its sparse decode step. ``--whole`` profiles the first prefill too (GPU time against wall
-time for a prompt that fits the pool: what a short prompt's first token waits for).
+time for a prompt that fits the pool: what a short prompt's first token waits for). ``--times N`` first times N
+prompts of ``--context`` new tokens, each in a new session, without the profiler (the process's first prompt against
+the later ones).
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None)
     ap.add_argument("--whole", action="store_true", help="profile the whole prefill of --context tokens too (GPU "
                     "time against wall time where the context fits the pool: what a short prompt's first token waits for)")
+    ap.add_argument("--times", type=int, default=0, help="first time this many prompts of --context new tokens, "
+                    "each in a new session, without the profiler")
     args = ap.parse_args(argv)
 
     from torch.profiler import ProfilerActivity, profile
@@ -51,6 +55,16 @@ def main(argv=None) -> int:
     ids = torch.randint(low, min(vocab, 100000), (args.context + chunk,), generator=gen).tolist()
     one = SamplingParams(max_tokens=1)
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
+    timed = []
+    for i in range(args.times):   # (other ids each time: nothing is reused)
+        other = torch.randint(low, min(vocab, 100000), (args.context,), generator=gen).tolist()
+        engine.reset_session()
+        sync()
+        t0 = time.perf_counter()
+        engine.generate(other, one)
+        sync()
+        timed.append(f"prompt {i + 1} of {args.context} new tokens (new session): {time.perf_counter() - t0:.3f} s")
+    engine.reset_session()
     whole = []
     if args.whole:   # (the wall time is taken before the profiler's tables are built: they take seconds)
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -68,7 +82,7 @@ def main(argv=None) -> int:
         prefill_s = time.perf_counter() - t0
     lines = [f"{torch.cuda.get_device_name() if args.device == 'cuda' else 'cpu'}: {args.model}, vram_budget {args.budget}, prefill_chunk {chunk}, "
              f"pool {engine.kv.l1_tokens} tokens ({engine.kv.l1_codec}); {args.context} tokens prefilled in "
-             f"{prefill_s:.2f} s" + (" (under the profiler)" if args.whole else ""), ""] + whole
+             f"{prefill_s:.2f} s" + (" (under the profiler)" if args.whole else ""), ""] + timed + [""] + whole
     for label, run in (("prefill chunk past the pool", lambda: engine.generate(ids, one)),
                        (f"{args.steps} decode steps", lambda: engine.generate(ids, SamplingParams(
                            max_tokens=args.steps + 1)))):
