@@ -17,10 +17,10 @@ export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_H
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/smi.txt"
 echo "installed in $(( $(date +%s) - t0 )) s"
 cd /tmp   # the installed package (flashguard.rails is the repo's rails/ folder), not the source tree
-timeout 45 python3 -m flashguard.bench.rails_turn --device cuda --weights float int4 --turns 6 \
+timeout ${RAILS_TIMEOUT:-150} python3 -m flashguard.bench.rails_turn --device cuda --weights float int4 --turns 6 \
   --messages "$R/tests/data/moderation_input_test_b.jsonl" \
   --out "$OUT/rails_turn_h200.md" --json "$OUT/rails_turn_h200.json" 2>&1 | grep -v "Loading weights" | tail -12
 echo "rails_turn done at $(( $(date +%s) - t0 )) s"
-timeout 25 python3 -m flashguard.bench.moderation --tokenizer "$R/.devcarry/ds-tokenizer" --contexts 8192 32768 \
+timeout 60 python3 -m flashguard.bench.moderation --tokenizer "${TOK:-$R/.devcarry/ds-tokenizer}" --contexts 8192 32768 \
   --out "$OUT/moderation_rails_h200.md" --json "$OUT/moderation_rails_h200.json" 2>&1 | tail -12
 echo "all done at $(( $(date +%s) - t0 )) s"

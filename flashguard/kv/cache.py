@@ -298,16 +298,32 @@ class TieredLayer(CacheLayerMixin):
         self.hot_k.index_copy_(0, index, k.index_select(0, pick))
         self.hot_v.index_copy_(0, index, v.index_select(0, pick))
 
-    @torch.inference_mode()
-    def _add_bounds(self, page_bounds: torch.Tensor) -> None:
-        """Append the key bounds of pages ``[n, kvh, 2 (min, max), D]`` as columns ``[max; min]``."""
-        n = page_bounds.shape[0]
+    def _bounds_room(self, n: int) -> torch.Tensor:
+        """The ``bounds`` columns of the next ``n`` pages ``[kvh, 2D, n]`` (the buffer grown by doubling first)."""
         if self.n_pages + n > self.bounds.shape[2]:
             grown = self.bounds.new_zeros(self.bounds.shape[:2] + (max(2 * self.bounds.shape[2], self.n_pages + n),))
             grown[:, :, :self.n_pages] = self.bounds[:, :, :self.n_pages]
             self.bounds = grown
+        return self.bounds[:, :, self.n_pages:self.n_pages + n]
+
+    @torch.inference_mode()
+    def _add_bounds(self, page_bounds: torch.Tensor) -> None:
+        """Append the key bounds of pages ``[n, kvh, 2 (min, max), D]`` as columns ``[max; min]``."""
+        n = page_bounds.shape[0]
         cols = torch.cat([page_bounds[:, :, 1], page_bounds[:, :, 0]], dim=-1).permute(1, 2, 0)   # [kvh, 2D, n]
-        self.bounds[:, :, self.n_pages:self.n_pages + n] = cols.to(self.bounds.dtype)
+        self._bounds_room(n).copy_(cols)
+        self.n_pages += n
+
+    @torch.inference_mode()
+    def _add_key_bounds(self, k: torch.Tensor) -> None:
+        """Append the bounds of the full pages whose keys are ``k`` ``[kvh, n * page_size, D]``: four kernels for
+        any number of pages (a 2,048-token prefill chunk's 32 pages took ~20 launches a layer as stacked pieces)."""
+        kvh, t, d = k.shape
+        n = t // self.owner.page_size
+        k = k.reshape(kvh, n, self.owner.page_size, d)
+        cols = self._bounds_room(n)
+        cols[:, :d].copy_(k.amax(dim=2).transpose(1, 2))
+        cols[:, d:].copy_(k.amin(dim=2).transpose(1, 2))
         self.n_pages += n
 
     def page_bounds(self, first: int, end: int) -> torch.Tensor:
@@ -570,12 +586,12 @@ class TieredCache(Cache):
             self.namespace = namespace_for(self.model_id, key_states.dtype, self.config)
 
     # ---- page bookkeeping (runs before the next forward, when every layer has the last one) -----
-    SETTLE_PAGES = 16  # pages encoded together when a prefill chunk completes many (bounds the temporaries)
+    SETTLE_PAGES = 16  # pages encoded together when a prefill chunk stores many (bounds the temporaries)
 
     def _settle_pages(self) -> None:
         full = self.length // self.page_size
-        while len(self.page_keys) < full:
-            self._complete_pages(len(self.page_keys), min(full, len(self.page_keys) + self.SETTLE_PAGES))
+        if len(self.page_keys) < full:   # (their bounds in one pass a layer; stores go SETTLE_PAGES at a time)
+            self._complete_pages(len(self.page_keys), full)
         self._evict_window()
 
     def tokens_leaving(self, new_tokens: int) -> int:
@@ -599,10 +615,7 @@ class TieredCache(Cache):
                 parent = os.urandom(16)  # no token ids: a private page
             keys.append(parent)
         for layer in self.layers:
-            k, _ = layer.tokens(first * p, end * p)
-            kvh, _, d = k.shape
-            k = k.reshape(kvh, n, p, d)
-            layer._add_bounds(torch.stack([k.amin(dim=2), k.amax(dim=2)], dim=2).transpose(0, 1))  # [n, kvh, 2, D]
+            layer._add_key_bounds(layer.tokens(first * p, end * p)[0])
             layer.heat.extend([0.0] * n)
         self.page_keys.extend(keys)
         self.stored.extend([False] * n)
