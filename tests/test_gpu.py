@@ -39,6 +39,20 @@ def test_fused_segment_matches_the_einsum_path(causal, lq):
     torch.testing.assert_close(lse, lse_ref, atol=3e-3, rtol=3e-3)
 
 
+@pytest.mark.parametrize("lq, n", [(2048, 2048 + 4096), (300, 300), (37, 1000)])
+def test_one_call_chunk_attention_equals_the_causal_reference(lq, n):
+    g = torch.Generator(device="cuda").manual_seed(1)
+    kvh, grp, d = 2, 6, 128
+    q = torch.randn(kvh * grp, lq, d, device="cuda", generator=g, dtype=torch.bfloat16)
+    k = torch.randn(kvh, n, d, device="cuda", generator=g, dtype=torch.bfloat16)
+    v = torch.randn(kvh, n, d, device="cuda", generator=g, dtype=torch.bfloat16)
+    assert attention.one_call_chunks(q.device), attention.one_call_chunks.last_error
+    got = attention.chunk_attention(q, k, v, d ** -0.5)
+    mask = torch.ones(lq, n, dtype=torch.bool, device="cuda").tril_(n - lq)   # the chunk is the last lq keys
+    want, _ = attention.partial_attention(q.reshape(kvh, grp, lq, d).float(), k.float(), v.float(), d ** -0.5, mask)
+    torch.testing.assert_close(got.float(), want.reshape(kvh * grp, lq, d), atol=2e-2, rtol=2e-2)
+
+
 @pytest.mark.parametrize("policy", ["exact", "sparse"])
 def test_graph_steps_match_eager_steps(policy):
     from transformers import DynamicCache

@@ -150,6 +150,57 @@ def _flash_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, used: torch
     return out[0], lse.reshape(-1)[:hq].float()
 
 
+_CHUNK_OFFSETS: dict = {}   # device index -> int32 [2] tensors (cum_q, cum_k) a chunk call fills on the device
+
+
+def _flash_chunk_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """flash's variable-length kernel for a chunk's queries ``q [Hq, Lq, D]`` (the last ``Lq`` of the ``N`` keys of
+    ``k``/``v`` ``[kvh, N, D]``), causal with the queries aligned bottom-right, GQA in the kernel: ``[Hq, Lq, D]``.
+    The offsets are filled on the device (no host-to-device copy, which would wait for the stream)."""
+    hq, lq, d = q.shape
+    n = k.shape[1]
+    at = q.device.index
+    if at not in _CHUNK_OFFSETS:
+        _CHUNK_OFFSETS[at] = (torch.zeros(2, dtype=torch.int32, device=q.device),
+                              torch.zeros(2, dtype=torch.int32, device=q.device))
+    cum_q, cum_k = _CHUNK_OFFSETS[at]
+    cum_q[1:].fill_(lq)
+    cum_k[1:].fill_(n)
+    out = torch.ops.aten._flash_attention_forward(q.transpose(0, 1).contiguous(), k.transpose(0, 1),
+                                                  v.transpose(0, 1), cum_q, cum_k, lq, n, 0.0, True, False,
+                                                  scale=scale)[0]
+    return out.transpose(0, 1)
+
+
+def _chunk_probe(device: torch.device) -> bool:
+    """The one-call chunk attention against the chunk-over-itself and prefix segments merged (what it replaces),
+    on random data with a prefix, in both 16-bit dtypes the pool may hold."""
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    for dtype in (torch.float16, torch.bfloat16):
+        kvh, g, lq, n, d = 2, 3, 40, 100, 128
+        q, k, v = (torch.randn(shape, generator=gen).to(device, dtype)
+                   for shape in ((kvh * g, lq, d), (kvh, n, d), (kvh, n, d)))
+        got = _flash_chunk_call(q, k, v, d ** -0.5)
+        qg = q.reshape(kvh, g, lq, d)
+        acc = merge_into(segment(qg, k[:, n - lq:], v[:, n - lq:], d ** -0.5, causal=True),
+                         segment(qg, k[:, :n - lq], v[:, :n - lq], d ** -0.5))
+        want = acc[0].reshape(kvh * g, lq, d).to(dtype)
+        if not torch.allclose(got.float(), want.float(), atol=2e-2, rtol=2e-2):
+            return False
+    return True
+
+
+def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor | None:
+    """A prefill chunk over a resident pool in one kernel call: ``q [Hq, Lq, D]`` the chunk's queries, the chunk's
+    keys the last ``Lq`` of ``k``/``v`` ``[kvh, N, D]``; ``[Hq, Lq, D]`` in the query dtype. None where the kernel is
+    missing or disagreed with the two merged segments at its self-check (the caller merges them instead): one call
+    replaces two, the per-head K/V copies of the causal one and the merge's kernels (~12 launches a layer)."""
+    if not (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and k.dtype == q.dtype
+            and KERNELS.get("segment", q.device.index, q.dtype) == "flash" and one_call_chunks(q.device)):
+        return None
+    return _flash_chunk_call(q, k, v, scale)
+
+
 def prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, used: torch.Tensor,
                      scale: float) -> torch.Tensor:
     """One token's query heads ``q [Hq, D]`` over the first ``used`` positions of ``k``/``v`` ``[kvh, capacity, D]``,
@@ -294,3 +345,9 @@ def register() -> None:
     AttentionInterface.register(NAME, flashguard_attention)
     AttentionMaskInterface.register(NAME, no_mask)
     _registered = True
+
+
+from ..selfcheck import SelfCheck  # noqa: E402
+
+# one_call_chunks(device): the one-call chunk attention runs and agrees with the merged segments on ``device``
+one_call_chunks = SelfCheck("one-call chunk attention", _chunk_probe, "chunks attend in two merged segments")

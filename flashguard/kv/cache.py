@@ -355,7 +355,11 @@ class TieredLayer(CacheLayerMixin):
             if not q.is_cuda or n == lq:   # SDPA with a lower-right causal bias (the CPU's fastest form)
                 return attention.causal_sdpa(q.unsqueeze(0), l1_k.unsqueeze(0), l1_v.unsqueeze(0),
                                              scale)[0].transpose(0, 1)
-            # on a GPU: the chunk over itself (causal) and over what precedes it, merged; no K/V copied per head
+            # on a GPU: one flash call, causal bottom-right with GQA in the kernel; else the chunk over itself
+            # (causal) and over what precedes it, merged
+            one = attention.chunk_attention(q, l1_k, l1_v, scale)
+            if one is not None:
+                return one
             acc = attention.segment(qg, l1_k[:, n - lq:], l1_v[:, n - lq:], scale, causal=True)
             acc = attention.merge_into(acc, attention.segment(qg, l1_k[:, :n - lq], l1_v[:, :n - lq], scale))
             return acc[0].reshape(hq, lq, d)
