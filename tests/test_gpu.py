@@ -99,6 +99,18 @@ def test_graph_steps_match_eager_steps(policy):
     assert graphs.step(5, dyn).shape == (1000,)  # any Cache works under the graphs
 
 
+def test_a_host_embedding_looks_up_device_ids_on_the_gpu():
+    from flashguard.engine.host_embedding import HostEmbedding
+
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(1000, 96).to(torch.bfloat16)
+    host = HostEmbedding(emb, torch.device("cuda"))
+    assert host.zero_copy
+    ids = torch.tensor([[3, 999, 0, 3], [7, 8, 9, 10]], device="cuda")
+    torch.testing.assert_close(host(ids).cpu(), emb.weight.detach()[ids.cpu()], rtol=0, atol=0)
+    assert host(ids).device.type == "cuda" and host.rows(ids.cpu()).device.type == "cuda"
+
+
 def test_zero_copy_reads_match_host_gathers():
     from flashguard.kv import uva
 

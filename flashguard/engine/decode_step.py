@@ -99,7 +99,9 @@ class DecodeStep:
         self.head_dim, self.scaling = first.head_dim, first.scaling
         weight = self.norm.weight   # (the embedding table may live in host RAM: host_embedding.py)
         self.device, self.dtype = weight.device, weight.dtype
-        self.host_embed = isinstance(self.embed, HostEmbedding)
+        # a host table the GPU cannot read itself: the token's row is copied in before each step (zero-copy: the
+        # step's graph looks it up like a device table, host_embedding.py)
+        self.host_embed = isinstance(self.embed, HostEmbedding) and not self.embed.zero_copy
         self.use_graphs = self.device.type == "cuda" if graphs is None else graphs
         self.whole_step = self.use_graphs if whole_step is None else whole_step
         half = self.head_dim // 2   # rotate_half(x) = roll(x, D/2) * sign: the sign goes into sin once a step
@@ -107,7 +109,6 @@ class DecodeStep:
         n = len(self.layers)
         hq = model.config.num_attention_heads
         self.token = torch.zeros((1, 1), dtype=torch.long, device=self.device)
-        # a host embedding table: the token's row is copied here before each step (the graphs read it)
         self.embedded = torch.zeros((1, 1, model.config.hidden_size), dtype=self.dtype, device=self.device) \
             if self.host_embed else None
         self.position = torch.zeros((1, 1), dtype=torch.long, device=self.device)
