@@ -371,3 +371,9 @@ def test_int4_engine_decodes_what_the_models_forward_predicts(cache, tmp_path):
         assert engine.session.cache.layers[0].resident and engine._step.step_graphs
     if cache == "int8-pool":
         assert engine.session.cache.layers[0].l1_k.dtype == torch.int8
+    if cache != "dynamic":   # a new session runs on the same pool buffers and replays the same step graphs
+        graphs = dict(engine._step.step_graphs)
+        engine.reset_session()
+        engine.generate(prompt, SamplingParams(max_tokens=40))
+        assert list(engine.turns[-1].output_ids) == out
+        assert graphs and all(engine._step.step_graphs.get(key) is entry for key, entry in graphs.items())

@@ -181,6 +181,7 @@ class Engine:
         self._step = DecodeStep(self.model, graphs=config.cuda_graphs and self.device.type == "cuda") \
             if DecodeStep.supports(self.model) else None
         self.session = None   # the KVSession of the last sequence run (kv/session.py)
+        self.pool = None   # kv/pool.PoolBuffers: the GPU pool's buffers, from one session to the next
         self._hidden: list | None = None  # next_token_state(hidden=True) collects the last forward's states here
         self.store = None  # the tiered cache's PageStore (kv_cache: tiered)
         self.turns: list[Turn] = []  # recent generations, newest last (bounded)
@@ -236,6 +237,7 @@ class Engine:
         log.info("flashguard: the CUDA context is %.2f GiB after the warm-up (%.2f GiB estimated at start): the pool "
                  "is planned again", context / 2**30, self.cuda_context / 2**30)
         self.cuda_context = context
+        self._forget_pool()   # (the warm-up's buffers were sized by the old plan)
         self.kv = self.config.kv
         self.prefill_chunk = self.config.prefill_chunk or self.GPU_CHUNK
         self.budget_fraction = apply_vram_budget(max(0, self.vram_budget - context), self.device)
@@ -583,8 +585,13 @@ class Engine:
         from ..kv.session import DynamicSession, TieredSession
 
         if self.config.kv_cache == "tiered":
+            on_gpu = self.device.type == "cuda"
+            if on_gpu and self.pool is None:
+                from ..kv.pool import PoolBuffers
+
+                self.pool = PoolBuffers()
             session = TieredSession(self.model, self.kv, self._page_store(), self.model_identity,
-                                    preallocate=self.device.type == "cuda")
+                                    preallocate=on_gpu, pool=self.pool if on_gpu else None)
             if self.peers is not None and self.peers.lost is None:
                 try:
                     session.cache.use_peers(self.peers)
@@ -604,8 +611,19 @@ class Engine:
         if self.session is not None:
             self.session.release(keep_pages=keep_pages)
             self.session = None
-            if self._step is not None:
-                self._step.forget_steps()   # their graphs were recorded over the released buffers
+            # the buffers go to the next session (kv/pool.py) with the graphs recorded over them; a cache whose
+            # buffers are gone takes its graphs with it
+            if self._step is not None and (self.pool is None or not self.pool.holds()):
+                self._step.forget_steps()
+
+    def _forget_pool(self) -> None:
+        """The kept pool buffers and the step graphs recorded over them go (a new plan sizes the pool again)."""
+        if self.pool is not None:
+            self.pool.clear()
+        if self._step is not None:
+            self._step.forget_steps()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     ADOPT_TRIES = 8
 

@@ -79,7 +79,12 @@ class TieredLayer(CacheLayerMixin):
     def lazy_initialization(self, key_states, value_states):
         self.dtype, self.device = key_states.dtype, key_states.device
         kvh, d = key_states.shape[1], key_states.shape[-1]
-        if self.owner.int8:
+        kept = self.owner.pool.take(self.index) if self.owner.pool is not None else None
+        if kept is not None and kept.fits((kvh, self._full(), d), torch.int8 if self.owner.int8 else self.dtype,
+                                          self.device, self.owner.int8):
+            # the last session's buffers (kv/pool.py): the step graphs recorded over them stay valid
+            self.l1_k, self.l1_v, self.l1_ks, self.l1_vs, self.bounds = kept.k, kept.v, kept.ks, kept.vs, kept.bounds
+        elif self.owner.int8:
             self.l1_k = key_states.new_zeros((kvh, 0, d), dtype=torch.int8)
             self.l1_v = key_states.new_zeros((kvh, 0, d), dtype=torch.int8)
             self.l1_ks = key_states.new_zeros(int8_pool.scale_shape(kvh, 0, d), dtype=torch.float16)
@@ -87,7 +92,8 @@ class TieredLayer(CacheLayerMixin):
         else:
             self.l1_k = key_states.new_zeros((kvh, 0, d))
             self.l1_v = value_states.new_zeros((kvh, 0, d))
-        self.bounds = key_states.new_zeros((kvh, 2 * d, 64))
+        if kept is None or self.l1_k is not kept.k:
+            self.bounds = key_states.new_zeros((kvh, 2 * d, 64))
         self.n_pages = 0
         self.heat = []
         self.win_start = self.owner.sink_tokens
@@ -510,8 +516,10 @@ class TieredCache(Cache):
     """See the module docstring. One sequence (batch size 1) per cache; the store may be shared."""
 
     def __init__(self, model_config, cache_config: CacheConfig | None = None, store: PageStore | None = None,
-                 model_id: str | None = None, preallocate: bool = False):
-        """``preallocate``: take the whole L1 buffer (the pool) at the first token instead of growing it."""
+                 model_id: str | None = None, preallocate: bool = False, pool=None):
+        """``preallocate``: take the whole L1 buffer (the pool) at the first token instead of growing it.
+        ``pool``: a ``kv.pool.PoolBuffers`` the buffers are taken from at the first token and given back to at
+        ``release`` (the engine's, so that the next session runs on the same device memory)."""
         text_config = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
         cache_config = cache_config or CacheConfig()
         if not cache_config.sized:   # made outside an engine: everything resident up to the model's context
@@ -522,6 +530,7 @@ class TieredCache(Cache):
                                       host_available=None, kv_heads=text_config.num_key_value_heads or 1)
         self.config = cache_config
         self.preallocate = preallocate
+        self.pool = pool
         text_heads = text_config.num_attention_heads
         head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_heads
         if cache_config.l1_codec == "int8" and not int8_pool.supported(head_dim):
@@ -766,7 +775,9 @@ class TieredCache(Cache):
         from .sparse_step import SparseKV, SparseState
 
         if self.sparse_state is None:
-            self.sparse_state = SparseState(dev, self.num_layers)
+            kept = self.pool.take_state() if self.pool is not None else None
+            fits = kept is not None and kept.reach.device == dev and kept.reach.shape[0] == self.num_layers
+            self.sparse_state = kept if fits else SparseState(dev, self.num_layers)
         st = self.sparse_state
         for i, layer in enumerate(self.layers):   # the window adapts to what the replayed graphs write
             layer.last_reach = st.reach[i]
@@ -1148,6 +1159,16 @@ class TieredCache(Cache):
                 if kept:
                     self.store.release(key)
         self.page_keys, self.stored, self.token_ids, self.length = [], [], [], 0
+        if self.pool is not None:   # the next session takes them (kv/pool.py)
+            from .pool import LayerBuffers
+
+            for layer in self.layers:
+                if layer.is_initialized and layer.l1_k is not None:
+                    self.pool.give(layer.index, LayerBuffers(layer.l1_k, layer.l1_v, layer.l1_ks, layer.l1_vs,
+                                                             layer.bounds))
+            if self.sparse_state is not None:
+                self.pool.give_state(self.sparse_state)
+        self.sparse_state = None
         for layer in self.layers:
             layer.is_initialized = False
             layer.length = 0

@@ -15,7 +15,8 @@ interface, so no caller needs to know which cache it is:
   engine announces L2 room for a prompt only when some will).
 
 ``DynamicSession`` wraps transformers' DynamicCache (no pages); ``TieredSession`` wraps ``TieredCache`` over the
-engine's shared ``PageStore``.
+engine's shared ``PageStore`` and, on a GPU, its ``PoolBuffers`` (kv/pool.py: the device buffers pass from one
+session to the next).
 """
 
 from __future__ import annotations
@@ -95,13 +96,13 @@ class TieredSession(KVSession):
 
     kind = "tiered"
 
-    def __init__(self, model, cache_config, store, model_id: str, preallocate: bool) -> None:
+    def __init__(self, model, cache_config, store, model_id: str, preallocate: bool, pool=None) -> None:
         from .cache import TieredCache
 
         super().__init__()
         self.store = store
         self.cache = TieredCache(model.config, cache_config, store=store, model_id=model_id,
-                                 preallocate=preallocate).attach(model)
+                                 preallocate=preallocate, pool=pool).attach(model)
 
     def adopt(self, ids: Sequence[int], dtype, device) -> int:
         reused = self.cache.adopt_prefix(ids, dtype, device)
