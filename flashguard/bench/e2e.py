@@ -157,6 +157,8 @@ def run_row(args) -> list[dict]:
     model = fp16 if row.get("weights") == "float" else int4
     rails = LLMRails(RailsConfig.from_path(str(write_config(workdir / f"cfg-{args.row}", model, row,
                                                             args.max_tokens, args.config))))
+    if args.trace_rail:
+        trace_first_rail(f"{args.trace_rail}-{args.row}.txt")
     engine = None
     tok = tokenizer(args.tokenizer)
     out = []
@@ -173,6 +175,50 @@ def run_row(args) -> list[dict]:
             print(json.dumps({"row": args.row, "context": context, "error": f"{type(exc).__name__}: {exc}"[:200]}),
                   flush=True)
     return out
+
+
+def trace_first_rail(path: str) -> None:
+    """The process's first input-rail forward (``Engine.next_token_state`` for ``input_moderation``) under torch's
+    profiler, written to ``path``: wall and thread CPU time of the call, the CPU time every other thread of the
+    process took meanwhile (a thread that holds the GIL slows a host-bound prefill), then the operators by CUDA time
+    and by self CPU time. What it answers: where a short prompt's time to the first token goes through LLMRails,
+    beyond what the engine alone takes (``bench.profile``)."""
+    import threading
+
+    import psutil
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from ..engine.engine import Engine
+
+    plain, done = Engine.next_token_state, []
+
+    def traced(self, ids, task="moderation", **kwargs):
+        if done or task != "input_moderation":
+            return plain(self, ids, task, **kwargs)
+        done.append(True)
+        me = psutil.Process()
+        before = {t.id: t.user_time + t.system_time for t in me.threads()}
+        sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+        sync()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            t0, c0 = time.perf_counter(), time.thread_time()
+            result = plain(self, ids, task, **kwargs)
+            sync()
+            wall, cpu = time.perf_counter() - t0, time.thread_time() - c0
+        after = {t.id: t.user_time + t.system_time for t in me.threads()}
+        names = {t.native_id: t.name for t in threading.enumerate()}
+        others = sorted(((after[i] - before.get(i, 0.0), names.get(i, str(i))) for i in after
+                         if i != threading.get_native_id()), reverse=True)
+        lines = [f"first input rail: {len(ids)} tokens, {wall * 1e3:.1f} ms wall, {cpu * 1e3:.1f} ms CPU of its thread "
+                 "(under the profiler)", "other threads' CPU time meanwhile (ms): " +
+                 ", ".join(f"{name} {t * 1e3:.0f}" for t, name in others[:8] if t > 0.0005), ""]
+        for sort in ("cuda_time_total", "self_cpu_time_total"):
+            lines += [f"by {sort}:", prof.key_averages().table(sort_by=sort, row_limit=30, max_name_column_width=70)]
+        Path(path).write_text("\n".join(lines))
+        return result
+
+    Engine.next_token_state = traced
 
 
 def _memory_report() -> None:
@@ -310,6 +356,8 @@ def main(argv=None) -> int:
                    "allocator's pools and the largest live device tensors, on stderr")
     p.add_argument("--profile", help="sample where the time of each turn at the largest context goes: written to "
                    "PROFILE-ROW.txt (bench.sampler)")
+    p.add_argument("--trace-rail", help="the first input-rail forward of each row under torch's profiler, with the "
+                   "threads' CPU times: written to TRACE_RAIL-ROW.txt")
     args = p.parse_args(argv)
     Path(args.workdir).mkdir(parents=True, exist_ok=True)
     if args.row:
@@ -327,6 +375,8 @@ def main(argv=None) -> int:
             cmd += ["--profile", args.profile]
         if args.memory_report:
             cmd += ["--memory-report"]
+        if args.trace_rail:
+            cmd += ["--trace-rail", args.trace_rail]
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         err: list[str] = []
         import threading
