@@ -22,3 +22,27 @@ def test_flash_config_builds_no_embedding_model(monkeypatch, engine):
     rails = LLMRails(RailsConfig.from_path(str(FLASH)))
     res = rails.generate(messages=[{"role": "user", "content": "What is the capital of France?"}])
     assert "Paris" in res["content"]
+
+
+def test_the_flash_config_sends_no_usage_report(tmp_path):
+    """NeMo Guardrails 0.24 POSTs usage reports to NVIDIA when LLMRails starts, unless told not to (it stays quiet
+    under pytest and CI by itself, so this runs in a clean process): registering flashguard tells it not to, and an
+    explicit NEMO_GUARDRAILS_NO_USAGE_STATS=0 still keeps NeMo's reports."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import nemoguardrails.telemetry as t\n"
+            "sent = []\n"
+            "t._start_daemon_thread = lambda target, args, msg: sent.append(target.__name__) or True\n"
+            "from nemoguardrails import LLMRails, RailsConfig\n"
+            f"LLMRails(RailsConfig.from_path({str(FLASH)!r}))\n"
+            "print('SENT', sent)\n")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("CI", "PYTEST_CURRENT_TEST", "DO_NOT_TRACK", "NEMO_GUARDRAILS_NO_USAGE_STATS")}
+    env["HOME"] = env["USERPROFILE"] = str(tmp_path)   # (no do_not_track file of this machine's user)
+    quiet = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert "SENT []" in quiet.stdout, quiet.stdout + quiet.stderr[-2000:]
+    loud = subprocess.run([sys.executable, "-c", code], env={**env, "NEMO_GUARDRAILS_NO_USAGE_STATS": "0"},
+                          capture_output=True, text=True, timeout=300)
+    assert "SENT ['_send_one_event'" in loud.stdout, loud.stdout + loud.stderr[-2000:]

@@ -192,8 +192,18 @@ async def iterate_in_thread(make_iter) -> AsyncIterator:
         stop.set()
 
 
+USAGE_STATS = "NEMO_GUARDRAILS_NO_USAGE_STATS"
+
+
 def register() -> None:
-    """Register ``engine: flashguard`` with NeMo Guardrails (idempotent)."""
+    """Register ``engine: flashguard`` with NeMo Guardrails (idempotent). NeMo Guardrails 0.24 reports usage to
+    NVIDIA over HTTPS when ``LLMRails`` starts and every 10 minutes after (``nemoguardrails/telemetry.py``); a
+    local chatbot sends nothing anywhere, so registering sets ``NEMO_GUARDRAILS_NO_USAGE_STATS=1`` unless the
+    variable is set already (``=0`` keeps NeMo's reports). configs/flash registers in its config.py, which NeMo
+    loads before it reports."""
+    import os
+
+    os.environ.setdefault(USAGE_STATS, "1")
     from nemoguardrails.llm.frameworks.registry import get_default_framework
     from nemoguardrails.llm.providers import register_provider
 
