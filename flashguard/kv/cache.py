@@ -358,14 +358,15 @@ class TieredLayer(CacheLayerMixin):
             # every token is in L1, in order: fused kernels over one buffer, as a plain resident cache
             if lq == 1:
                 return attention.segment(qg, l1_k, l1_v, scale)[0].reshape(hq, lq, d)
-            if not q.is_cuda or n == lq:   # SDPA with a lower-right causal bias (the CPU's fastest form)
-                return attention.causal_sdpa(q.unsqueeze(0), l1_k.unsqueeze(0), l1_v.unsqueeze(0),
-                                             scale)[0].transpose(0, 1)
-            # on a GPU: one flash call, causal bottom-right with GQA in the kernel; else the chunk over itself
-            # (causal) and over what precedes it, merged
+            # on a GPU: one flash call, causal bottom-right with GQA in the kernel (the first chunk too: SDPA's
+            # dispatch took cuDNN there, 2.2 ms of host time a layer, run_2026-12-02c/call3/profiles/trace-default.txt)
             one = attention.chunk_attention(q, l1_k, l1_v, scale)
             if one is not None:
                 return one
+            if not q.is_cuda or n == lq:   # SDPA with a lower-right causal bias (the CPU's fastest form)
+                return attention.causal_sdpa(q.unsqueeze(0), l1_k.unsqueeze(0), l1_v.unsqueeze(0),
+                                             scale)[0].transpose(0, 1)
+            # else the chunk over itself (causal) and over what precedes it, merged
             acc = attention.segment(qg, l1_k[:, n - lq:], l1_v[:, n - lq:], scale, causal=True)
             acc = attention.merge_into(acc, attention.segment(qg, l1_k[:, :n - lq], l1_v[:, :n - lq], scale))
             return acc[0].reshape(hq, lq, d)
