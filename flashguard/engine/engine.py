@@ -159,6 +159,9 @@ class Engine:
         self.lock = threading.RLock()
         self._encoded: collections.OrderedDict = collections.OrderedDict()   # encode_messages' last results
         self._encoded_lock = threading.Lock()
+        from .encoding import ChatEncoder
+
+        self.chat_encoder = ChatEncoder(self.tokenizer)
         self.stats = EngineStats()
         self.context_length = self._context_length()
         self.eos_ids = self._eos_ids()
@@ -291,9 +294,9 @@ class Engine:
         if self.tokenizer.chat_template is None:
             text = "".join(f"{m['role']}: {m['content']}\n" for m in msgs) + "assistant:"
             ids = tuple(self.tokenizer(text, add_special_tokens=True)["input_ids"])
-        else:
-            out = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
-            ids = tuple(out["input_ids"] if hasattr(out, "keys") else out)
+        else:   # (the text's tail past what an earlier conversation held is all that is tokenized: encoding.py)
+            ids = tuple(self.chat_encoder.encode(
+                self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)))
         with self._encoded_lock:
             # a turn encodes the same conversation for the input rail and again for the generation: at 128K
             # tokens each encoding took ~0.5 s of the time to the first token (run_2026-12-01/call1/profile-default.txt)

@@ -1,0 +1,125 @@
+"""A chat's token ids, tokenizing only what earlier conversations did not already hold.
+
+Every turn sends the whole conversation, and the rails send it again with a question after the message: through
+the chat template that is the same text as the conversation before, plus a tail. Tokenizing all of it each time
+took ~0.13 s per 32K tokens and ~0.4 s per 128K on the H200's host (twice a turn for an input rail without a
+probe: `docs/moderation.md`, "Latency on the GPU"). A fast tokenizer cuts its input at every added special token
+(ChatML's ``<|im_start|>``, DeepSeek's ``<｜User｜>``) before anything else and tokenizes the pieces apart, so the
+ids of a text up to the end of a special token do not depend on what follows, nor those up to its start where the
+next text has a special token at the same place (a rail's question after the user's message, in place of the
+answer's header). ``ChatEncoder`` keeps the last few texts with their ids and these cuts; a new text reuses the ids
+of the longest prefix up to a cut that it shares with one of them and tokenizes the rest.
+
+Contract: ``ChatEncoder(tokenizer).encode(text)`` equals ``tokenizer(text, add_special_tokens=False)["input_ids"]``
+(what ``apply_chat_template(..., tokenize=True)`` gives). It checks that on its first use with a made-up
+conversation, and where it does not hold (a slow tokenizer, an added token that strips the spaces around it, a
+normalizer across pieces) it tokenizes every text whole, as before.
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import logging
+import threading
+
+log = logging.getLogger("flashguard")
+
+
+class ChatEncoder:
+    KEPT = 4   # texts kept (the input rail's, the generation's, the output rail's)
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self._kept: collections.OrderedDict = collections.OrderedDict()   # text -> (ids, cut chars, cut tokens)
+        self._lock = threading.Lock()
+        self._cut_ids = frozenset(i for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items()
+                                  if t.special and not t.lstrip and not t.rstrip)
+        self._marks = tuple(t.content for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items()
+                            if i in self._cut_ids)
+        self._works: bool | None = None if self._cut_ids and getattr(tokenizer, "is_fast", False) else False
+
+    def encode(self, text: str) -> list[int]:
+        if self._works is None:
+            self._works = self._check()
+        if not self._works:
+            return self._whole(text)
+        with self._lock:
+            best, base = 0, None   # (cuts of the base kept up to and with the shared one, its entry)
+            for old, entry in self._kept.items():   # the longest shared prefix that ends at a cut
+                n = bisect.bisect_right(entry[1], _common_prefix(old, text))
+                # a cut where a special token starts holds only if one starts there in this text too
+                while n and entry[3][n - 1] and not text.startswith(self._marks, entry[1][n - 1]):
+                    n -= 1
+                if n and entry[1][n - 1] > (base[1][best - 1] if base else 0):
+                    best, base = n, entry
+        chars, tokens = (base[1][best - 1], base[2][best - 1]) if base else (0, 0)
+        tail, tail_chars, tail_tokens, tail_starts = self._pieces(text[chars:])
+        if tail_chars and tail_chars[0] == 0:   # (the cut the tail starts at is the base's own last one)
+            tail_chars, tail_tokens, tail_starts = tail_chars[1:], tail_tokens[1:], tail_starts[1:]
+        ids = (list(base[0][:tokens]) if base else []) + tail
+        cut_chars = (base[1][:best] if base else []) + [chars + c for c in tail_chars]
+        cut_tokens = (base[2][:best] if base else []) + [tokens + t for t in tail_tokens]
+        starts = (base[3][:best] if base else []) + tail_starts
+        with self._lock:
+            self._kept[text] = (tuple(ids), cut_chars, cut_tokens, starts)
+            self._kept.move_to_end(text)
+            while len(self._kept) > self.KEPT:
+                self._kept.popitem(last=False)
+        return ids
+
+    def _whole(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def _pieces(self, text: str) -> tuple[list[int], list[int], list[int], list[bool]]:
+        """Ids of ``text`` and its cuts: where each special token starts and where it ends, in characters, with the
+        ids before that place, and whether the cut is a start (valid only where the next text has one there too)."""
+        enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        ids, offsets = list(enc["input_ids"]), enc["offset_mapping"]
+        chars, tokens, starts = [], [], []
+        for i, (tid, (start, end)) in enumerate(zip(ids, offsets)):
+            if tid in self._cut_ids:
+                if not chars or chars[-1] < start:
+                    chars.append(start)
+                    tokens.append(i)
+                    starts.append(True)
+                chars.append(end)
+                tokens.append(i + 1)
+                starts.append(False)
+        return ids, chars, tokens, starts
+
+    def _check(self) -> bool:
+        """On a made-up conversation grown turn by turn: each text's ids as ``encode`` makes them against whole
+        tokenizing. Nothing is kept from it."""
+        names = {i: t.content for i, t in self.tokenizer.added_tokens_decoder.items() if i in self._cut_ids}
+        mark = next(iter(names.values()))
+        pieces = ["Hello there, how are you?", " Fine.\n\nAnd you ", "x = [1, 2]  # a list\n", "  ünïcödé 😀 end."]
+        texts, text = [], ""
+        for piece in pieces:
+            text += mark + piece
+            texts.append(text)
+        self._works = True
+        try:
+            ok = all(self.encode(t) == self._whole(t) for t in texts + [texts[1] + " tail", texts[0] + mark])
+        except Exception as exc:   # noqa: BLE001 - a tokenizer without offsets: whole texts, as before
+            log.info("flashguard: incremental chat encoding unavailable (%s: %s)", type(exc).__name__, exc)
+            ok = False
+        with self._lock:
+            self._kept.clear()
+        if not ok:
+            log.info("flashguard: this tokenizer's pieces depend on what follows them; chats are tokenized whole")
+        return ok
+
+
+def _common_prefix(a: str, b: str) -> int:
+    """Length of the longest common prefix of ``a`` and ``b`` (string slices compare at C speed)."""
+    lo, hi = 0, min(len(a), len(b))
+    if a[:hi] == b[:hi]:
+        return hi
+    while lo < hi:   # a[:lo] == b[:lo], a[:hi] != b[:hi]
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
