@@ -42,14 +42,14 @@ def free_port() -> int:
 class Server:
     """``flashguard serve`` (NeMo's server app bound to 127.0.0.1) as a real child process."""
 
-    def __init__(self, config: Path, log_path: Path):
+    def __init__(self, config: Path, log_path: Path, env: dict | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self._log = open(log_path, "w")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "flashguard.cli", "serve", "--config", str(config), "--port", str(self.port)],
-            stdout=self._log, stderr=subprocess.STDOUT, cwd=ROOT)
+            stdout=self._log, stderr=subprocess.STDOUT, cwd=ROOT, env=None if env is None else {**os.environ, **env})
 
     def wait(self, timeout: float = 180) -> "Server":
         import httpx

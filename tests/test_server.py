@@ -98,3 +98,23 @@ def test_nemo_server_answers_a_bad_config_with_a_4xx(tmp_path):
         assert "models[main].parameters.model_path" in s.log()
     finally:
         s.stop()
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="SIGTERM is TerminateProcess on Windows: no handler runs")
+def test_a_terminated_server_removes_its_kv_pages_folder(tmp_path):
+    """``kill`` (SIGTERM), the usual way to stop a server: uvicorn shuts down and raises the signal again; the KV
+    pages' L3 folder (the conversation in another form) must still go with the process."""
+    from flashguard.kv.disk import PREFIX
+
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    s = Server(ROOT / "configs" / "flash", tmp_path / "server.log", env={"TMPDIR": str(tmp)}).wait()
+    try:
+        r = httpx.post(s.url + "/v1/chat/completions", json={**Q, "max_tokens": 4}, timeout=120)
+        assert r.status_code == 200, r.text
+        folders = [p for p in tmp.iterdir() if p.name.startswith(PREFIX)]
+        assert folders, f"no L3 folder under {tmp}: {list(tmp.iterdir())}"
+    finally:
+        s.stop()
+    assert s.proc.returncode is not None
+    assert not [p for p in tmp.iterdir() if p.name.startswith(PREFIX)], s.log()

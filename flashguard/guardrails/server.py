@@ -30,7 +30,9 @@ import asyncio
 import contextvars
 import json
 import logging
+import signal
 import sys
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -520,6 +522,10 @@ class RequestLog:
                      status[0], usage.prompt_tokens, usage.completion_tokens, time.perf_counter() - start)
 
 
+def _exit_on_signal(signum, frame) -> None:
+    raise SystemExit(128 + signum)
+
+
 def serve(rails, nemo_app, host: str, port: int, verbose: bool = False) -> None:
     """Run the app with uvicorn (its own access log off: ``RequestLog`` writes one line per request)."""
     import uvicorn
@@ -528,5 +534,9 @@ def serve(rails, nemo_app, host: str, port: int, verbose: bool = False) -> None:
         logging.getLogger("nemoguardrails").setLevel(logging.CRITICAL)
     print(f"flashguard: serving on http://{host}:{port}/v1 (OpenAI-compatible: /v1/chat/completions, /v1/models)",
           file=sys.stderr, flush=True)
+    # uvicorn shuts down gracefully on SIGTERM, then raises it again under the handler it found: with the default
+    # one the process died there, before the atexit hooks that remove the KV pages' L3 folder (kv/disk.py)
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _exit_on_signal)
     uvicorn.run(build_app(rails, nemo_app, verbose=verbose), host=host, port=port,
                 log_level="info" if verbose else "warning", access_log=verbose)
