@@ -6,6 +6,7 @@ Public names:
     engine_stats()              cumulative counters by task for every loaded engine
     engine_info()               per loaded engine: model, device, weights, cache kind, budget, tier sizes
     TieredCache                 the tiered, paged KV cache (a transformers Cache)
+    ChatFlashguard              the engine as a LangChain chat model (the ``[langchain]`` extra)
     register()                  register the ``flashguard`` engine with NeMo Guardrails
 """
 
@@ -47,8 +48,14 @@ def __getattr__(name):
         from .kv.cache import TieredCache
 
         return TieredCache
+    if name == "ChatFlashguard":
+        try:
+            from .guardrails.langchain_chat import ChatFlashguard
+        except ImportError as exc:
+            raise ImportError("ChatFlashguard needs langchain-core: pip install 'flashguard[langchain]'") from exc
+        return ChatFlashguard
     raise AttributeError(name)
 
 
 __all__ = ["CacheConfig", "EngineConfig", "ConfigError", "FlashguardError", "ModelLoadError", "PromptError",
-           "get_engine", "engine_stats", "engine_info", "register", "TieredCache"]
+           "get_engine", "engine_stats", "engine_info", "register", "TieredCache", "ChatFlashguard"]

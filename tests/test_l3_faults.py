@@ -102,6 +102,7 @@ def test_files_are_sealed_private_and_removed_on_close(engine, tmp_path):
             assert stat.S_IMODE(os.stat(os.path.join(folder, name)).st_mode) == 0o600
     if os.name == "posix":
         assert stat.S_IMODE(os.stat(folder).st_mode) == 0o700
+        assert stat.S_IMODE(os.stat(os.path.join(folder, "owner.pid")).st_mode) == 0o600
     e.store.close()
     assert not page_files(e)
 

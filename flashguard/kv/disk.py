@@ -53,7 +53,8 @@ class L3Folder:
             if os.name == "nt":
                 make_private_on_windows(path)
         self.path = path
-        with open(os.path.join(path, "owner.pid"), "w") as fh:
+        fd = os.open(os.path.join(path, "owner.pid"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as fh:   # (0600, as the pages: the folder's files are the user's alone)
             fh.write(str(os.getpid()))
         atexit.register(self.close)
 
