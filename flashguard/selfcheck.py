@@ -3,7 +3,8 @@ disagrees with its reference on a device is reported once, and its callers take 
 
 Contract: ``check = SelfCheck(what, probe, fallback)``; ``check(device)`` is True when ``probe(device)`` returned
 True on that CUDA device (run once per device, the result kept); an exception or False is logged once, with
-``what`` and ``fallback``, and ``check.last_error`` says why. Any other device type is False.
+``what`` and ``fallback``, and ``check.last_error`` says why. Any other device type is False. ``give_up(device, exc)``
+turns the check False on a device where the kernel later failed in use.
 """
 
 from __future__ import annotations
@@ -38,3 +39,11 @@ class SelfCheck:
                 log.info("flashguard: %s unavailable (%s); %s", self.what, self.last_error, self.fallback)
             self.results[index] = ok
         return self.results[index]
+
+    def give_up(self, device: torch.device, exc: Exception) -> None:
+        """The kernel failed in use on ``device`` (a case its probe did not try): the fallback from now on, said once."""
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if self.results.get(index, True):
+            self.last_error = f"{type(exc).__name__}: {exc}"
+            log.warning("flashguard: %s failed (%s); %s", self.what, self.last_error, self.fallback)
+        self.results[index] = False

@@ -448,6 +448,10 @@ def test_bad_prompts_say_what_to_change(tmp_path, llama):
     with pytest.raises(PromptError, match="context is 64 tokens.*max_context"):
         engine.generate(ask(engine, tiny.text(80)), SamplingParams(max_tokens=4))
     assert engine.encode_messages([{"role": "tool", "content": "42"}])   # a tool result is a role too
+    vocab = engine.model.get_input_embeddings().num_embeddings   # (a GPU's lookup of a host table checks nothing)
+    for bad in (vocab, -1):
+        with pytest.raises(PromptError, match=rf"token id {bad} is outside the model's vocabulary \(0\.\.{vocab - 1}\)"):
+            engine.generate([5, bad, 6], SamplingParams(max_tokens=2))
 
 
 def test_the_system_prompt_is_added_when_the_chat_has_none(tmp_path, llama):

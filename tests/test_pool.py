@@ -65,3 +65,25 @@ def test_buffers_that_do_not_fit_the_next_cache_are_not_used():
     layer = second.layers[0]
     assert layer.l1_k.shape[1] == layer._full() == 16 + 160 + 2 * 16
     assert not pool.holds()
+
+
+def test_step_graphs_over_buffers_the_pool_does_not_hold_are_forgotten():
+    from flashguard.engine.decode_step import DecodeStep
+
+    model = tiny.model("qwen2")
+    step = DecodeStep(model, graphs=False)
+    store, pool = PageStore(KV), PoolBuffers()
+    cache = _cache(model, store, pool)
+    cache.feed(list(range(3, 43)))
+    _run(model, cache, list(range(3, 43)))
+    view = cache.static_view()
+    cache.release(keep_pages=False)
+    other = torch.zeros(4)
+    sparse_kept = ("sparse", tuple((layer.k.data_ptr(), layer.v.data_ptr(), layer.bounds.data_ptr(), 64)
+                                   for layer in (pool._layers[i] for i in sorted(pool._layers))), 1, 2, 3, 4, 5)
+    step.step_graphs = {view.key: "static", sparse_kept: "sparse",
+                        ((other.data_ptr(),) * 2, (other.data_ptr(),) * 2, 64, ()): "elsewhere"}
+    step.forget_steps(keep=pool.ptrs())
+    assert set(step.step_graphs.values()) == {"static", "sparse"}
+    step.forget_steps(keep=set())
+    assert not step.step_graphs

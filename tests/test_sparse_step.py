@@ -135,3 +135,40 @@ def test_a_crop_and_a_release_outside_inference_mode_after_sparse_steps(model):
     assert cache.length == 300 and cache.sparse_state.slots_key is None
     cache.release()
     assert cache.length == 0
+
+
+def test_a_new_session_on_the_pools_buffers_runs_the_sparse_step_on_the_same_state(model):
+    """kv/pool.py: the sparse step's device state (SparseState) and the layers' buffers pass to the next session's
+    cache, which then computes what a cache of its own computes (a GPU replays the same graph over them)."""
+    from flashguard.kv.pool import PoolBuffers
+    from flashguard.kv.store import PageStore
+
+    ids = torch.randint(0, 300, (400,), generator=torch.Generator().manual_seed(2)).tolist()
+    step = DecodeStep(model, graphs=False, whole_step=True)
+    kv = CacheConfig(**TIERS)
+
+    def session(cache):
+        with torch.inference_mode():
+            for a in range(0, len(ids), 32):   # (chunks that fit the buffer's room: it is never replaced)
+                cache.feed(ids[a:a + 32])
+                logits = model(input_ids=torch.tensor([ids[a:a + 32]]), past_key_values=cache).logits[0, -1]
+            out = []
+            for _ in range(12):
+                token = int(logits.argmax())
+                cache.feed([token])
+                assert isinstance(cache.sparse_view(), SparseKV)
+                logits = step.step(token, cache).float()
+                out.append(logits)
+        return torch.stack(out)
+
+    store, pool = PageStore(kv), PoolBuffers()
+    first = TieredCache(model.config, kv, store=store, preallocate=True, pool=pool).attach(model)
+    session(first)
+    state, k = first.sparse_state, first.layers[0].l1_k.data_ptr()
+    first.release(keep_pages=False)
+    second = TieredCache(model.config, kv, store=store, preallocate=True, pool=pool).attach(model)
+    got = session(second)
+    assert second.sparse_state is state and second.layers[0].l1_k.data_ptr() == k
+    fresh = TieredCache(model.config, kv, preallocate=True).attach(model)
+    torch.testing.assert_close(got, session(fresh), atol=1e-4, rtol=1e-4)
+    second.check_integrity()

@@ -360,12 +360,17 @@ class DecodeStep:
 
     MAX_STEP_GRAPHS = 8   # one per StaticKV key (buffers and visible capacity) in use; the oldest goes first
 
-    def forget_steps(self) -> None:
+    def forget_steps(self, keep: set[int] | None = None) -> None:
         """A cache's buffers are gone (its session ended): the one-graph steps recorded over them go too, and the
         device memory their graphs hold (each graph keeps its own pool) is given back: kept, a few sessions'
         graphs added up past the budget (the H200's 128K new session after 8K and 32K conversations ran out of
-        memory in a 4 GiB budget)."""
-        self.step_graphs.clear()
+        memory in a 4 GiB budget). With ``keep`` (the addresses of buffers the next session will run on: the
+        engine's ``PoolBuffers.ptrs()``) only the steps recorded over other buffers go."""
+        if keep is None:
+            self.step_graphs.clear()
+            return
+        for key in [k for k in self.step_graphs if not _layer_ptrs(k) <= keep]:
+            del self.step_graphs[key]
 
     def _whole_step(self, kv: StaticKV) -> torch.Tensor:
         """One step over ``kv`` as one graph (recorded once per ``kv.key``), or eagerly without graphs."""
@@ -507,13 +512,22 @@ def _rms_norm(module, x: torch.Tensor) -> torch.Tensor:
     return module(x)
 
 
+def _layer_ptrs(key) -> set[int]:
+    """The addresses of the layers' buffers a step graph's key names (``StaticKV.key``, or a ``SparseKV`` key: its
+    L1 buffers and page bounds per layer)."""
+    if key[:1] == ("sparse",):
+        return {ptr for layer in key[1] for ptr in layer[:3]}
+    keys, values = key[0], key[1]
+    return set(keys) | set(values) if isinstance(keys, tuple) else {keys, values}
+
+
 def stale_graph(old_key, new_key) -> bool:
     """A sparse step's graph recorded over buffers that ``new_key``'s step no longer uses (its L1 buffers, the L2
     arena or the step's tables were replaced: a grown arena, a new session): it will not be replayed again, and its
     pool holds device memory until it goes. Variants over the same buffers (the pool's capacity, pages on disk)
     stay; a change of budget or read-ahead replaces the step's ``missed`` table, so its old graph goes too."""
     return (isinstance(old_key, tuple) and isinstance(new_key, tuple) and old_key[:1] == new_key[:1] == ("sparse",)
-            and old_key[1:6] != new_key[1:6])
+            and old_key[1:7] != new_key[1:7])
 
 
 def fuse_norms(model) -> int:

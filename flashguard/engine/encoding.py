@@ -32,7 +32,7 @@ class ChatEncoder:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self._kept: collections.OrderedDict = collections.OrderedDict()   # text -> (ids, cut chars, cut tokens)
-        self._lock = threading.Lock()
+        self._lock, self._check_lock = threading.Lock(), threading.Lock()
         self._cut_ids = frozenset(i for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items()
                                   if t.special and not t.lstrip and not t.rstrip)
         self._marks = tuple(t.content for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items()
@@ -41,9 +41,12 @@ class ChatEncoder:
 
     def encode(self, text: str) -> list[int]:
         if self._works is None:
-            self._works = self._check()
-        if not self._works:
-            return self._whole(text)
+            with self._check_lock:   # (once, before any thread relies on it)
+                if self._works is None:
+                    self._works = self._check()
+        return self._incremental(text) if self._works else self._whole(text)
+
+    def _incremental(self, text: str) -> list[int]:
         with self._lock:
             best, base = 0, None   # (cuts of the base kept up to and with the shared one, its entry)
             for old, entry in self._kept.items():   # the longest shared prefix that ends at a cut
@@ -89,18 +92,19 @@ class ChatEncoder:
         return ids, chars, tokens, starts
 
     def _check(self) -> bool:
-        """On a made-up conversation grown turn by turn: each text's ids as ``encode`` makes them against whole
-        tokenizing. Nothing is kept from it."""
-        names = {i: t.content for i, t in self.tokenizer.added_tokens_decoder.items() if i in self._cut_ids}
-        mark = next(iter(names.values()))
+        """On a made-up conversation grown turn by turn, and branching off at a special token's start (another
+        special token there) and past one's end: each text's ids as ``encode`` makes them against whole tokenizing.
+        Nothing is kept from it."""
+        one, two = (self._marks * 2)[:2]
         pieces = ["Hello there, how are you?", " Fine.\n\nAnd you ", "x = [1, 2]  # a list\n", "  ünïcödé 😀 end."]
         texts, text = [], ""
         for piece in pieces:
-            text += mark + piece
+            text += one + piece
             texts.append(text)
-        self._works = True
+        texts += [texts[1] + " tail", texts[0] + one, texts[1] + two + " other", texts[2] + two + pieces[0],
+                  texts[1] + two + " other" + one + pieces[3]]
         try:
-            ok = all(self.encode(t) == self._whole(t) for t in texts + [texts[1] + " tail", texts[0] + mark])
+            ok = all(self._incremental(t) == self._whole(t) for t in texts)
         except Exception as exc:   # noqa: BLE001 - a tokenizer without offsets: whole texts, as before
             log.info("flashguard: incremental chat encoding unavailable (%s: %s)", type(exc).__name__, exc)
             ok = False

@@ -185,6 +185,7 @@ class Engine:
             if DecodeStep.supports(self.model) else None
         self.session = None   # the KVSession of the last sequence run (kv/session.py)
         self.pool = None   # kv/pool.PoolBuffers: the GPU pool's buffers, from one session to the next
+        self._reserved_after_release = 0   # _give_back_memory: the allocator's reserved bytes after its last release
         self._hidden: list | None = None  # next_token_state(hidden=True) collects the last forward's states here
         self.store = None  # the tiered cache's PageStore (kv_cache: tiered)
         self.turns: list[Turn] = []  # recent generations, newest last (bounded)
@@ -378,9 +379,14 @@ class Engine:
         if self.device.type == "cpu":
             host_heap.trim()
         elif self.device.type == "cuda":
+            # (free blocks inside the step graphs' own pools count as cached but stay: released again only once
+            # the reserved memory grew past what the last release left)
             index = self.device.index if self.device.index is not None else torch.cuda.current_device()
-            if torch.cuda.memory_reserved(index) - torch.cuda.memory_allocated(index) > self.CACHED_KEEP:
+            reserved = torch.cuda.memory_reserved(index)
+            if reserved - torch.cuda.memory_allocated(index) > self.CACHED_KEEP and \
+                    reserved > self._reserved_after_release + self.CACHED_KEEP:
                 torch.cuda.empty_cache()
+                self._reserved_after_release = torch.cuda.memory_reserved(index)
 
     CACHED_KEEP = 128 * 2**20   # cached, unused GPU memory an engine keeps between tasks
 
@@ -438,6 +444,10 @@ class Engine:
                 f"the prompt is {len(ids)} tokens but the model's context is {self.context_length} tokens; "
                 "shorten the conversation or raise models[main].parameters.max_context "
                 "(up to the model's own limit)")
+        rows = self.model.get_input_embeddings().num_embeddings
+        if min(ids) < 0 or max(ids) >= rows:   # (a GPU lookup of a host table reads what it is given: no index check)
+            bad = next(i for i in ids if not 0 <= i < rows)
+            raise PromptError(f"token id {bad} is outside the model's vocabulary (0..{rows - 1})")
         return ids
 
     def _fit_to_budget(self) -> None:
@@ -625,10 +635,10 @@ class Engine:
         if self.session is not None:
             self.session.release(keep_pages=keep_pages)
             self.session = None
-            # the buffers go to the next session (kv/pool.py) with the graphs recorded over them; a cache whose
-            # buffers are gone takes its graphs with it
-            if self._step is not None and (self.pool is None or not self.pool.holds()):
-                self._step.forget_steps()
+            # the buffers go to the next session (kv/pool.py) with the graphs recorded over them; graphs over
+            # buffers that are gone (a cache without the pool, buffers a long chunk replaced) go
+            if self._step is not None:
+                self._step.forget_steps(keep=self.pool.ptrs() if self.pool is not None else None)
 
     def _forget_pool(self) -> None:
         """The kept pool buffers and the step graphs recorded over them go (a new plan sizes the pool again)."""

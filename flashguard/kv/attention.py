@@ -18,6 +18,8 @@ import weakref
 
 import torch
 
+from ..selfcheck import SelfCheck
+
 NAME = "tiered_kv"  # must not contain "flash": transformers treats such names as flash-attn kernels
 
 
@@ -150,22 +152,15 @@ def _flash_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, used: torch
     return out[0], lse.reshape(-1)[:hq].float()
 
 
-_CHUNK_OFFSETS: dict = {}   # device index -> int32 [2] tensors (cum_q, cum_k) a chunk call fills on the device
-
-
 def _flash_chunk_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """flash's variable-length kernel for a chunk's queries ``q [Hq, Lq, D]`` (the last ``Lq`` of the ``N`` keys of
     ``k``/``v`` ``[kvh, N, D]``), causal with the queries aligned bottom-right, GQA in the kernel: ``[Hq, Lq, D]``.
-    The offsets are filled on the device (no host-to-device copy, which would wait for the stream)."""
+    The offsets ``[0, Lq]`` and ``[0, N]`` are made on the device, one kernel each (a host-to-device copy would wait
+    for the stream), and belong to this call alone."""
     hq, lq, d = q.shape
     n = k.shape[1]
-    at = q.device.index
-    if at not in _CHUNK_OFFSETS:
-        _CHUNK_OFFSETS[at] = (torch.zeros(2, dtype=torch.int32, device=q.device),
-                              torch.zeros(2, dtype=torch.int32, device=q.device))
-    cum_q, cum_k = _CHUNK_OFFSETS[at]
-    cum_q[1:].fill_(lq)
-    cum_k[1:].fill_(n)
+    cum_q = torch.arange(0, 2 * lq, lq, dtype=torch.int32, device=q.device)
+    cum_k = torch.arange(0, 2 * n, n, dtype=torch.int32, device=q.device)
     out = torch.ops.aten._flash_attention_forward(q.transpose(0, 1).contiguous(), k.transpose(0, 1),
                                                   v.transpose(0, 1), cum_q, cum_k, lq, n, 0.0, True, False,
                                                   scale=scale)[0]
@@ -198,7 +193,13 @@ def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     if not (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and k.dtype == q.dtype
             and KERNELS.get("segment", q.device.index, q.dtype) == "flash" and one_call_chunks(q.device)):
         return None
-    return _flash_chunk_call(q, k, v, scale)
+    try:
+        return _flash_chunk_call(q, k, v, scale)
+    except torch.cuda.OutOfMemoryError:
+        raise
+    except RuntimeError as exc:   # a shape its self-check did not try: merged segments from now on, said once
+        one_call_chunks.give_up(q.device, exc)
+        return None
 
 
 def prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, used: torch.Tensor,
@@ -346,8 +347,6 @@ def register() -> None:
     AttentionMaskInterface.register(NAME, no_mask)
     _registered = True
 
-
-from ..selfcheck import SelfCheck  # noqa: E402
 
 # one_call_chunks(device): the one-call chunk attention runs and agrees with the merged segments on ``device``
 one_call_chunks = SelfCheck("one-call chunk attention", _chunk_probe, "chunks attend in two merged segments")

@@ -83,6 +83,7 @@ class TieredLayer(CacheLayerMixin):
         if kept is not None and kept.fits((kvh, self._full(), d), torch.int8 if self.owner.int8 else self.dtype,
                                           self.device, self.owner.int8):
             # the last session's buffers (kv/pool.py): the step graphs recorded over them stay valid
+            kept = kept.zeroed()
             self.l1_k, self.l1_v, self.l1_ks, self.l1_vs, self.bounds = kept.k, kept.v, kept.ks, kept.vs, kept.bounds
         elif self.owner.int8:
             self.l1_k = key_states.new_zeros((kvh, 0, d), dtype=torch.int8)
@@ -815,7 +816,8 @@ class TieredCache(Cache):
         self.page_reads += kvh * budget * self.num_layers
         key = ("sparse", tuple((layer.l1_k.data_ptr(), layer.l1_v.data_ptr(), layer.bounds.data_ptr(),
                                 layer.bounds.shape[2]) for layer in self.layers),
-               self.store.arena.data.data_ptr(), st.slots.data_ptr(), st.seen.data_ptr(), st.missed.data_ptr(),
+               self.store.arena.data.data_ptr(), st.l1_pos.data_ptr(), st.slots.data_ptr(), st.seen.data_ptr(),
+               st.missed.data_ptr(),
                budget, l0.l1_k.shape[1], ahead, self._on_disk)
         return SparseKV(self, key, self.length, budget, ahead=ahead, masked=self._on_disk)
 
@@ -1174,7 +1176,7 @@ class TieredCache(Cache):
             layer.is_initialized = False
             layer.length = 0
             layer.hot.clear()
-            layer.l1_k = layer.l1_v = layer.l1_ks = layer.l1_vs = layer.hot_k = layer.hot_v = None
+            layer.l1_k = layer.l1_v = layer.l1_ks = layer.l1_vs = layer.hot_k = layer.hot_v = layer.bounds = None
 
     def reset(self) -> None:
         """transformers' Cache.reset: forget the sequence, keep nothing."""

@@ -8,10 +8,13 @@ first token on the H200, ``docs/benchmarks/run_2026-12-02c/call1``), and the poo
 not given back and taken again every session.
 
 Contract:
-- ``take(index)`` hands out layer ``index``'s buffers once (``LayerBuffers``, zeroed: what a new buffer holds), or
-  None when none are kept; the caller checks they fit (``LayerBuffers.fits``) and otherwise makes its own.
+- ``take(index)`` hands out layer ``index``'s buffers once (``LayerBuffers``), or None when none are kept; the
+  caller checks they fit (``LayerBuffers.fits``) and zeroes them (``zeroed``: what a new buffer holds), or else
+  makes its own.
 - ``give(index, buffers)`` keeps them; ``take_state()`` / ``give_state(state)`` the same for the ``SparseState``.
-- ``clear()`` drops everything (the engine planned a new pool); ``holds()``: whether anything is kept.
+- ``clear()`` drops everything (the engine planned a new pool); ``holds()``: whether anything is kept; ``ptrs()``:
+  the device addresses of what is kept (a step graph recorded over other buffers is stale); ``nbytes()``: their
+  size (the KV cache's share of the GPU memory while no session holds them).
 One cache at a time takes from a pool; a second cache that finds it empty allocates its own buffers.
 """
 
@@ -48,8 +51,7 @@ class PoolBuffers:
         self._state = None
 
     def take(self, index: int) -> LayerBuffers | None:
-        kept = self._layers.pop(index, None)
-        return kept.zeroed() if kept is not None else None
+        return self._layers.pop(index, None)
 
     def give(self, index: int, buffers: LayerBuffers) -> None:
         self._layers[index] = buffers
@@ -63,6 +65,14 @@ class PoolBuffers:
 
     def holds(self) -> bool:
         return bool(self._layers) or self._state is not None
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for b in self._layers.values()
+                   for t in (b.k, b.v, b.ks, b.vs, b.bounds) if t is not None)
+
+    def ptrs(self) -> set[int]:
+        return {t.data_ptr() for b in self._layers.values() for t in (b.k, b.v, b.ks, b.vs, b.bounds)
+                if t is not None}
 
     def clear(self) -> None:
         self._layers.clear()

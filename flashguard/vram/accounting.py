@@ -88,6 +88,8 @@ def engine_memory(engine) -> dict:
     weights = model_bytes(engine.model)
     with engine.lock:
         kv = cache_device_bytes(engine.session.cache if engine.session is not None else None)
+        if getattr(engine, "pool", None) is not None:   # buffers kept for the next session (kv/pool.py)
+            kv += engine.pool.nbytes()
     out: dict = {"model": engine.source.label, "device": str(engine.device), "pid": os.getpid(),
                  "gpu": None, "host": {}}
     if engine.device.type == "cuda":
