@@ -177,10 +177,12 @@ def test_a_sparse_graph_over_replaced_buffers_is_stale():
     from flashguard.engine.decode_step import stale_graph
 
     layers = ((1, 2, 3, 64),)
-    key = ("sparse", layers, 100, 200, 300, 400, 8, 4096, 2, False)
+    # (layers, arena, the step's scalars, slot table, seen, missed, budget, capacity, ahead, pages on disk)
+    key = ("sparse", layers, 100, 150, 200, 300, 400, 8, 4096, 2, False)
     assert not stale_graph(key, key)
-    assert not stale_graph(key, key[:6] + (16, 4096, 4, True))              # a variant: same buffers
+    assert not stale_graph(key, key[:7] + (16, 4096, 4, True))              # a variant: same buffers
     assert stale_graph(key, key[:2] + (101,) + key[3:])                     # the arena grew
     assert stale_graph(key, ("sparse", ((5, 6, 3, 64),)) + key[2:])         # a new session's L1
-    assert stale_graph(key, key[:5] + (401,) + key[6:])                     # the step's table regrown
+    assert stale_graph(key, key[:3] + (151,) + key[4:])                     # another cache's device scalars
+    assert stale_graph(key, key[:6] + (401,) + key[7:])                     # the step's table regrown
     assert not stale_graph(("static", 1, 2), key) and not stale_graph(key, ("static", 1, 2))
