@@ -364,6 +364,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--weights", choices=("float", "int4"), default=None, help="override the config's weights")
     p.add_argument("--rail", choices=("output", "input"), default="output", help="which rail's probe to train")
     p.add_argument("--data", default=None, help="labelled JSONL (default: the project's tuning set)")
+    p.add_argument("--sources", nargs="?", const="download", default=None, metavar="FOLDER",
+                   help="fit on the public sources of rails/data/SOURCES.md (and the project's rows), validated "
+                   "leave-one-source-out: read from FOLDER/<owner>/<name>/<path>, or without FOLDER downloaded into "
+                   "the user cache at the pinned commits and checked against their sha256")
+    p.add_argument("--report", default=None, metavar="FILE", help="with --sources: write the validation tables "
+                   "(per source and category, each strictness level) to this JSON file")
     p.add_argument("--out", default=None, help="probe file (default: the user cache folder, where the rail looks)")
     p.add_argument("--features", default=None, help="keep the tuning rows' hidden states (either rail) in this .pt "
                    "file and read them from it (same model and weights): only rows added since run through the model")

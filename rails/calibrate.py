@@ -162,7 +162,7 @@ def collect(engine, rows: Sequence[dict], settings: ModerationSettings = Moderat
         it = tqdm(rows, desc="calibrate", unit="reply")
     labels, short_rows = [], []   # short_rows: the rows ``labels`` are of (long and skipped rows are not)
     slides = {size: {"means": [], "labels": [], "message": []} for size in SLIDE_WINDOWS}
-    long_labels = []
+    long_labels, long_rows = [], []   # long_rows: the rows ``long_labels`` are of
     layers = [layer for layer in LONG_LAYERS if layer <= hidden_layers(engine)]
     for i, row in enumerate(it):
         if settings.side == "input":
@@ -178,6 +178,7 @@ def collect(engine, rows: Sequence[dict], settings: ModerationSettings = Moderat
                     out["labels"] += record["labels"][size]
                     out["message"] += [len(long_labels)] * len(record["labels"][size])
                 long_labels.append(record["label"])
+                long_rows.append(row)
             elif record["kind"] == "short":
                 labels.append(record["label"])
                 short_rows.append(row)
@@ -201,7 +202,7 @@ def collect(engine, rows: Sequence[dict], settings: ModerationSettings = Moderat
         pooled.append(record["mean"])
         odds.append(record["odds"])
     if settings.side == "input":
-        long = {"layers": layers, "message_labels": long_labels,
+        long = {"layers": layers, "message_labels": long_labels, "rows": long_rows,
                 "windows": {size: {"means": torch.cat(out["means"], 1) if out["means"] else None,
                                    "labels": out["labels"], "message": out["message"]}
                             for size, out in slides.items()}}
@@ -459,8 +460,16 @@ def main(args) -> int:
     if getattr(args, "keep_window_probe", None) and side != "input":   # before the model loads
         raise SystemExit(KEEP_WINDOW_NEEDS_INPUT)
     engine = Engine(config)
-    data_path = Path(args.data) if args.data else (INPUT_TUNING_SET if side == "input" else TUNING_SET)
-    rows = read_rows(data_path, side)
+    sources = getattr(args, "sources", None)
+    if sources is not None:   # the public sources of the manifest and the project's rows (rails/guard_fit.py)
+        from .guard_fit import source_rows
+
+        if args.data:
+            raise SystemExit("--sources and --data: give one (the sources are the manifest's, rails/data/SOURCES.md)")
+        rows = source_rows(side, None if sources == "download" else Path(sources))
+    else:
+        data_path = Path(args.data) if args.data else (INPUT_TUNING_SET if side == "input" else TUNING_SET)
+        rows = read_rows(data_path, side)
     cache_path = getattr(args, "features", None)
     float_states = bool(getattr(args, "float_states", False))
     key = ModelKey.of(engine)
@@ -486,6 +495,26 @@ def main(args) -> int:
     features = collect(engine, rows, settings, progress=True, cache=cache)
     if cache_path and not float_states:
         torch.save({"tag": tag, "rows": cache}, cache_path)
+    if sources is not None:
+        from .guard_fit import fit_sources
+
+        probe, result = fit_sources(rows, features, settings, key)
+        report_path = getattr(args, "report", None)
+        if report_path:
+            Path(report_path).write_text(json.dumps(result, indent=1))
+        out = Path(args.out) if args.out else user_probe_path(key, side)
+        probe.save(out)
+        m = result["levels"]["medium"]
+        print(f"{side} probe for {probe.model_file} ({probe.weights}): layer {probe.layer}, features {probe.features}, "
+              f"l2 {probe.metrics['l2']}; leave-one-source-out balanced accuracy {result['loso_score']:.1%} on "
+              f"{result['rows']} rows; at strictness medium (threshold {m['threshold']:.2f}) held-out harmful rows "
+              f"blocked {m['harmful_blocked']:.1%}, benign {m['benign_blocked']:.1%}")
+        if "long" in result:
+            lm = result["long"]["levels"]["medium"]
+            print(f"  long messages ({result['long']['rows']}): windows of {probe.long_window}, layer "
+                  f"{probe.long_layer}; harmful blocked {lm['harmful_blocked']:.1%}, benign {lm['benign_blocked']:.1%}")
+        print(f"written to {out}")
+        return 0
     probe, table = train(engine, rows, settings, features=features,
                          feature_options=choices.split(",") if choices else None)
     if float_states:   # the file says which states it was fitted on

@@ -1,0 +1,309 @@
+"""Fitting the rails' probes on many sources: the rows, leave-one-source-out validation, the operating points.
+
+``flashguard calibrate --sources [FOLDER]`` (``rails/calibrate.py``) runs this module's steps:
+
+1. ``source_rows(rail, folder)``: the public sources' rows for the rail (``rails/sources.py``; evaluation-only sources
+   included, marked) and the project's own hand-written short rows as one more source, ``project``.
+2. The rows' hidden states, read by the rail's own path (``calibrate.collect``).
+3. ``leave_one_source_out``: for each candidate (layer, features, L2), every source is scored by a probe fitted on
+   the *other* training sources (the rule, fixed before the first fit: a source is never scored by a probe that saw
+   it; evaluation-only sources are never trained on). The candidate with the best mean balanced accuracy over the
+   sources is chosen; its table (blocked harmful and blocked benign per source and category) is what
+   docs/moderation.md publishes.
+4. ``operating_points``: the thresholds of the strictness levels from the held-out (out-of-source) scores of the
+   benign rows: ``medium`` blocks at most 5% of them, ``low`` 2%, ``high`` 10%; each level's measured rates are kept.
+5. The chosen probe is fitted on every training source and written with its strictness table.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+
+from . import sources as S
+from .probe import design, fit_logistic
+
+DATA = Path(__file__).resolve().parent / "data"
+# the strictness levels: the share of held-out benign rows each may block (rails/moderation.py reads the table)
+LEVELS = {"low": 0.02, "medium": 0.05, "high": 0.10}
+
+
+def project_rows(rail: str) -> list[dict]:
+    """The project's own hand-written rows as one source (``project``): the output rail's short exchanges and the
+    model's own labelled replies; the input rail's short messages (not the generated long pastes, whose harm was
+    spliced into pydoc text from hand-written lists)."""
+    out = []
+    if rail == "output":
+        for name in ("moderation_tune.jsonl", "moderation_own_replies_v8.jsonl"):
+            for line in (DATA / name).read_text(encoding="utf-8").splitlines():
+                if line.strip():
+                    r = json.loads(line)
+                    if not r.get("paste"):
+                        out.append({"user": r["user"], "bot": r["bot"], "block": r["block"],
+                                    "category": r.get("category", ""), "source": "project"})
+    else:
+        for line in (DATA / "moderation_input_tune.jsonl").read_text(encoding="utf-8").splitlines():
+            if line.strip():
+                r = json.loads(line)
+                if not r.get("after") and not r.get("harm_span"):
+                    out.append({"user": r["user"], "block": r["block"], "category": r.get("category", ""),
+                                "source": "project"})
+    return out
+
+
+def source_rows(rail: str, folder: Optional[Path] = None) -> list[dict]:
+    """Every row the rail's probe is validated on, as calibrate's row dicts (``user``, ``bot`` for the output rail,
+    ``block``, ``category``, ``source``, ``train``), in a fixed order: the sources' rows interleaved (round robin)
+    so that calibrate's alternating earlier exchange (``calibrate.earlier_exchange``) falls on every source alike."""
+    per = []
+    for s in S.SOURCES:
+        got = [{"user": r.user, **({"bot": r.bot} if rail == "output" else {}), "block": r.block,
+                "category": r.category, "source": r.source, "train": s.train} for r in S.rows(s, rail, folder)]
+        if got:
+            per.append(got)
+    per.append([dict(r, train=True) for r in project_rows(rail)])
+    out = []
+    for i in range(max(map(len, per))):
+        out.extend(p[i] for p in per if i < len(p))
+    return out
+
+
+@dataclass
+class Candidate:
+    layer: int
+    features: str
+    l2: float
+
+
+def _balanced(p: torch.Tensor, y: torch.Tensor, threshold: float = 0.5) -> float:
+    """Mean of the harmful rows' and the benign rows' accuracies at ``threshold`` (one of them when a source has one
+    class)."""
+    parts = [float(((p >= threshold) == (y > 0))[y == c].double().mean()) for c in (0, 1) if bool((y == c).any())]
+    return sum(parts) / len(parts)
+
+
+def _score(oof: torch.Tensor, y: torch.Tensor, src: torch.Tensor, n: int) -> float:
+    """A candidate's score: at its own ``medium`` operating point (the threshold that blocks 5% of the held-out
+    benign rows), the mean over sources of the balanced accuracy: what a user meets, every source counted alike."""
+    t = operating_points(oof, y.long().tolist(), [])["medium"]["threshold"]
+    return sum(_balanced(oof[src == k], y[src == k], t) for k in range(n)) / n
+
+
+def leave_one_source_out(hidden, pooled, labels: Sequence[int], sources: Sequence[str], train: Sequence[bool],
+                         candidates: Sequence[Candidate]) -> list[dict]:
+    """Each candidate's out-of-source scores: for every source, a probe fitted on the other *training* sources
+    (classes weighted equally) scores that source's rows. Returns the candidates best first, each with ``oof``
+    (every row's held-out p_unsafe) and ``score`` (``_score``)."""
+    y = torch.tensor(labels, dtype=torch.float64)
+    names = sorted(set(sources))
+    src = torch.tensor([names.index(s) for s in sources])
+    trainable = torch.tensor(list(train))
+    out = []
+    for c in candidates:
+        x = design(hidden, torch.zeros(len(y), dtype=torch.float64), c.layer, False, c.features, pooled)
+        oof = torch.empty(len(y), dtype=torch.float64)
+        for k in range(len(names)):
+            held = src == k
+            fit = ~held & trainable
+            w, b = fit_logistic(x[fit], y[fit], c.l2, sample_weight=_class_weights(y[fit]))
+            oof[held] = torch.sigmoid(x[held] @ w + b)
+        score = _score(oof, y, src, len(names))
+        out.append({"layer": c.layer, "features": c.features, "l2": c.l2, "score": score, "oof": oof})
+    out.sort(key=lambda r: (-r["score"], -r["l2"], r["layer"]))
+    return out
+
+
+def _class_weights(y: torch.Tensor) -> torch.Tensor:
+    pos = float(y.mean())
+    return torch.where(y > 0, 0.5 / max(pos, 1e-6), 0.5 / max(1 - pos, 1e-6))
+
+
+def operating_points(oof: torch.Tensor, labels: Sequence[int], train: Sequence[bool]) -> dict:
+    """Each strictness level's threshold: the smallest threshold at which at most ``LEVELS[level]`` of the benign
+    rows' held-out scores reach it (all sources, evaluation-only ones too), and the rates measured there."""
+    y = torch.tensor(labels)
+    benign = oof[y == 0].sort().values
+    harmful = oof[y == 1]
+    out = {}
+    for level, share in LEVELS.items():
+        k = max(0, math.ceil(len(benign) * (1 - share)) - 1)
+        t = float(min(max(benign[k].item() + 1e-6, 0.05), 0.99)) if len(benign) else 0.5
+        out[level] = {"threshold": round(t, 4),
+                      "benign_blocked": round(float((benign >= t).double().mean()), 4),
+                      "harmful_blocked": round(float((harmful >= t).double().mean()), 4) if len(harmful) else None}
+    return out
+
+
+def rates(p: torch.Tensor, rows: Sequence[dict], threshold: float, key: str = "source") -> dict:
+    """Blocked-harmful and blocked-benign counts per ``key`` (source or category) at ``threshold``."""
+    table: dict = {}
+    for pi, r in zip(p.tolist(), rows):
+        e = table.setdefault(r[key], {"harmful": 0, "harmful_blocked": 0, "benign": 0, "benign_blocked": 0})
+        kind = "harmful" if r["block"] else "benign"
+        e[kind] += 1
+        e[kind + "_blocked"] += int(pi >= threshold)
+    return table
+
+
+# ---------------------------------------------------------------------------------------------------- the fit
+
+LAYER_SCREEN = (6, 9, 12, 15, 18, 21, 24, 27)
+L2S = (0.1, 0.01)
+WINDOW_LAYERS = (8, 12, 16, 20)
+
+
+def choose(hidden, pooled, rows: Sequence[dict], options: Sequence[str], log=print) -> list[dict]:
+    """The short-message (input) or reply (output) probe's candidate, by leave-one-source-out: the layer first
+    (``LAYER_SCREEN``, the richest features, L2 0.01), then the features and the L2 at that layer. Best first."""
+    labels = [int(r["block"]) for r in rows]
+    names = [r["source"] for r in rows]
+    train = [bool(r.get("train", True)) for r in rows]
+    layers = [la for la in LAYER_SCREEN if la < hidden.shape[1]]
+    rich = "last+mean" if "last+mean" in options else options[0]
+    screen = leave_one_source_out(hidden, pooled, labels, names, train, [Candidate(la, rich, 0.01) for la in layers])
+    log("  layers: " + ", ".join(f"{r['layer']} {r['score']:.3f}" for r in sorted(screen, key=lambda r: r["layer"])))
+    layer = screen[0]["layer"]
+    rest = [Candidate(layer, f, l2) for f in options for l2 in L2S if (f, l2) != (rich, 0.01)]
+    table = sorted(screen + leave_one_source_out(hidden, pooled, labels, names, train, rest),
+                   key=lambda r: (-r["score"], -r["l2"], r["layer"]))
+    log("  at layer %d: " % layer + ", ".join(f"{r['features']}/{r['l2']} {r['score']:.3f}" for r in table
+                                              if r["layer"] == layer))
+    return table
+
+
+def fit_chosen(hidden, pooled, rows: Sequence[dict], best: dict) -> tuple[torch.Tensor, float]:
+    """The chosen candidate fitted on every training row (classes weighted equally)."""
+    keep = torch.tensor([bool(r.get("train", True)) for r in rows])
+    y = torch.tensor([int(r["block"]) for r in rows], dtype=torch.float64)[keep]
+    x = design(hidden, torch.zeros(len(rows), dtype=torch.float64), best["layer"], False, best["features"],
+               pooled)[keep]
+    return fit_logistic(x, y, best["l2"], sample_weight=_class_weights(y))
+
+
+def window_loso(long: dict, long_rows: Sequence[dict], short, short_rows: Sequence[dict], log=print) -> dict:
+    """The window probe (input messages longer than the short probe's window) by leave-one-source-out: each
+    candidate (window size x ``WINDOW_LAYERS`` x L2) is fitted on the labelled windows of the other training
+    sources' long messages and those sources' short messages' mean states (``calibrate.SHORT_SHARE`` of the
+    weight), and scores a held-out message by its worst window. Returns the best candidate with its ``oof``
+    (each long message's held-out worst-window p) and the fit on every training source (``weight``, ``bias``)."""
+    from .calibrate import SHORT_SHARE
+
+    y_msg = torch.tensor([int(r["block"]) for r in long_rows], dtype=torch.float64)
+    names = sorted(set(r["source"] for r in long_rows))
+    src_msg = torch.tensor([names.index(r["source"]) for r in long_rows])
+    train_msg = torch.tensor([bool(r.get("train", True)) for r in long_rows])
+    short_src = [r["source"] for r in short_rows]
+    short_train = torch.tensor([bool(r.get("train", True)) for r in short_rows])
+    ys = torch.tensor([int(r["block"]) for r in short_rows], dtype=torch.float64)
+    best = None
+    for size, data in long["windows"].items():
+        labels = torch.tensor(data["labels"])
+        message = torch.tensor(data["message"])
+        for li, layer in enumerate(long["layers"]):
+            if layer not in WINDOW_LAYERS:
+                continue
+            x = data["means"][li].double()
+            xs_all = short[:, layer].double()
+            for l2 in L2S:
+                worst = torch.full((len(y_msg),), -1.0, dtype=torch.float64)
+                for k, name in enumerate(names):
+                    held_msg = src_msg == k
+                    fit_msg = ~held_msg & train_msg
+                    use = fit_msg[message] & (labels >= 0)
+                    sk = torch.tensor([s != name for s in short_src]) & short_train
+                    w, b = _window_weights(x[use], labels[use].double(), xs_all[sk], ys[sk], l2, SHORT_SHARE)
+                    held = held_msg[message]
+                    p = torch.sigmoid(x[held] @ w + b)
+                    worst.scatter_reduce_(0, message[held], p, "amax")
+                score = _score(worst, y_msg, src_msg, len(names))
+                log(f"  window {size} layer {layer} l2 {l2}: {score:.3f}")
+                if best is None or score > best["score"] + 1e-9:
+                    best = {"window": size, "layer": layer, "l2": l2, "score": score, "oof": worst}
+    data = long["windows"][best["window"]]
+    labels, message = torch.tensor(data["labels"]), torch.tensor(data["message"])
+    x = data["means"][long["layers"].index(best["layer"])].double()
+    use = train_msg[message] & (labels >= 0)
+    w, b = _window_weights(x[use], labels[use].double(), short[:, best["layer"]].double()[short_train],
+                           ys[short_train], best["l2"], SHORT_SHARE)
+    best.update(weight=w, bias=b)
+    return best
+
+
+def _window_weights(x, y, xs, ys, l2, share):
+    sw = _class_weights(y)
+    if share > 0 and len(ys):
+        x, y = torch.cat([x, xs]), torch.cat([y, ys])
+        sw = torch.cat([sw, torch.full((len(ys),), share * float(sw.sum()) / len(ys), dtype=torch.float64)])
+    return fit_logistic(x, y, l2, sample_weight=sw)
+
+
+def report(p: torch.Tensor, rows: Sequence[dict], levels: dict) -> dict:
+    """Per source and per category, at each strictness level: the counts ``rates`` gives."""
+    return {level: {"threshold": v["threshold"], "by_source": rates(p, rows, v["threshold"]),
+                    "by_category": rates(p, rows, v["threshold"], "category")} for level, v in levels.items()}
+
+
+def fit_sources(rows: Sequence[dict], features, settings, key, log=print):
+    """Steps 3-5 of the module docstring on ``calibrate.collect``'s ``features`` of ``rows`` (``source_rows``).
+    Returns ``(probe, result)``: the probe (threshold = the ``medium`` level; ``strictness`` and, for the input
+    rail, ``long_strictness`` tables) and the validation tables for docs/moderation.md."""
+    import dataclasses
+    import time
+
+    from .calibrate import WINDOW
+    from .probe import Probe
+
+    t0 = time.perf_counter()
+    hidden, pooled = features[0], features[2]
+    short_rows = list(features[5]) if settings.side == "input" else list(rows)
+    options = ("mean", "last+mean", "last") if settings.side == "input" else ("last+mean", "last")
+    log(f"{settings.side} rail: {len(short_rows)} rows from {len(set(r['source'] for r in short_rows))} sources")
+    table = choose(hidden, pooled, short_rows, options, log)
+    best = table[0]
+    labels = [int(r["block"]) for r in short_rows]
+    train = [bool(r.get("train", True)) for r in short_rows]
+    levels = operating_points(best["oof"], labels, train)
+    w, b = fit_chosen(hidden, pooled, short_rows, best)
+    result = {"rail": settings.side, "rows": len(short_rows), "chosen": {k: best[k] for k in ("layer", "features", "l2")},
+              "loso_score": round(best["score"], 4), "levels": levels,
+              "report": report(best["oof"], short_rows, levels),
+              "candidates": [{k: r[k] for k in ("layer", "features", "l2", "score")} for r in table]}
+    extra: dict = {}
+    if settings.side == "input" and features[4] is not None and features[4]["message_labels"]:
+        long = features[4]
+        long_rows = long["rows"]
+        best_w = window_loso(long, long_rows, pooled, short_rows, log)
+        long_levels = operating_points(best_w["oof"], [int(r["block"]) for r in long_rows],
+                                       [bool(r.get("train", True)) for r in long_rows])
+        extra = {"stride": best_w["window"] // 2, "long_window": best_w["window"], "long_layer": best_w["layer"],
+                 "long_weight": tuple(float(v) for v in best_w["weight"]), "long_bias": float(best_w["bias"]),
+                 "long_threshold": long_levels["medium"]["threshold"],
+                 "long_strictness": {k: v["threshold"] for k, v in long_levels.items()}}
+        result["long"] = {"rows": len(long_rows), "chosen": {k: best_w[k] for k in ("window", "layer", "l2")},
+                          "loso_score": round(best_w["score"], 4), "levels": long_levels,
+                          "report": report(best_w["oof"], long_rows, long_levels)}
+        result["oof_long"] = [round(float(v), 4) for v in best_w["oof"]]
+    result["oof"] = [round(float(v), 4) for v in best["oof"]]
+    counts: dict = {}
+    for r in rows:
+        e = counts.setdefault(r["source"], {"harmful": 0, "benign": 0, "train": bool(r.get("train", True))})
+        e["harmful" if r["block"] else "benign"] += 1
+    probe = Probe(layer=best["layer"], weight=tuple(float(v) for v in w), bias=float(b), answer_weight=0.0,
+                  threshold=levels["medium"]["threshold"], question=settings.prompt, model_file=key.file,
+                  model_bytes=key.bytes, model_identity=key.identity, weights=key.weights, rail=settings.side,
+                  features=best["features"], window=WINDOW if settings.side == "input" else 0,
+                  metrics={"fitted_on": "public sources (rails/data/SOURCES.md) and the project's own rows",
+                           "rows_by_source": counts, "loso_balanced_accuracy": round(best["score"], 4),
+                           "l2": best["l2"], "levels": levels,
+                           **({"long_levels": result["long"]["levels"],
+                               "long_loso_balanced_accuracy": result["long"]["loso_score"]} if extra else {}),
+                           "seconds": round(time.perf_counter() - t0, 1)},
+                  **extra)
+    probe = dataclasses.replace(probe, strictness={k: v["threshold"] for k, v in levels.items()}) \
+        if "strictness" in {f.name for f in dataclasses.fields(Probe)} else probe
+    return probe, result

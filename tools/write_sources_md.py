@@ -1,0 +1,64 @@
+"""Write rails/data/SOURCES.md, the manifest of the probes' public sources, from ``rails/sources.py``.
+
+    python tools/write_sources_md.py [--reports OUTPUT.json INPUT.json]
+
+Each source: repository, commit, license, the label mapping, every file's path and sha256, and (given the reports
+``flashguard calibrate --sources --report FILE`` wrote) the rows each rail used, harmful / benign.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from flashguard.rails.sources import SOURCES
+
+OUT = Path(__file__).resolve().parent.parent / "rails" / "data" / "SOURCES.md"
+
+HEADER = """# The moderation probes' sources
+
+The shipped probes (rails/probes/) were fitted on the rows below: public, labelled text from the repositories
+named here, pinned by commit and checked by sha256, and the project's own hand-written short rows (`project`).
+No third-party text is in this repository; `flashguard calibrate --sources` downloads these files into the user
+cache (or reads them from a folder: `--sources FOLDER`, laid out as `FOLDER/<owner>/<name>/<path>`) and checks
+each against its sha256. The label mapping of every source to one taxonomy is in `rails/sources.py` (one reader a
+source); `train: no` marks a source read for evaluation only (its license does not allow training, or none is
+stated). Validation is leave-one-source-out (docs/moderation.md). Written by `python tools/write_sources_md.py`.
+
+Reserved for evaluation kept apart from this project, never fetched or read here: XSTest
+(paul-rottger/exaggerated-safety) and OpenAI's moderation evaluation set (openai/moderation-api-release).
+"""
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--reports", nargs="*", default=[], help="calibrate --report files (rows used per source)")
+    args = ap.parse_args(argv)
+    used: dict = {}
+    for path in args.reports:
+        data = json.loads(Path(path).read_text())
+        for name, e in data.get("rows_by_source", {}).items():
+            used.setdefault(name, {})[data["rail"]] = e
+    lines = [HEADER, "| source | repository @ commit | license | rails | train | label mapping | rows used "
+             "(harmful / benign) |", "|---|---|---|---|---|---|---|"]
+    for s in SOURCES:
+        f = s.files[0]
+        got = "; ".join(f"{rail} {e['harmful']} / {e['benign']}" for rail, e in sorted(used.get(s.name, {}).items()))
+        lines.append(f"| {s.name} | {f.repo} @ {f.commit[:12]} | {s.license} | {', '.join(s.rails)} | "
+                     f"{'yes' if s.train else 'no'} | {s.mapping} | {got or '-'} |")
+    own = "; ".join(f"{rail} {e['harmful']} / {e['benign']}" for rail, e in sorted(used.get("project", {}).items()))
+    lines.append("| project | this repository: rails/data/moderation_tune.jsonl (short rows), moderation_own_replies_v8"
+                 ".jsonl, moderation_input_tune.jsonl (short rows) | Apache-2.0 | input, output | yes | as labelled "
+                 f"there | {own or '-'} |")
+    lines += ["", "## Files", "", "| source | repository | commit | path | sha256 |", "|---|---|---|---|---|"]
+    for s in SOURCES:
+        for f in s.files:
+            lines.append(f"| {s.name} | {f.repo} | {f.commit} | `{f.path}` | `{f.sha256}` |")
+    OUT.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    print(f"written {OUT}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
