@@ -33,7 +33,7 @@ from typing import Optional
 
 import torch
 
-from .probe import answer_log_odds
+from .probe import STRICTNESS, answer_log_odds
 from .state import rail_state
 
 log = logging.getLogger("flashguard")
@@ -62,10 +62,18 @@ class Verdict:
     method: str = "question"  # "probe" (the calibrated probe) or "question" (the Yes/No answer only)
     threshold: float = DEFAULT_THRESHOLD
     p_question: float = 0.5  # the question's own P(unsafe answer) from the same pass (what "question" uses)
+    # the strictness level whose threshold decided ("" where no level applies: the question verdict, or a probe
+    # without a strictness table, which decides at its own threshold)
+    strictness: str = ""
+
+    @property
+    def decided_by(self) -> str:
+        """What set the threshold, as the log lines and ``reason`` say it: ``probe, strictness medium``."""
+        return self.method + (f", strictness {self.strictness}" if self.strictness else "")
 
     @property
     def reason(self) -> str:
-        return f"p_unsafe={self.p_unsafe:.3f} (threshold {self.threshold:.2f}, {self.method}) via {self.path} path"
+        return f"p_unsafe={self.p_unsafe:.3f} (threshold {self.threshold:.2f}, {self.decided_by}) via {self.path} path"
 
 
 @dataclass(frozen=True)
@@ -78,6 +86,9 @@ class ModerationSettings:
     safe_answer    the answer word that means "allow"
     threshold      question verdict: block when P(unsafe_answer) / (P(unsafe) + P(safe)) >= threshold
                    (a probe carries its own threshold, calibrated with it)
+    strictness     low | medium (default) | high: the probe's threshold for that level, from the probe's
+                   strictness table (medium: <= 5% of held-out benign rows blocked; low blocks fewer, high more:
+                   docs/moderation.md); a probe without a table decides at its own threshold (logged once)
     probe          "auto": the model's probe (user cache, then shipped) if there is one, else the question
                    verdict with one warning; "off": the question verdict; or the path of a probe file
     judge_reasoning  output rail, reasoning models: false (default) judges the final answer only (the prompt, the
@@ -92,6 +103,7 @@ class ModerationSettings:
     threshold: float = DEFAULT_THRESHOLD
     probe: str = "auto"
     judge_reasoning: bool = False
+    strictness: str = "medium"
     side: str = "output"    # "output" (custom_data.flashguard_moderation) or "input" (flashguard_input_moderation)
 
     @property
@@ -115,7 +127,7 @@ class ModerationSettings:
 
         section = f"custom_data.{SECTIONS[side]}"
         data = dict((custom_data or {}).get(SECTIONS[side]) or {})
-        known = {"policy", "question", "unsafe_answer", "safe_answer", "threshold", "probe"} | \
+        known = {"policy", "question", "unsafe_answer", "safe_answer", "threshold", "probe", "strictness"} | \
             ({"judge_reasoning"} if side == "output" else set())
         unknown = set(data) - known
         if unknown:
@@ -130,6 +142,9 @@ class ModerationSettings:
             raise ConfigError(f"{section}.unsafe_answer and safe_answer must be words")
         if not isinstance(settings.judge_reasoning, bool):
             raise ConfigError(f"{section}.judge_reasoning must be true or false, got {settings.judge_reasoning!r}")
+        if settings.strictness not in STRICTNESS:
+            raise ConfigError(f"{section}.strictness must be one of {', '.join(STRICTNESS)}, "
+                              f"got {settings.strictness!r}")
         if not isinstance(settings.probe, str) or not settings.probe.strip():
             raise ConfigError(f"{section}.probe must be auto, off or the path of a probe "
                               f"file (`flashguard calibrate` writes one), got {settings.probe!r}")
@@ -213,6 +228,30 @@ def hint(settings: ModerationSettings) -> str:
     return CALIBRATE_HINT + (" --rail input" if settings.side == "input" else "")
 
 
+def probe_threshold(probe, settings: ModerationSettings, long: bool = False) -> tuple[float, str]:
+    """The threshold ``probe`` decides at under ``settings.strictness``, and the level it came from: the level's entry
+    of the probe's strictness table (``long``: the window table, ``long_strictness``, for the worst window of a long
+    message), else the probe's own threshold (``long_threshold``) and ``""`` (no table: the level does not apply)."""
+    table = probe.long_strictness if long else probe.strictness
+    if table:
+        return table[settings.strictness], settings.strictness
+    return (probe.long_threshold if long else probe.threshold), ""
+
+
+def _threshold(engine, probe, settings: ModerationSettings, long: bool = False) -> tuple[float, str]:
+    """``probe_threshold``; a probe without the table says so once per engine, rail and table (INFO)."""
+    threshold, level = probe_threshold(probe, settings, long)
+    if not level:
+        warned = rail_state(engine).strictness_warned
+        if (settings.side, long) not in warned:
+            warned.add((settings.side, long))
+            log.info("flashguard moderation: the %s probe has no %sstrictness table (fitted before the levels); it "
+                     "decides at its own threshold %.2f, so %s.strictness (%s) does not apply. `%s --sources` fits "
+                     "one with the table", settings.side, "window " if long else "", threshold, settings.section,
+                     settings.strictness, hint(settings))
+    return threshold, level
+
+
 def choose_probe(engine, settings: ModerationSettings):
     """The probe the verdict uses, or None for the question verdict (``probe: auto`` without a probe warns once
     per engine and question, naming the file ``flashguard calibrate`` would write)."""
@@ -229,9 +268,10 @@ def choose_probe(engine, settings: ModerationSettings):
             if settings.threshold not in warned:
                 warned.add(settings.threshold)
                 log.warning("flashguard moderation: %s.threshold (%s) applies to the "
-                            "question verdict; the probe %s decides with its own calibrated threshold %.2f. Set "
-                            "probe: off to decide by the question and that threshold", settings.section,
-                            settings.threshold, where, probe.threshold)
+                            "question verdict; the probe %s decides with its own calibrated threshold %.2f (set "
+                            "strictness: low, medium or high to move it). Set probe: off to decide by the question "
+                            "and that threshold", settings.section, settings.threshold, where,
+                            probe_threshold(probe, settings)[0])
         if probe is None:
             warned = rail_state(engine).probe_warned
             if settings.prompt not in warned:
@@ -273,12 +313,12 @@ def _moderate(engine, bot_message, user_message, settings, turn, allow_shared) -
                                 fallback=True)
     if len(ids) >= engine.context_length:
         return _moderate_windows(engine, bot_message, settings, probe, len(ids), t0)
-    p_unsafe, threshold, method, reused, p_question = _score(engine, ids, settings, probe)
+    p_unsafe, threshold, method, reused, p_question, level = _score(engine, ids, settings, probe)
     v = Verdict(allowed=p_unsafe < threshold, p_unsafe=p_unsafe, path=path, prompt_tokens=len(ids),
                 prefilled_tokens=len(ids) - reused, reused_tokens=reused, seconds=time.perf_counter() - t0,
-                method=method, threshold=threshold, p_question=p_question)
+                method=method, threshold=threshold, p_question=p_question, strictness=level)
     log.info("flashguard moderation: %s (p_unsafe=%.3f, threshold=%.2f, %s) path=%s prefilled=%d reused=%d in %.3fs",
-             "allow" if v.allowed else "BLOCK", p_unsafe, threshold, method, path, v.prefilled_tokens,
+             "allow" if v.allowed else "BLOCK", p_unsafe, threshold, v.decided_by, path, v.prefilled_tokens,
              reused, v.seconds)
     return v
 
@@ -302,11 +342,12 @@ def turn_ids(engine, turn, settings: ModerationSettings) -> list[int]:
     return prompt + engine.tokenizer(lead + answer + more_answer, add_special_tokens=False)["input_ids"]
 
 
-def _score(engine, ids, settings, probe, task: str = "moderation") -> tuple[float, float, str, int, float]:
+def _score(engine, ids, settings, probe, task: str = "moderation") -> tuple[float, float, str, int, float, str]:
     """One forward over ``ids`` (the unseen suffix of them): ``(p_unsafe, threshold, method, reused,
-    p_question)``. A probe that reads the suffix's mean (``features: last+mean``, format 2) gets it from the same
-    forward: the mean over the last ``len(moderation_suffix)`` positions of ``ids`` (the suffix, which ends every
-    output rail's ids), so the prefill is still only the suffix."""
+    p_question, strictness level)`` (the level "" where none applies: ``probe_threshold``). A probe that reads the
+    suffix's mean (``features: last+mean``, format 2) gets it from the same forward: the mean over the last
+    ``len(moderation_suffix)`` positions of ``ids`` (the suffix, which ends every output rail's ids), so the prefill
+    is still only the suffix."""
     pooled = None
     if probe is not None and probe.pools:
         start = len(ids) - len(moderation_suffix(engine, settings.prompt))
@@ -318,8 +359,9 @@ def _score(engine, ids, settings, probe, task: str = "moderation") -> tuple[floa
                                answer_ids(engine, settings.safe_answer))
     p_question = 1.0 / (1.0 + math.exp(-log_odds))
     if probe is not None:
-        return probe.p_unsafe(hidden, log_odds, pooled), probe.threshold, "probe", reused, p_question
-    return p_question, settings.threshold, "question", reused, p_question
+        threshold, level = _threshold(engine, probe, settings)
+        return probe.p_unsafe(hidden, log_odds, pooled), threshold, "probe", reused, p_question, level
+    return p_question, settings.threshold, "question", reused, p_question, ""
 
 
 def _moderate_windows(engine, bot_message, settings, probe, total, t0, role: str = "assistant") -> Verdict:
@@ -336,15 +378,16 @@ def _moderate_windows(engine, bot_message, settings, probe, total, t0, role: str
 
         raise PromptError(f"the model's context ({engine.context_length} tokens) cannot hold the moderation question "
                           "and a piece of the reply; raise models[main].parameters.max_context")
-    worst, threshold, method, prefilled = 0.0, settings.threshold, "question", 0
+    worst, threshold, method, prefilled, level = 0.0, settings.threshold, "question", 0, ""
     for a in range(0, len(reply), size):
         window = [{"role": role, "content": tok.decode(reply[a:a + size])}]
         if probe is not None and probe.rail == "input":   # the input probe reads the window's own prompt
             ids = engine.encode_messages(window)
-            (p, reused), threshold, method = _score_prompt(engine, ids, probe), probe.threshold, "probe"
+            (p, reused), method = _score_prompt(engine, ids, probe), "probe"
+            threshold, level = _threshold(engine, probe, settings)
         else:
             ids = engine.encode_messages(window + [{"role": "user", "content": settings.prompt}])
-            p, threshold, method, reused, _ = _score(engine, ids, settings, probe)
+            p, threshold, method, reused, _, level = _score(engine, ids, settings, probe)
         worst, prefilled = max(worst, p), prefilled + len(ids) - reused
     log.warning("flashguard moderation: the %s (%d tokens with the question) is longer than the model's context "
                 "(%d); judged in %d windows, p_unsafe=%.3f", "reply" if role == "assistant" else "user's message",
@@ -352,7 +395,7 @@ def _moderate_windows(engine, bot_message, settings, probe, total, t0, role: str
                 -(-len(reply) // size), worst)
     return Verdict(allowed=worst < threshold, p_unsafe=worst, path="windows", prompt_tokens=total,
                    prefilled_tokens=prefilled, reused_tokens=0, seconds=time.perf_counter() - t0, method=method,
-                   threshold=threshold)
+                   threshold=threshold, strictness=level)
 
 
 # ---- the input rail ----------------------------------------------------------------------------
@@ -408,19 +451,21 @@ def moderate_input(engine, messages: list[dict], settings: Optional[ModerationSe
                                                 keep=True)
             p_windows = probe.p_windows(window_means(states, probe.long_window, probe.stride)[0])
             p_unsafe, worst = float(p_windows.max()), int(p_windows.argmax())
-            v = Verdict(allowed=p_unsafe < probe.long_threshold, p_unsafe=p_unsafe, path="sliding",
+            threshold, level = _threshold(engine, probe, settings, long=True)
+            v = Verdict(allowed=p_unsafe < threshold, p_unsafe=p_unsafe, path="sliding",
                         prompt_tokens=len(conv), prefilled_tokens=len(conv) - reused, reused_tokens=reused,
-                        seconds=time.perf_counter() - t0, method="probe", threshold=probe.long_threshold,
-                        p_question=float("nan"))
-            log.info("flashguard input moderation: %s (p_unsafe=%.3f, threshold=%.2f, probe on %d windows of %d "
+                        seconds=time.perf_counter() - t0, method="probe", threshold=threshold,
+                        p_question=float("nan"), strictness=level)
+            log.info("flashguard input moderation: %s (p_unsafe=%.3f, threshold=%.2f, %s, on %d windows of %d "
                      "tokens, the worst at token %d of the message) prefilled=%d reused=%d in %.3fs",
-                     "allow" if v.allowed else "BLOCK", p_unsafe, v.threshold, len(p_windows), probe.long_window,
-                     worst * probe.stride, v.prefilled_tokens, reused, v.seconds)
+                     "allow" if v.allowed else "BLOCK", p_unsafe, v.threshold, v.decided_by, len(p_windows),
+                     probe.long_window, worst * probe.stride, v.prefilled_tokens, reused, v.seconds)
             return v
         if probe is not None and pieces is None:
             start = message_start(engine, messages, conv) if probe.pools else 0
             p_unsafe, reused = _score_prompt(engine, ids, probe, start)
-            threshold, method, p_question, path = probe.threshold, "probe", float("nan"), "prompt"
+            threshold, level = _threshold(engine, probe, settings)
+            method, p_question, path = "probe", float("nan"), "prompt"
         elif probe is not None:
             # a long message (a pasted document, code, a log, a long jailbreak): its first and its last
             # probe.window tokens, each as the user's message after the same conversation (a branch off its pages,
@@ -435,28 +480,30 @@ def moderate_input(engine, messages: list[dict], settings: Optional[ModerationSe
             held = engine.session_ids
             if engine.session is not None and len(held) > start and held[:start] == conv[:start]:
                 engine.session.crop(start)
-            threshold, method, p_question, path = probe.threshold, "probe", float("nan"), "head+tail"
+            threshold, level = _threshold(engine, probe, settings)
+            method, p_question, path = "probe", float("nan"), "head+tail"
             v = Verdict(allowed=p_unsafe < threshold, p_unsafe=p_unsafe, path=path, prompt_tokens=len(conv),
                         prefilled_tokens=prefilled, reused_tokens=reused, seconds=time.perf_counter() - t0,
-                        method=method, threshold=threshold, p_question=p_question)
-            log.info("flashguard input moderation: %s (p_unsafe=%.3f, threshold=%.2f, probe on the first and last %d "
+                        method=method, threshold=threshold, p_question=p_question, strictness=level)
+            log.info("flashguard input moderation: %s (p_unsafe=%.3f, threshold=%.2f, %s, on the first and last %d "
                      "of the message's tokens) prefilled=%d in %.3fs", "allow" if v.allowed else "BLOCK", p_unsafe,
-                     threshold, probe.window, prefilled, v.seconds)
+                     threshold, v.decided_by, probe.window, prefilled, v.seconds)
             return v
         else:
             branch = 0
             while branch < min(len(conv), len(ids)) and conv[branch] == ids[branch]:
                 branch += 1
-            p_unsafe, threshold, method, reused, p_question = _score(engine, ids, settings, None,
-                                                                     task="input_moderation")
+            p_unsafe, threshold, method, reused, p_question, level = _score(engine, ids, settings, None,
+                                                                            task="input_moderation")
             if engine.session is not None and len(engine.session_ids) > branch > 0:
                 engine.session.crop(branch)   # the question branched off here; the generation continues from here
             path = "branch"
     v = Verdict(allowed=p_unsafe < threshold, p_unsafe=p_unsafe, path=path, prompt_tokens=len(ids),
                 prefilled_tokens=len(ids) - reused, reused_tokens=reused, seconds=time.perf_counter() - t0,
-                method=method, threshold=threshold, p_question=p_question)
+                method=method, threshold=threshold, p_question=p_question, strictness=level)
     log.info("flashguard input moderation: %s (p_unsafe=%.3f, threshold=%.2f, %s) prefilled=%d reused=%d in %.3fs",
-             "allow" if v.allowed else "BLOCK", p_unsafe, threshold, method, v.prefilled_tokens, reused, v.seconds)
+             "allow" if v.allowed else "BLOCK", p_unsafe, threshold, v.decided_by, v.prefilled_tokens, reused,
+             v.seconds)
     return v
 
 

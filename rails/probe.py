@@ -11,7 +11,9 @@ same forward (``moderation.suffix_state``).
 A probe is one small JSON file, trained by ``flashguard calibrate`` (``rails/calibrate.py``) on
 ``rails/data/moderation_tune.jsonl``. It is only valid for the model (and float/int4 weights) and the
 question it was trained with; ``find_probe`` looks for it in the user cache folder, then among the probes
-shipped in the package (the embedded SmolLM2's).
+shipped in the package (the embedded SmolLM2's). A probe fitted on the public sources carries a strictness table
+(``strictness``: low / medium / high -> threshold, measured on held-out benign rows); the config's ``strictness`` key
+picks the row (``moderation.probe_threshold``). Files without one still load: the probe's own threshold decides.
 """
 
 from __future__ import annotations
@@ -43,6 +45,9 @@ FORMATS = (FORMAT, FORMAT_2)
 SHIPPED_DIR = Path(__file__).resolve().parent / "probes"
 CALIBRATE_HINT = "flashguard calibrate"
 FEATURES = ("last", "mean", "last+mean")
+# the ``strictness`` levels a config may name (custom_data.flashguard_moderation.strictness): a probe's table maps each
+# to its threshold, from fewer blocks (low) to more (high); ``flashguard calibrate --sources`` measures them
+STRICTNESS = ("low", "medium", "high")
 
 
 class ProbeError(FlashguardError):
@@ -117,6 +122,11 @@ class Probe:
     long_weight: tuple[float, ...] = ()
     long_bias: float = 0.0
     long_threshold: float = 0.5
+    # the strictness levels' thresholds on p_unsafe (``STRICTNESS`` -> threshold; empty: the probe has no table and
+    # decides at ``threshold`` whatever the config's level); ``long_strictness``: the same for the worst window of a
+    # long message (input probes with window weights), in place of ``long_threshold``
+    strictness: dict = field(default_factory=dict, compare=False)
+    long_strictness: dict = field(default_factory=dict, compare=False)
 
     @property
     def pools(self) -> bool:
@@ -176,9 +186,11 @@ class Probe:
                 **({"long": {"layer": self.long_layer, "window": self.long_window, "stride": self.stride,
                              "bias": self.long_bias,
                              "threshold": self.long_threshold,
+                             **({"strictness": dict(self.long_strictness)} if self.long_strictness else {}),
                              "weight": [float(f"{w:.6g}") for w in self.long_weight]}} if self.long_weight else {}),
                 "model": {"file": self.model_file, "bytes": self.model_bytes, "identity": self.model_identity,
                           "weights": self.weights},
+                **({"strictness": dict(self.strictness)} if self.strictness else {}),
                 "metrics": self.metrics, "weight": [float(f"{w:.6g}") for w in self.weight]}
 
     def save(self, path: Path) -> Path:
@@ -206,11 +218,14 @@ class Probe:
                         weights=str(m["weights"]), metrics=dict(data.get("metrics") or {}),
                         rail=str(data.get("rail", "output")), features=str(data.get("features", "last")),
                         window=int(data.get("window", 0)),
+                        strictness=_levels(data.get("strictness"), "strictness"),
                         **({"long_layer": int(data["long"]["layer"]), "stride": int(data["long"]["stride"]),
                             "long_window": int(data["long"]["window"]),
                             "long_bias": float(data["long"]["bias"]),
                             "long_threshold": float(data["long"]["threshold"]),
-                            "long_weight": tuple(float(w) for w in data["long"]["weight"])} if "long" in data else {}))
+                            "long_weight": tuple(float(w) for w in data["long"]["weight"]),
+                            "long_strictness": _levels(data["long"].get("strictness"), "long.strictness")}
+                           if "long" in data else {}))
             if "long" in data and not (probe.rail == "input" and probe.window > 0 and probe.stride > 0
                                        and probe.long_window > 0
                                        and probe.long_weight and 0 < probe.long_threshold < 1
@@ -239,6 +254,24 @@ class Probe:
             raise ProbeError(f"moderation probe {path} cannot be used ({type(exc).__name__}: {exc}); delete it and "
                              f"run `{hint}` to train a new one for this model") from exc
         return probe
+
+
+def _levels(table, key: str) -> dict:
+    """A probe file's strictness table (``key``: where it is in the file): absent or empty is ``{}`` (files written
+    before the levels); else every level of ``STRICTNESS`` with a threshold in (0, 1), non-increasing from low to
+    high (a stricter level never blocks less). A ``ValueError`` naming the key otherwise (``Probe.load`` names the
+    file)."""
+    if not table:
+        return {}
+    if not isinstance(table, dict) or set(table) != set(STRICTNESS):
+        raise ValueError(f"{key} must map {', '.join(STRICTNESS)} to thresholds, got {table!r}")
+    out = {level: float(table[level]) for level in STRICTNESS}
+    if not all(math.isfinite(t) and 0 < t < 1 for t in out.values()):
+        raise ValueError(f"{key}: every threshold must be in (0, 1), got {out}")
+    if not out["low"] >= out["medium"] >= out["high"]:
+        raise ValueError(f"{key}: the thresholds must not rise from low to medium to high (a stricter level blocks "
+                         f"at least as much), got {out}")
+    return out
 
 
 def user_probe_path(key: ModelKey, side: str = "output") -> Path:

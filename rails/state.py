@@ -17,12 +17,13 @@ class RailState:
     probe_files: dict = field(default_factory=dict)   # probe mode -> the file it names
     threshold_warned: set = field(default_factory=set)
     probe_warned: set = field(default_factory=set)
+    strictness_warned: set = field(default_factory=set)   # (side, long): a probe without a strictness table, logged
     pool: object = None          # the input probe's running mean over the user's message (moderation.pooled_state)
     pool_hook: object = None     # the forward hooks that feed it (registered once per engine)
 
     def forget_probes(self) -> None:
         """Drop what depends on where probes are looked for (tests move that folder)."""
-        for memo in (self.probes, self.probe_files, self.probe_warned, self.verdicts):
+        for memo in (self.probes, self.probe_files, self.probe_warned, self.strictness_warned, self.verdicts):
             memo.clear()
 
 
