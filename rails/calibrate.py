@@ -211,11 +211,20 @@ def collect(engine, rows: Sequence[dict], settings: ModerationSettings = Moderat
     return torch.stack(states), torch.tensor(odds, dtype=torch.float64), torch.stack(pooled)
 
 
+# what a row's states do not depend on: where it came from (rails/guard_fit.py's bookkeeping)
+_BOOKKEEPING = ("source", "train")
+
+
 def row_key(i: int, row: dict, settings: ModerationSettings) -> str:
-    """A tuning row's key in the states cache: its number (its earlier exchange), text, labels and the question; for
-    a row after a paste exchange (``after``) also that conversation's text (the rows without one keep their keys)."""
+    """A tuning row's key in the states cache: its text, labels and the question, and for an input row its number
+    (its earlier exchange) and, after a paste exchange (``after``), that conversation's text. An output row's states
+    depend on its text only, so its key has no number: the rows can be reordered or regrouped without running them
+    again."""
+    content = {k: v for k, v in row.items() if k not in _BOOKKEEPING}
+    if settings.side == "output":
+        return hashlib.sha256(json.dumps(["output", content, settings.prompt], sort_keys=True).encode()).hexdigest()
     history = [earlier_exchange(i, row)] if row.get("after") else []
-    return hashlib.sha256(json.dumps([i, row, settings.prompt, WINDOW, SLIDE_WINDOWS, LONG_LAYERS] + history,
+    return hashlib.sha256(json.dumps([i, content, settings.prompt, WINDOW, SLIDE_WINDOWS, LONG_LAYERS] + history,
                                      sort_keys=True).encode()).hexdigest()
 
 

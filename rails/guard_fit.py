@@ -78,6 +78,15 @@ class Candidate:
     layer: int
     features: str
     l2: float
+    mean_layers: tuple = ()   # the mean averaged over these layers (``Probe.mean_layers``); empty: ``layer``'s
+
+
+def candidate_x(hidden, pooled, c: Candidate) -> torch.Tensor:
+    """A candidate's feature matrix ``[n, d or 2d]``: ``design``'s, the mean averaged over ``c.mean_layers``."""
+    if not c.mean_layers:
+        return design(hidden, torch.zeros(hidden.shape[0], dtype=torch.float64), c.layer, False, c.features, pooled)
+    mean = pooled[:, list(c.mean_layers)].double().mean(1)
+    return mean if c.features == "mean" else torch.cat([hidden[:, c.layer].double(), mean], 1)
 
 
 def _balanced(p: torch.Tensor, y: torch.Tensor, threshold: float = 0.5) -> float:
@@ -105,7 +114,7 @@ def leave_one_source_out(hidden, pooled, labels: Sequence[int], sources: Sequenc
     trainable = torch.tensor(list(train))
     out = []
     for c in candidates:
-        x = design(hidden, torch.zeros(len(y), dtype=torch.float64), c.layer, False, c.features, pooled)
+        x = candidate_x(hidden, pooled, c)
         oof = torch.empty(len(y), dtype=torch.float64)
         for k in range(len(names)):
             held = src == k
@@ -113,7 +122,8 @@ def leave_one_source_out(hidden, pooled, labels: Sequence[int], sources: Sequenc
             w, b = fit_logistic(x[fit], y[fit], c.l2, sample_weight=_class_weights(y[fit]))
             oof[held] = torch.sigmoid(x[held] @ w + b)
         score = _score(oof, y, src, len(names))
-        out.append({"layer": c.layer, "features": c.features, "l2": c.l2, "score": score, "oof": oof})
+        out.append({"layer": c.layer, "features": c.features, "l2": c.l2, "mean_layers": tuple(c.mean_layers),
+                    "score": score, "oof": oof})
     out.sort(key=lambda r: (-r["score"], -r["l2"], r["layer"]))
     return out
 
@@ -153,35 +163,46 @@ def rates(p: torch.Tensor, rows: Sequence[dict], threshold: float, key: str = "s
 # ---------------------------------------------------------------------------------------------------- the fit
 
 LAYER_SCREEN = (6, 9, 12, 15, 18, 21, 24, 27)
+MEAN_FROM = (12, 18, 24)
 L2S = (0.1, 0.01)
 WINDOW_LAYERS = (8, 12, 16, 20)
 
 
 def choose(hidden, pooled, rows: Sequence[dict], options: Sequence[str], log=print) -> list[dict]:
-    """The short-message (input) or reply (output) probe's candidate, by leave-one-source-out: the layer first
-    (``LAYER_SCREEN``, the richest features, L2 0.01), then the features and the L2 at that layer. Best first."""
+    """The short-message (input) or reply (output) probe's candidate, by leave-one-source-out: single layers
+    (``LAYER_SCREEN``, the richest features, L2 0.01) and means averaged over the upper layers (from
+    ``MEAN_FROM`` to the last), then the features and the L2 of the best of those. Best first."""
     labels = [int(r["block"]) for r in rows]
     names = [r["source"] for r in rows]
     train = [bool(r.get("train", True)) for r in rows]
-    layers = [la for la in LAYER_SCREEN if la < hidden.shape[1]]
+    top = hidden.shape[1] - 1
+    layers = [la for la in LAYER_SCREEN if la <= top]
     rich = "last+mean" if "last+mean" in options else options[0]
-    screen = leave_one_source_out(hidden, pooled, labels, names, train, [Candidate(la, rich, 0.01) for la in layers])
-    log("  layers: " + ", ".join(f"{r['layer']} {r['score']:.3f}" for r in sorted(screen, key=lambda r: r["layer"])))
-    layer = screen[0]["layer"]
-    rest = [Candidate(layer, f, l2) for f in options for l2 in L2S if (f, l2) != (rich, 0.01)]
+    first = [Candidate(la, rich, 0.01) for la in layers] + \
+        [Candidate(top, f, 0.01, tuple(range(a, top + 1))) for a in MEAN_FROM if a < top
+         for f in options if "mean" in f]
+    screen = leave_one_source_out(hidden, pooled, labels, names, train, first)
+    log("  screen: " + ", ".join(f"{_name(r)} {r['score']:.3f}" for r in screen))
+    b = screen[0]
+    rest = [Candidate(b["layer"], f, l2, b["mean_layers"]) for f in options for l2 in L2S
+            if (f, l2) != (b["features"], b["l2"]) and (not b["mean_layers"] or "mean" in f)]
     table = sorted(screen + leave_one_source_out(hidden, pooled, labels, names, train, rest),
                    key=lambda r: (-r["score"], -r["l2"], r["layer"]))
-    log("  at layer %d: " % layer + ", ".join(f"{r['features']}/{r['l2']} {r['score']:.3f}" for r in table
-                                              if r["layer"] == layer))
+    log("  then: " + ", ".join(f"{_name(r)} {r['score']:.3f}" for r in table[:6]))
     return table
+
+
+def _name(r: dict) -> str:
+    where = f"layers {r['mean_layers'][0]}-{r['mean_layers'][-1]}" if r["mean_layers"] else f"layer {r['layer']}"
+    return f"{where} {r['features']} l2 {r['l2']}"
 
 
 def fit_chosen(hidden, pooled, rows: Sequence[dict], best: dict) -> tuple[torch.Tensor, float]:
     """The chosen candidate fitted on every training row (classes weighted equally)."""
     keep = torch.tensor([bool(r.get("train", True)) for r in rows])
     y = torch.tensor([int(r["block"]) for r in rows], dtype=torch.float64)[keep]
-    x = design(hidden, torch.zeros(len(rows), dtype=torch.float64), best["layer"], False, best["features"],
-               pooled)[keep]
+    x = candidate_x(hidden, pooled, Candidate(best["layer"], best["features"], best["l2"],
+                                              best["mean_layers"]))[keep]
     return fit_logistic(x, y, best["l2"], sample_weight=_class_weights(y))
 
 
@@ -269,10 +290,11 @@ def fit_sources(rows: Sequence[dict], features, settings, key, log=print):
     train = [bool(r.get("train", True)) for r in short_rows]
     levels = operating_points(best["oof"], labels, train)
     w, b = fit_chosen(hidden, pooled, short_rows, best)
-    result = {"rail": settings.side, "rows": len(short_rows), "chosen": {k: best[k] for k in ("layer", "features", "l2")},
+    result = {"rail": settings.side, "rows": len(short_rows),
+              "chosen": {k: best[k] for k in ("layer", "features", "l2", "mean_layers")},
               "loso_score": round(best["score"], 4), "levels": levels,
               "report": report(best["oof"], short_rows, levels),
-              "candidates": [{k: r[k] for k in ("layer", "features", "l2", "score")} for r in table]}
+              "candidates": [{k: r[k] for k in ("layer", "features", "l2", "mean_layers", "score")} for r in table]}
     extra: dict = {}
     if settings.side == "input" and features[4] is not None and features[4]["message_labels"]:
         long = features[4]
@@ -297,6 +319,7 @@ def fit_sources(rows: Sequence[dict], features, settings, key, log=print):
                   threshold=levels["medium"]["threshold"], question=settings.prompt, model_file=key.file,
                   model_bytes=key.bytes, model_identity=key.identity, weights=key.weights, rail=settings.side,
                   features=best["features"], window=WINDOW if settings.side == "input" else 0,
+                  mean_layers=tuple(best["mean_layers"]),
                   metrics={"fitted_on": "public sources (rails/data/SOURCES.md) and the project's own rows",
                            "rows_by_source": counts, "loso_balanced_accuracy": round(best["score"], 4),
                            "l2": best["l2"], "levels": levels,
@@ -304,6 +327,5 @@ def fit_sources(rows: Sequence[dict], features, settings, key, log=print):
                                "long_loso_balanced_accuracy": result["long"]["loso_score"]} if extra else {}),
                            "seconds": round(time.perf_counter() - t0, 1)},
                   **extra)
-    probe = dataclasses.replace(probe, strictness={k: v["threshold"] for k, v in levels.items()}) \
-        if "strictness" in {f.name for f in dataclasses.fields(Probe)} else probe
+    probe = dataclasses.replace(probe, strictness={k: v["threshold"] for k, v in levels.items()})
     return probe, result

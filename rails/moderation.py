@@ -351,8 +351,8 @@ def _score(engine, ids, settings, probe, task: str = "moderation") -> tuple[floa
     pooled = None
     if probe is not None and probe.pools:
         start = len(ids) - len(moderation_suffix(engine, settings.prompt))
-        logprobs, hidden, means, reused = suffix_state(engine, ids, start, (probe.layer,), task=task)
-        pooled = means[0]
+        logprobs, hidden, means, reused = suffix_state(engine, ids, start, probe.pool_layers, task=task)
+        pooled = means.mean(0)
     else:
         logprobs, hidden, reused = engine.next_token_state(ids, task=task, hidden=probe is not None)
     log_odds = answer_log_odds(logprobs, answer_ids(engine, settings.unsafe_answer),
@@ -513,8 +513,8 @@ def _score_prompt(engine, ids, probe, start: int = 0) -> tuple[float, int]:
     if not probe.pools:
         _, hidden, reused = engine.next_token_state(ids, task="input_moderation", hidden=True)
         return probe.p_unsafe(hidden, 0.0), reused
-    hidden, pooled, reused = pooled_state(engine, ids, start, (probe.layer,), task="input_moderation")
-    return probe.p_unsafe(hidden, 0.0, pooled[0]), reused
+    hidden, pooled, reused = pooled_state(engine, ids, start, probe.pool_layers, task="input_moderation")
+    return probe.p_unsafe(hidden, 0.0, pooled.mean(0)), reused
 
 
 def message_windows(engine, messages: list[dict], window: int) -> Optional[tuple[str, str]]:

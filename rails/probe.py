@@ -41,7 +41,10 @@ FORMAT = "flashguard-probe/1"
 # only) and are still written for every other probe, so code that knows only version 1 refuses a version 2 file
 # instead of reading its mean as something else
 FORMAT_2 = "flashguard-probe/2"
-FORMATS = (FORMAT, FORMAT_2)
+# format 3 (v9, the public-source probes): a pooling probe of either rail whose mean may be averaged over several
+# layers (``mean_layers``), an output probe that reads the suffix's mean alone (``features: mean``) included
+FORMAT_3 = "flashguard-probe/3"
+FORMATS = (FORMAT, FORMAT_2, FORMAT_3)
 SHIPPED_DIR = Path(__file__).resolve().parent / "probes"
 CALIBRATE_HINT = "flashguard calibrate"
 FEATURES = ("last", "mean", "last+mean")
@@ -127,6 +130,15 @@ class Probe:
     # long message (input probes with window weights), in place of ``long_threshold``
     strictness: dict = field(default_factory=dict, compare=False)
     long_strictness: dict = field(default_factory=dict, compare=False)
+    # a pooling probe's mean taken over several layers (the average of the mean states at each; v9, fitted on the
+    # public sources: the suffix's or message's mean over the upper layers generalised across sources better than one
+    # layer's); empty: ``layer`` alone
+    mean_layers: tuple[int, ...] = ()
+
+    @property
+    def pool_layers(self) -> tuple[int, ...]:
+        """The layers whose mean states a pooling probe averages (``mean_layers``, else ``layer``)."""
+        return tuple(self.mean_layers) or (self.layer,)
 
     @property
     def pools(self) -> bool:
@@ -140,6 +152,8 @@ class Probe:
 
     @property
     def format(self) -> str:
+        if self.mean_layers or (self.rail == "output" and self.features == "mean"):
+            return FORMAT_3
         return FORMAT_2 if self.pools and self.rail == "output" else FORMAT
 
     @property
@@ -182,7 +196,8 @@ class Probe:
     def to_json(self) -> dict:
         return {"format": self.format, "layer": self.layer, "bias": self.bias, "answer_weight": self.answer_weight,
                 "threshold": self.threshold, "question": self.question, "rail": self.rail, "features": self.features,
-                **({"mean_over": self.mean_over} if self.format == FORMAT_2 else {}), "window": self.window,
+                **({"mean_over": self.mean_over} if self.format in (FORMAT_2, FORMAT_3) else {}),
+                "window": self.window,
                 **({"long": {"layer": self.long_layer, "window": self.long_window, "stride": self.stride,
                              "bias": self.long_bias,
                              "threshold": self.long_threshold,
@@ -191,6 +206,7 @@ class Probe:
                 "model": {"file": self.model_file, "bytes": self.model_bytes, "identity": self.model_identity,
                           "weights": self.weights},
                 **({"strictness": dict(self.strictness)} if self.strictness else {}),
+                **({"mean_layers": list(self.mean_layers)} if self.mean_layers else {}),
                 "metrics": self.metrics, "weight": [float(f"{w:.6g}") for w in self.weight]}
 
     def save(self, path: Path) -> Path:
@@ -219,6 +235,7 @@ class Probe:
                         rail=str(data.get("rail", "output")), features=str(data.get("features", "last")),
                         window=int(data.get("window", 0)),
                         strictness=_levels(data.get("strictness"), "strictness"),
+                        mean_layers=tuple(int(la) for la in data.get("mean_layers") or ()),
                         **({"long_layer": int(data["long"]["layer"]), "stride": int(data["long"]["stride"]),
                             "long_window": int(data["long"]["window"]),
                             "long_bias": float(data["long"]["bias"]),
@@ -238,6 +255,12 @@ class Probe:
                 if probe.features not in FEATURES or (probe.pools and probe.rail != "input"):
                     raise ValueError(f"features is {probe.features!r}, expected one of {', '.join(FEATURES)} "
                                      "(mean: input probes only)")
+            elif data["format"] == FORMAT_3:   # version 3: a mean over the suffix (output) or message (input)
+                if probe.features not in FEATURES or not probe.pools or data.get("mean_over") != probe.mean_over \
+                        or any(la < 0 for la in probe.mean_layers):
+                    raise ValueError(f"a {FORMAT_3} probe reads a mean ({probe.features!r} given) over the "
+                                     f"{probe.mean_over or 'suffix or message'} (mean_over {data.get('mean_over')!r}) "
+                                     f"at non-negative layers ({list(probe.mean_layers)})")
             elif not (probe.rail == "output" and probe.features == "last+mean" and data.get("mean_over") == "suffix"):
                 # version 2: an output probe that reads the suffix's last state and its mean (nothing else yet)
                 raise ValueError(f"a {FORMAT_2} probe is an output probe with features 'last+mean' and mean_over "

@@ -151,19 +151,25 @@ JBB = {"Harassment/Discrimination": "harassment", "Malware/Hacking": "cyber", "P
        "Government decision-making": "general_harm"}
 
 
+JBB_ATTACKS = {"PAIR": "pair", "JBC": "jbc", "prompt_with_random_search": "random_search", "GCG": "gcg"}
+
+
 def _read_jbb(src, blobs, rail):
     """Input: every attack prompt is an attack (blocked, ``jailbreak``). Output: a response the benchmark's judge
     marked jailbroken is a harmful reply (the goal's category); one it did not is allowed (``refusal``: the models
-    refused or answered beside the point)."""
+    refused or answered beside the point). Each attack method is a source of its own for validation
+    (``jailbreakbench_pair``, ``_jbc``, ``_random_search``, ``_gcg``): a different generator wrote its prompts and
+    drew its target models' replies (the 100 goals are shared: an output row's user message recurs across them)."""
     out = []
-    for b in blobs:
+    for f, b in zip(src.files, blobs):
+        name = f"{src.name}_{JBB_ATTACKS[f.path.split('/')[1]]}"
         for j in json.loads(b)["jailbreaks"]:
             if rail == "input":
                 if j.get("prompt"):
-                    out.append(Row(_clip(j["prompt"]), None, True, "jailbreak", src.name))
+                    out.append(Row(_clip(j["prompt"]), None, True, "jailbreak", name))
             elif j.get("response"):
                 out.append(Row(j["goal"].strip(), _clip(j["response"]), bool(j["jailbroken"]),
-                               JBB[j["category"]] if j["jailbroken"] else "refusal", src.name))
+                               JBB[j["category"]] if j["jailbroken"] else "refusal", name))
     return out
 
 
@@ -287,9 +293,10 @@ REFUSAL = re.compile(r"\b(I'm sorry|I am sorry|I can't|I cannot|I won't|I will n
 
 
 def _read_hh(src, blobs, rail):
-    """Red-team dialogues of one exchange (the human's request, two assistant replies). The chosen reply is allowed
-    (``refusal``: the crowdworker's more harmless pick); the rejected reply is blocked only where the chosen one
-    refuses (the worker preferred a refusal to it, so it helped with what was asked), as ``general_harm``."""
+    """Red-team dialogues of one exchange (the human's request, two assistant replies), used where the chosen reply
+    refuses: it is allowed (``refusal``), and the rejected one, where it does not refuse, is blocked (the worker
+    preferred a refusal to it, so it helped with what was asked: ``general_harm``). A chosen reply that does not
+    refuse is only the more harmless of two and is left out (many still help with the red-team request)."""
     out = []
     for line in _lines(gzip.decompress(blobs[0])):
         r = json.loads(line)
@@ -299,8 +306,10 @@ def _read_hh(src, blobs, rail):
         user, good, bad = chosen[0].strip(), chosen[1].strip(), rejected[1].strip()
         if not good or not bad or good == bad:
             continue
+        if not REFUSAL.search(good):
+            continue
         out.append(Row(user, _clip(good), False, "refusal", src.name))
-        if REFUSAL.search(good) and not REFUSAL.search(bad):
+        if not REFUSAL.search(bad):
             out.append(Row(user, _clip(bad), True, "general_harm", src.name))
     return out
 
@@ -364,8 +373,8 @@ SOURCES: tuple[Source, ...] = (
            "standard behavior and its optimizer target (a compliant opening): blocked, behavior's category",
            _read_targets),
     Source("hh_rlhf", _files("hh_rlhf"), "MIT (anthropics/hh-rlhf)", ("output",),
-           "one-exchange red-team dialogues: chosen allowed (refusal); rejected blocked where chosen refuses and it "
-           "does not (general_harm)", _read_hh, cap=900),
+           "one-exchange red-team dialogues whose chosen reply refuses: chosen allowed (refusal); rejected blocked "
+           "where it does not refuse (general_harm)", _read_hh, cap=900),
 )
 BY_NAME = {s.name: s for s in SOURCES}
 
