@@ -12,7 +12,7 @@ import yaml
 from flashguard import ConfigError
 from flashguard.rails.moderation import ModerationSettings, Verdict, _threshold, probe_threshold
 from flashguard.rails.probe import SHIPPED_DIR, STRICTNESS, Probe, ProbeError
-from tests.conftest import FLASH
+from tests.conftest import FLASH, make_config
 
 TABLE = {"low": 0.8, "medium": 0.58, "high": 0.3}
 LONG_TABLE = {"low": 0.97, "medium": 0.9, "high": 0.7}
@@ -54,6 +54,25 @@ def test_configs_flash_sets_medium_in_both_sections():
     assert custom["flashguard_input_moderation"]["strictness"] == "medium"
     assert ModerationSettings.from_custom_data(custom).strictness == "medium"
     assert ModerationSettings.from_custom_data(custom, side="input").strictness == "medium"
+
+
+def test_a_bad_strictness_fails_the_configs_loading_before_the_model(tmp_path):
+    """configs/flash/config.py reads both sections when NeMo loads the config (before the model): a bad key is a
+    ConfigError then (the CLI's one line), not NeMo's "internal error" at every check."""
+    from nemoguardrails import LLMRails, RailsConfig
+
+    from flashguard.engine import registry
+
+    yml = (FLASH / "config.yml").read_text()
+    bad = yml.replace("strictness: medium   # low | medium | high (docs", "strictness: max   # (docs")
+    assert bad != yml
+    before = registry.loads
+    with pytest.raises(RuntimeError) as err:
+        LLMRails(RailsConfig.from_path(str(make_config(tmp_path, bad))))
+    assert isinstance(err.value.__cause__, ConfigError)
+    assert str(err.value.__cause__) == ("custom_data.flashguard_input_moderation.strictness must be one of low, "
+                                        "medium, high, got 'max'")
+    assert registry.loads == before
 
 
 # ---- the probe's tables -------------------------------------------------------------------------------------
