@@ -8,6 +8,8 @@
     flashguard smi        [--url URL] [--watch S] [--json]            GPU/host memory by category
     flashguard stress     --context 131072 [--vram-budget 4GiB]       drive the tiered KV cache, measure it
     flashguard calibrate  [--config DIR] [--weights int4] [--rail input]  train a moderation probe for the model
+    flashguard eval-guard FILE [--config DIR] [--rail input|output|both] [--limit N] [--json OUT]
+                          a labelled JSONL / CSV through the rails: blocked rates, precision, recall, F1
 """
 
 from __future__ import annotations
@@ -46,16 +48,20 @@ def _setup_logging(verbose: bool) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-def load_rails(config_dir: str):
-    """``LLMRails`` for ``config_dir``, with a status line while the model loads."""
-    from nemoguardrails import LLMRails, RailsConfig
+def load_rails(config_dir: str, check=None):
+    """``LLMRails`` for ``config_dir``, with a status line while the model loads; ``check(rails_config)`` runs on
+    NeMo's config before the model loads (a command's own checks of the config)."""
+    from nemoguardrails import LLMRails
     from rich.console import Console
 
     console = Console(stderr=True)
     if not Path(config_dir, "config.yml").is_file():
         raise SystemExit(f"flashguard: no config.yml in {config_dir!r}; pass --config DIR")
     with console.status(f"Loading the model of {config_dir} ..."):
-        rails = LLMRails(_rails_config(config_dir))
+        config = _rails_config(config_dir)
+        if check is not None:
+            check(config)
+        rails = LLMRails(config)
     return rails
 
 
@@ -297,6 +303,38 @@ def cmd_calibrate(args) -> int:
     return calibrate(args)
 
 
+def cmd_eval_guard(args) -> int:
+    """The labelled file is read and checked whole, and the config's rails and moderation keys, before the model
+    loads (rails/evaluate.py); a bad row or key is one line, exit status 2."""
+    from .rails import evaluate as ev
+
+    rows = ev.read_labelled(args.file)
+    checks, _ = ev.plan(rows[:args.limit], args.rail, args.file)
+    if not args.verbose:   # one log line per verdict would bury the table (-v shows them)
+        logging.getLogger("flashguard").setLevel(logging.WARNING)
+    rails = load_rails(args.config, check=lambda config: ev.check_config(config, sorted({r for _, r in checks}),
+                                                                         args.config))
+    live = sys.stderr.isatty()
+
+    def progress(done: int, total: int) -> None:
+        if live:
+            print(f"\rjudged {done}/{total}", end="" if done < total else "\n", file=sys.stderr, flush=True)
+
+    report = ev.evaluate(rows, rails, args.rail, limit=args.limit, file=args.file, progress=progress)
+    print(ev.format_report(report))
+    if args.json:
+        Path(args.json).write_text(json.dumps(ev.report_json(report), indent=1))
+        print(f"wrote {args.json} ({len(report.judged)} verdicts)")
+    return 0
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive number of rows, got {value}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="flashguard", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -382,6 +420,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--keep-window-probe", default=None, metavar="FILE", help="--rail input: fit as usual, then keep "
                    "the window probe (long messages) of this input probe file instead (same model and weights)")
     p.set_defaults(func=cmd_calibrate)
+    p = sub.add_parser("eval-guard", help="a labelled JSONL or CSV file through the config's rails: blocked rates, "
+                       "precision, recall and F1 per rail and category")
+    p.add_argument("file", help="JSONL (.jsonl, .json) or CSV (.csv): columns user and/or bot (or text: the user's "
+                   "message), label (true/false, 1/0, unsafe/safe, harmful/benign or harmless, block/allow, yes/no), "
+                   "optional category")
+    p.add_argument("--config", default=default_config_dir())
+    p.add_argument("--rail", choices=("input", "output", "both"), default=None,
+                   help="default: the input rail for rows without bot, the output rail for rows with it; both: rows "
+                   "with user and bot also go to the input rail (on the user's message), each rail reported apart")
+    p.add_argument("--limit", type=_positive, default=None, metavar="N", help="the first N rows only")
+    p.add_argument("--json", default=None, metavar="OUT", help="write the report and every row's verdict "
+                   "(p_unsafe, blocked) to this JSON file")
+    p.set_defaults(func=cmd_eval_guard)
     utf8_output()
     args = parser.parse_args(argv)
     _setup_logging(args.verbose)

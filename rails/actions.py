@@ -8,7 +8,8 @@ input`` flows. They need the main model to be the flashguard provider (they mode
 from __future__ import annotations
 
 import asyncio
-from typing import Optional
+import contextvars
+from typing import Callable, Optional
 
 from nemoguardrails.actions import action
 from nemoguardrails.actions.rail_outcome import RailOutcome
@@ -16,7 +17,13 @@ from nemoguardrails.actions.rail_outcome import RailOutcome
 from flashguard.errors import ConfigError
 from flashguard.guardrails.server import record_block
 
-from .moderation import ModerationSettings, moderate, moderate_input
+from .moderation import ModerationSettings, Verdict, moderate, moderate_input
+
+# Who wants each verdict besides NeMo (``flashguard eval-guard``: rails/evaluate.py reads p_unsafe, which NeMo's
+# ``LLMRails.check`` does not return): a callable ``(rail, verdict)`` set in the caller's context, which NeMo's tasks
+# and ``asyncio.to_thread`` copy. Unset (None) everywhere else.
+verdict_sink: contextvars.ContextVar[Optional[Callable[[str, Verdict], None]]] = contextvars.ContextVar(
+    "flashguard_verdict_sink", default=None)
 
 
 @action(name="flashguard_moderate_output", is_system_action=True)
@@ -31,7 +38,7 @@ async def flashguard_moderate_output(llm=None, config=None, context: Optional[di
         return RailOutcome.allow(reason="empty reply")
     settings = ModerationSettings.from_custom_data(getattr(config, "custom_data", None))
     verdict = await asyncio.to_thread(moderate, engine, bot, user, settings)
-    return _outcome(verdict)
+    return _outcome("output", verdict)
 
 
 @action(name="flashguard_moderate_input", is_system_action=True)
@@ -48,7 +55,7 @@ async def flashguard_moderate_input(llm=None, config=None, context: Optional[dic
     verdict = await asyncio.to_thread(moderate_input, engine, messages, settings)
     if not verdict.allowed:   # the server's usage and finish_reason (NeMo streams the refusal as plain text)
         record_block("input")
-    return _outcome(verdict)
+    return _outcome("input", verdict)
 
 
 def conversation(user: Optional[str]) -> list[dict]:
@@ -79,9 +86,13 @@ def _engine_of(llm, name: str):
     return engine
 
 
-def _outcome(verdict) -> RailOutcome:
+def _outcome(rail: str, verdict) -> RailOutcome:
+    sink = verdict_sink.get()
+    if sink is not None:
+        sink(rail, verdict)
     meta = {"p_unsafe": verdict.p_unsafe, "method": verdict.method, "threshold": verdict.threshold,
-            "path": verdict.path, "prefilled_tokens": verdict.prefilled_tokens, "reused_tokens": verdict.reused_tokens}
+            "strictness": verdict.strictness, "path": verdict.path, "prefilled_tokens": verdict.prefilled_tokens,
+            "reused_tokens": verdict.reused_tokens}
     if verdict.allowed:
         return RailOutcome.allow(reason=verdict.reason, metadata=meta)
     return RailOutcome.block(reason=verdict.reason, metadata=meta)
