@@ -408,6 +408,11 @@ def main(argv: list[str] | None = None) -> int:
                    "the user cache at the pinned commits and checked against their sha256")
     p.add_argument("--report", default=None, metavar="FILE", help="with --sources: write the validation tables "
                    "(per source and category, each strictness level) to this JSON file")
+    p.add_argument("--thresholds", choices=("loso", "cv"), default="loso", help="with --sources: the strictness "
+                   "levels' thresholds from the leave-one-source-out scores (default) or from 5-fold scores over all "
+                   "sources (the shipped input probe: docs/moderation.md says why)")
+    p.add_argument("--max-rows", type=int, default=None, metavar="N", help="with --sources: the first N rows only "
+                   "(taken in turn from every source, so each keeps its share; a quicker, rougher fit)")
     p.add_argument("--out", default=None, help="probe file (default: the user cache folder, where the rail looks)")
     p.add_argument("--features", default=None, help="keep the tuning rows' hidden states (either rail) in this .pt "
                    "file and read them from it (same model and weights): only rows added since run through the model")

@@ -476,6 +476,8 @@ def main(args) -> int:
         if args.data:
             raise SystemExit("--sources and --data: give one (the sources are the manifest's, rails/data/SOURCES.md)")
         rows = source_rows(side, None if sources == "download" else Path(sources))
+        if getattr(args, "max_rows", None):   # the round-robin order keeps every source in a prefix
+            rows = rows[:args.max_rows]
     else:
         data_path = Path(args.data) if args.data else (INPUT_TUNING_SET if side == "input" else TUNING_SET)
         rows = read_rows(data_path, side)
@@ -507,7 +509,7 @@ def main(args) -> int:
     if sources is not None:
         from .guard_fit import fit_sources
 
-        probe, result = fit_sources(rows, features, settings, key)
+        probe, result = fit_sources(rows, features, settings, key, thresholds=getattr(args, "thresholds", "loso"))
         report_path = getattr(args, "report", None)
         if report_path:
             Path(report_path).write_text(json.dumps(result, indent=1))

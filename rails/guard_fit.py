@@ -142,8 +142,8 @@ def operating_points(oof: torch.Tensor, labels: Sequence[int], train: Sequence[b
     out = {}
     for level, share in LEVELS.items():
         k = max(0, math.ceil(len(benign) * (1 - share)) - 1)
-        t = float(min(max(benign[k].item() + 1e-6, 0.05), 0.99)) if len(benign) else 0.5
-        out[level] = {"threshold": round(t, 4),
+        t = float(min(max(benign[k].item() + 1e-6, 0.05), 0.9999)) if len(benign) else 0.5
+        out[level] = {"threshold": round(t, 6),
                       "benign_blocked": round(float((benign >= t).double().mean()), 4),
                       "harmful_blocked": round(float((harmful >= t).double().mean()), 4) if len(harmful) else None}
     return out
@@ -269,7 +269,24 @@ def report(p: torch.Tensor, rows: Sequence[dict], levels: dict) -> dict:
                     "by_category": rates(p, rows, v["threshold"], "category")} for level, v in levels.items()}
 
 
-def fit_sources(rows: Sequence[dict], features, settings, key, log=print):
+def cv_scores(hidden, pooled, rows: Sequence[dict], best: dict, k: int = 5) -> torch.Tensor:
+    """Every row's score by ``k``-fold cross-validation over all sources (folds grouped by text): the
+    in-distribution scores ``thresholds="cv"`` sets the levels from."""
+    from .probe import folds
+
+    y = torch.tensor([int(r["block"]) for r in rows], dtype=torch.float64)
+    train = torch.tensor([bool(r.get("train", True)) for r in rows])
+    x = candidate_x(hidden, pooled, Candidate(best["layer"], best["features"], best["l2"], best["mean_layers"]))
+    oof = torch.empty(len(y), dtype=torch.float64)
+    for part in folds(y.long().tolist(), k, groups=[r.get("bot") or r["user"] for r in rows]):
+        held = torch.zeros(len(y), dtype=torch.bool)
+        held[torch.tensor(part)] = True
+        w, b = fit_logistic(x[~held & train], y[~held & train], best["l2"], sample_weight=_class_weights(y[~held & train]))
+        oof[held] = torch.sigmoid(x[held] @ w + b)
+    return oof
+
+
+def fit_sources(rows: Sequence[dict], features, settings, key, log=print, thresholds: str = "loso"):
     """Steps 3-5 of the module docstring on ``calibrate.collect``'s ``features`` of ``rows`` (``source_rows``).
     Returns ``(probe, result)``: the probe (threshold = the ``medium`` level; ``strictness`` and, for the input
     rail, ``long_strictness`` tables) and the validation tables for docs/moderation.md."""
@@ -282,17 +299,28 @@ def fit_sources(rows: Sequence[dict], features, settings, key, log=print):
     t0 = time.perf_counter()
     hidden, pooled = features[0], features[2]
     short_rows = list(features[5]) if settings.side == "input" else list(rows)
-    options = ("mean", "last+mean", "last") if settings.side == "input" else ("last+mean", "last")
+    options = ("mean", "last+mean", "last") if settings.side == "input" else ("last+mean", "mean", "last")
     log(f"{settings.side} rail: {len(short_rows)} rows from {len(set(r['source'] for r in short_rows))} sources")
     table = choose(hidden, pooled, short_rows, options, log)
     best = table[0]
     labels = [int(r["block"]) for r in short_rows]
     train = [bool(r.get("train", True)) for r in short_rows]
     levels = operating_points(best["oof"], labels, train)
+    loso_levels = levels
+    if thresholds == "cv":
+        # the levels from in-distribution scores; the leave-one-source-out rates at those thresholds are reported
+        cv = operating_points(cv_scores(hidden, pooled, short_rows, best), labels, train)
+        y = torch.tensor(labels)
+        levels = {k: {**v, "loso_harmful_blocked": round(float((best["oof"][y > 0] >= v["threshold"]).double().mean()), 4),
+                      "loso_benign_blocked": round(float((best["oof"][y == 0] >= v["threshold"]).double().mean()), 4)}
+                  for k, v in cv.items()}
+    elif thresholds != "loso":
+        raise ValueError(f"thresholds must be loso or cv, got {thresholds!r}")
     w, b = fit_chosen(hidden, pooled, short_rows, best)
     result = {"rail": settings.side, "rows": len(short_rows),
               "chosen": {k: best[k] for k in ("layer", "features", "l2", "mean_layers")},
-              "loso_score": round(best["score"], 4), "levels": levels,
+              "loso_score": round(best["score"], 4), "levels": levels, "levels_loso": loso_levels,
+              "thresholds": thresholds,
               "report": report(best["oof"], short_rows, levels),
               "candidates": [{k: r[k] for k in ("layer", "features", "l2", "mean_layers", "score")} for r in table]}
     extra: dict = {}
@@ -315,6 +343,7 @@ def fit_sources(rows: Sequence[dict], features, settings, key, log=print):
     for r in rows:
         e = counts.setdefault(r["source"], {"harmful": 0, "benign": 0, "train": bool(r.get("train", True))})
         e["harmful" if r["block"] else "benign"] += 1
+    result["rows_by_source"] = counts
     probe = Probe(layer=best["layer"], weight=tuple(float(v) for v in w), bias=float(b), answer_weight=0.0,
                   threshold=levels["medium"]["threshold"], question=settings.prompt, model_file=key.file,
                   model_bytes=key.bytes, model_identity=key.identity, weights=key.weights, rail=settings.side,

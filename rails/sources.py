@@ -185,14 +185,14 @@ def _read_frr(src, blobs, rail):
 
 def _read_toxigen(src, blobs, rail):
     """``hate_*`` files: hateful statements about a group (blocked, ``hate``); ``neutral_*``: neutral or kind
-    statements about the same groups (allowed, ``statement``). As a reply (output rail) the user asked the
-    model about the group."""
+    statements about the same groups (allowed, ``statement``). Each line of a file is a generation prompt listing
+    several statements (``- a\\n- b ...``, the separator written out): every statement is a row. As a reply (output
+    rail) the user asked the model about the group."""
     out = []
     for f, b in zip(src.files, blobs):
         hate = Path(f.path).name.startswith("hate_")
         group = Path(f.path).stem.split("_", 1)[1].replace("_1k", "").replace("_", " ")
-        for line in _lines(b):
-            text = line.lstrip("-").strip()
+        for text in (t.strip(" -") for line in _lines(b) for t in line.split("\\n")):
             if len(text) < 12:
                 continue
             if rail == "input":

@@ -168,3 +168,29 @@ def test_rates_count_per_source_and_category():
     got = G.rates(torch.tensor([0.9, 0.7]), rows, 0.8)
     assert got["s"] == {"harmful": 1, "harmful_blocked": 1, "benign": 1, "benign_blocked": 0}
     assert G.rates(torch.tensor([0.9, 0.7]), rows, 0.5, "category")["y"]["benign_blocked"] == 1
+
+
+def test_fit_sources_writes_a_probe_with_its_strictness_table(tmp_path, monkeypatch):
+    from flashguard.rails.moderation import ModerationSettings
+    from flashguard.rails.probe import ModelKey, Probe
+
+    monkeypatch.setattr(G, "LAYER_SCREEN", (6, 12))   # fewer candidates: the same steps, quicker
+    monkeypatch.setattr(G, "MEAN_FROM", (18,))
+
+    rows, hidden = _features(30, ["a", "b", "c", "d"], seed=1)
+    hidden = hidden.repeat(1, 10, 1)[:, :26]   # 25 layers + the embedding, as a small model's states
+    rows[0]["train"] = False                   # an evaluation-only row is scored, never fitted on
+    odds = torch.zeros(len(rows), dtype=torch.float64)
+    probe, result = G.fit_sources(rows, (hidden, odds, hidden), ModerationSettings(),
+                                  ModelKey("id", "m.gguf", 1, "float"), log=lambda *_: None)
+    levels = result["levels"]
+    assert probe.strictness == {k: v["threshold"] for k, v in levels.items()}
+    assert probe.threshold == levels["medium"]["threshold"]
+    assert levels["low"]["threshold"] >= levels["medium"]["threshold"] >= levels["high"]["threshold"]
+    assert result["loso_score"] > 0.9 and len(result["oof"]) == len(rows)
+    assert set(result["report"]["medium"]["by_source"]) == {"a", "b", "c", "d"}
+    back = Probe.load(probe.save(tmp_path / "p.json"))
+    assert back.strictness == probe.strictness and back.mean_layers == probe.mean_layers
+    x = hidden[5]
+    pooled = hidden[5, list(probe.pool_layers)].mean(0)
+    assert (back.p_unsafe(x, 0.0, pooled) >= 0.5) == rows[5]["block"]

@@ -1,6 +1,6 @@
 """Write rails/data/SOURCES.md, the manifest of the probes' public sources, from ``rails/sources.py``.
 
-    python tools/write_sources_md.py [--reports OUTPUT.json INPUT.json]
+    python tools/write_sources_md.py [--reports FILE ...]   (calibrate --report files or probe files)
 
 Each source: repository, commit, license, the label mapping, every file's path and sha256, and (given the reports
 ``flashguard calibrate --sources --report FILE`` wrote) the rows each rail used, harmful / benign.
@@ -33,13 +33,19 @@ Reserved for evaluation kept apart from this project, never fetched or read here
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--reports", nargs="*", default=[], help="calibrate --report files (rows used per source)")
+    ap.add_argument("--reports", nargs="*", default=[], help="calibrate --report files or probe files (rows used per "
+                    "source)")
     args = ap.parse_args(argv)
     used: dict = {}
     for path in args.reports:
-        data = json.loads(Path(path).read_text())
-        for name, e in data.get("rows_by_source", {}).items():
-            used.setdefault(name, {})[data["rail"]] = e
+        data = json.loads(Path(path).read_text())   # a calibrate --report file, or a probe file (its metrics)
+        counts = data.get("rows_by_source") or data.get("metrics", {}).get("rows_by_source", {})
+        for name, e in counts.items():   # a source's sub-sources (jailbreakbench_pair, ...) count as the source
+            base = name if any(src.name == name for src in SOURCES) else \
+                next((src.name for src in SOURCES if name.startswith(src.name + "_")), name)
+            got = used.setdefault(base, {}).setdefault(data["rail"], {"harmful": 0, "benign": 0})
+            got["harmful"] += e["harmful"]
+            got["benign"] += e["benign"]
     lines = [HEADER, "| source | repository @ commit | license | rails | train | label mapping | rows used "
              "(harmful / benign) |", "|---|---|---|---|---|---|---|"]
     for s in SOURCES:
