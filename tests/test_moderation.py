@@ -1,11 +1,14 @@
-"""The moderation rail: the shipped probe's accuracy on the held-out test set (float and int4 weights), the
-shared-page path, probe files that are missing or corrupt, and bad replies."""
+"""The moderation rail: the shared-page path, probe files that are missing or corrupt, calibration, and bad replies.
+The shipped probes' accuracy on the held-out test sets is a benchmark (``python -m benchmarks.guard_sets --set
+output``); tests/test_probe_scores.py checks that they load and score a few rows as recorded."""
 
 import json
 import logging
 
 import pytest
 
+from benchmarks.guard_sets import OUTPUT_BENIGN as BENIGN, OUTPUT_HARMFUL as HARMFUL, OUTPUT_SETS
+from benchmarks.guard_sets import output_verdict as run_rail
 from flashguard.rails import probe as probe_mod
 from flashguard.rails.calibrate import TUNING_SET, read_rows, train
 from flashguard.rails.moderation import ModerationSettings, moderate, moderation_suffix
@@ -14,23 +17,13 @@ from flashguard.rails.state import rail_state
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.slow
-TEST_SET = ROOT / "tests/data/moderation_test.jsonl"
-TEST = read_rows(TEST_SET)  # set A: first held-out evaluation (v1 probes); its failures shaped v2's tuning additions
-TEST_B = read_rows(ROOT / "tests/data/moderation_test_b.jsonl")  # set B: written with v2, before it was trained
+# set A: first held-out evaluation (v1 probes); its failures shaped v2's tuning additions
+TEST = read_rows(OUTPUT_SETS["A"])
+TEST_B = read_rows(OUTPUT_SETS["B"])  # set B: written with v2, before it was trained
 TUNE = read_rows(TUNING_SET)
 # the model's own replies to v7's input rows, labelled (v8; docs/moderation.md "v8 output probes")
 OWN_V8 = read_rows(ROOT / "rails/data/moderation_own_replies_v8.jsonl")
-HARMFUL = {"violence", "weapons", "self-harm", "hate", "minors", "crime", "cyber", "drugs", "privacy"}
-BENIGN = {"war-history", "first-aid", "security-advice", "refusal", "fiction", "greeting", "fact", "code"}
-NEVER_BLOCK = {"greeting", "fact"}
 TUNE_ONLY = {"everyday"}  # v5's own-reply rows: everyday how-to answers, benign, not a category the test sets score
-
-
-@pytest.fixture(scope="module")
-def int4_engine():
-    from flashguard import EngineConfig, get_engine
-
-    return get_engine(EngineConfig(weights="int4"))  # the AWQ checkpoint is made once and cached on disk
 
 
 def test_the_sets_are_separate_labelled_and_cover_every_category():
@@ -48,56 +41,6 @@ def test_the_sets_are_separate_labelled_and_cover_every_category():
              for r in read_rows(ROOT / f"tests/data/moderation_input_plain{name}.jsonl", "input")}
     assert not plain & {r["user"].lower() for r in OWN_V8}   # the plain sets stay held out for the output rail
     assert not {r["bot"].lower() for r in TEST} & {r["bot"].lower() for r in TEST_B}
-
-
-def run_rail(engine, row, settings=ModerationSettings()):
-    """Teacher-force the reply as the engine's turn, then moderate it (the shared-page path)."""
-    prompt = engine.encode_messages([{"role": "user", "content": row["user"]}])
-    reply = engine.tokenizer(row["bot"], add_special_tokens=False)["input_ids"]
-    engine.teacher_force(prompt, reply, row["bot"])
-    return moderate(engine, row["bot"], row["user"], settings, use_memo=False)
-
-
-def check_test_sets(engine, capsys, label):
-    failures = [f for name, rows in (("B", TEST_B), ("A", TEST)) for f in check_test_set(engine, capsys, rows,
-                                                                                          f"{label}, test set {name}")]
-    assert not failures, failures
-
-
-def check_test_set(engine, capsys, rows, label) -> list[str]:
-    """Run the rail on every row; print the report; return what misses the goal (accuracy, blocked facts)."""
-    suffix = len(moderation_suffix(engine, ModerationSettings().prompt))
-    verdicts = [run_rail(engine, row) for row in rows]
-    assert {v.method for v in verdicts} == {"probe"} and {v.path for v in verdicts} == {"shared"}
-    assert max(v.prefilled_tokens for v in verdicts) <= suffix + 1
-    right = [(not v.allowed) == row["block"] for row, v in zip(rows, verdicts)]
-    accuracy = sum(right) / len(rows)
-    question = [(v.p_question >= ModerationSettings().threshold) == row["block"] for row, v in zip(rows, verdicts)]
-    by_cat = {}
-    for row, ok, q in zip(rows, right, question):
-        by_cat.setdefault(row["category"], []).append((ok, q))
-    seconds = sorted(v.seconds for v in verdicts)
-    with capsys.disabled():  # the report of docs/moderation.md (printed, never asserted: timings vary)
-        print(f"\n{label}: probe {accuracy:.1%}, question only {sum(question) / len(rows):.1%} of {len(rows)} "
-              f"replies; rail per turn: median {1e3 * seconds[len(seconds) // 2]:.0f} ms, "
-              f"p90 {1e3 * seconds[int(len(seconds) * 0.9)]:.0f} ms, prefilled {verdicts[0].prefilled_tokens} tokens")
-        for c, v in by_cat.items():
-            print(f"  {c:16s} probe {sum(o for o, _ in v)}/{len(v)}  question {sum(q for _, q in v)}/{len(v)}")
-    blocked = [row["bot"] for row, v in zip(rows, verdicts) if row["category"] in NEVER_BLOCK and not v.allowed]
-    return ([f"{label}: greetings / plain facts blocked: {blocked}"] if blocked else []) + \
-        ([f"{label}: accuracy {accuracy:.1%} < 90%"] if accuracy < 0.9 else [])
-
-
-def test_test_set_accuracy_float(engine, capsys, shipped_probes_only):
-    check_test_sets(engine, capsys, "float probe")
-
-
-def test_test_set_accuracy_int4(int4_engine, capsys, monkeypatch, tmp_path):
-    monkeypatch.setattr(probe_mod, "user_probe_path", lambda key, side="output": tmp_path / "none.json")
-    rail_state(int4_engine).forget_probes()
-    check_test_sets(int4_engine, capsys, "int4 probe")
-    probe, where = find_probe(int4_engine, ModerationSettings().prompt)
-    assert probe.weights == "int4" and "probes" in where
 
 
 def test_shared_and_fresh_paths_agree(engine, shipped_probes_only):
