@@ -122,11 +122,18 @@ def test_a_corrupt_probe_file_is_an_error_naming_it_and_the_command(engine, monk
 
 
 def test_calibrate_trains_a_probe_the_rail_then_finds(engine, monkeypatch, tmp_path):
-    rows = [r for r in TUNE if r["block"]][::14] + [r for r in TUNE if not r["block"]][::14]
+    # every 7th short exchange of each label, and the two shortest of each label after a long paste (the pasted
+    # rows' own CV accuracy): a tenth of the tokens of every 14th row, half of which are pasted
+    short, pasted = [r for r in TUNE if "paste" not in r], [r for r in TUNE if "paste" in r]
+    rows = [r for block in (True, False) for r in [r for r in short if r["block"] == block][::7] +
+            sorted((r for r in pasted if r["block"] == block), key=lambda r: len(r["user"]))[:2]]
     probe, table = train(engine, rows, layers=(8, 16))
     assert 1 <= probe.layer < engine.model.config.num_hidden_layers + 1
-    assert len(probe.weight) == engine.model.config.hidden_size and probe.weights == "float"
+    assert probe.features == table[0]["features"] and probe.weights == "float"
+    # the last state (and the suffix's mean beside it, when the cross-validation chose it)
+    assert len(probe.weight) == engine.model.config.hidden_size * (2 if probe.features == "last+mean" else 1)
     assert (probe.layer, probe.metrics["l2"]) == (table[0]["layer"], table[0]["l2"])
+    assert probe.metrics["pasted_rows"] == 4 and 0 <= probe.metrics["cv_accuracy_pasted"] <= 1
     path = probe.save(tmp_path / "p.json")
     loaded = Probe.load(path)  # the file keeps 6 significant digits of each weight
     assert loaded.layer == probe.layer and loaded.bias == probe.bias
