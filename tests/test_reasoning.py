@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from flashguard.reasoning import ThinkSplitter, split_answer
+from tests import tiny
 
 R1_TEMPLATE = (
     "{% for m in messages %}{% if m['role'] == 'system' %}{{ m['content'] }}{% elif m['role'] == 'user' %}"
@@ -61,13 +62,26 @@ class Script:
         return forced
 
 
+def r1_tokenizer():
+    """The tiny models' tokenizer (tests/tiny.py) with an R1-like chat template and, as DeepSeek-R1's tokenizer has
+    them, the template's role markers as special tokens and ``<think>`` / ``</think>`` as tokens of their own."""
+    tok = copy.deepcopy(tiny.tokenizer())
+    tok.add_tokens(["<｜User｜>", "<｜Assistant｜>"], special_tokens=True)
+    tok.add_tokens(["<think>", "</think>"])
+    tok.chat_template = R1_TEMPLATE
+    return tok
+
+
+def n_tokens(text: str) -> int:
+    return len(r1_tokenizer()(text, add_special_tokens=False)["input_ids"])
+
+
 @pytest.fixture(scope="module")
-def r1_folder(engine, tmp_path_factory):
-    """An HF folder: a tiny random Qwen2 with the embedded model's tokenizer and an R1-like chat template."""
+def r1_folder(tmp_path_factory):
+    """An HF folder: a tiny random Qwen2 with an R1-like chat template."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    tok = copy.deepcopy(engine.tokenizer)
-    tok.chat_template = R1_TEMPLATE
+    tok = r1_tokenizer()
     torch.manual_seed(0)
     cfg = Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, head_dim=16, vocab_size=len(tok), max_position_embeddings=2048,
@@ -114,11 +128,13 @@ def test_the_provider_returns_the_answer_and_the_reasoning_apart(r1_folder):
 
 
 def test_max_tokens_leaves_room_for_the_reasoning(r1_folder):
-    llm = model(r1_folder, max_tokens=12)   # the answer fits in 12 tokens, the reasoning does not
+    cap = n_tokens(ANSWER) + 4
+    assert n_tokens(REASONING) > cap
+    llm = model(r1_folder, max_tokens=cap)   # the answer fits in max_tokens, the reasoning does not
     scripted(llm)
     res = asyncio.run(llm.generate_async("What is the capital of France?"))
     assert res.content == ANSWER and res.finish_reason == "stop"
-    tight = model(r1_folder, max_tokens=12, reasoning_tokens=0)
+    tight = model(r1_folder, max_tokens=cap, reasoning_tokens=0)
     scripted(tight)
     res = asyncio.run(tight.generate_async("What is the capital of France?"))
     assert res.finish_reason == "length" and res.content == "" and REASONING.startswith(res.reasoning)
