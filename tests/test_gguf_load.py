@@ -212,11 +212,12 @@ def test_a_truncated_gguf_is_an_error_naming_the_file(tmp_path, monkeypatch):
 def test_the_embedded_model_starts_in_int4_from_its_q4_1_weights(tmp_path, monkeypatch, caplog):
     """The embedded SmolLM2 (Q4_1): ``weights: int4`` runs the file's own codes (no AWQ checkpoint is made), its
     next-token logits are the float model's (the same Q4_1 dequantized) up to bf16 rounding, and it answers."""
-    from flashguard import EngineConfig
+    from flashguard import EngineConfig, get_engine
     from flashguard.engine.engine import Engine
     from flashguard.engine.sampling import SamplingParams
 
-    float_engine = Engine(EngineConfig(device="cpu"))   # the shared cache folder: converted once for the suite
+    # the shared cache folder: converted once for the suite; on a CPU machine the suite's own float engine
+    float_engine = get_engine(EngineConfig(device="cpu"))
     monkeypatch.setenv("FLASHGUARD_CACHE_DIR", str(tmp_path / "cache"))
     with caplog.at_level(logging.INFO, logger="flashguard"):
         engine = Engine(EngineConfig(device="cpu", weights="int4"))
