@@ -1,32 +1,37 @@
 """The README's main job: ``flashguard chat`` (and ``generate``) as a user runs them."""
 
-import subprocess
 import sys
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.conftest import run_all
 
 pytestmark = pytest.mark.slow
 
 
-def flashguard(*args, stdin=None):
-    return subprocess.run([sys.executable, "-m", "flashguard.cli", *args], input=stdin, capture_output=True,
-                          text=True, cwd=ROOT, timeout=600)
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    """The three commands as a user types them, started at once (each child loads the model on its own)."""
+    cli = [sys.executable, "-m", "flashguard.cli"]
+    return run_all({
+        "chat": (cli + ["chat"], {"input": "What is the capital of France?\n/stats\n/reset\n/quit\n"}),
+        "generate": (cli + ["generate", "What is the capital of France?"], {}),
+        "missing config": (cli + ["generate", "hi", "--config", str(tmp_path_factory.mktemp("empty"))], {}),
+    })
 
 
-def test_chat_streams_a_guarded_answer_and_keeps_history():
-    p = flashguard("chat", stdin="What is the capital of France?\n/stats\n/reset\n/quit\n")
+def test_chat_streams_a_guarded_answer_and_keeps_history(runs):
+    p = runs["chat"]
     assert p.returncode == 0, p.stderr
     assert "Paris" in p.stdout and '"moderation"' in p.stdout
     assert "using the embedded default" in p.stderr  # the one log line that says which model runs
 
 
-def test_generate_one_answer():
-    p = flashguard("generate", "What is the capital of France?")
+def test_generate_one_answer(runs):
+    p = runs["generate"]
     assert p.returncode == 0 and "Paris" in p.stdout
 
 
-def test_missing_config_folder_is_a_clear_error(tmp_path):
-    p = flashguard("generate", "hi", "--config", str(tmp_path))
+def test_missing_config_folder_is_a_clear_error(runs):
+    p = runs["missing config"]
     assert p.returncode != 0 and "no config.yml" in p.stderr
