@@ -24,15 +24,16 @@ def _client(server):
     return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
 
 
-def _start(config, log_path, *extra) -> Server:
-    """``flashguard serve`` with extra arguments (conftest's Server, another command line)."""
+def _launch(config, log_path, *extra) -> Server:
+    """``flashguard serve`` with extra arguments (conftest's Server, another command line), started: ``.wait()``
+    for it to answer."""
     s = Server.__new__(Server)
     s.port, s.log_path = free_port(), log_path
     s.url = f"http://127.0.0.1:{s.port}"
     s._log = open(log_path, "w")
     s.proc = subprocess.Popen([sys.executable, "-m", "flashguard.cli", "serve", "--config", str(config), "--port",
                                str(s.port), *extra], stdout=s._log, stderr=subprocess.STDOUT, cwd=ROOT)
-    return s.wait()
+    return s
 
 
 @pytest.fixture(scope="module")
@@ -40,10 +41,8 @@ def client(server):
     return _client(server)
 
 
-@pytest.fixture(scope="module")
-def blocking_server(tmp_path_factory):
-    """A server whose moderation rail blocks every reply (threshold 0.001), started with --verbose."""
-    tmp = tmp_path_factory.mktemp("blocking")
+def blocking_config(tmp):
+    """A config whose moderation rail blocks every reply (threshold 0.001)."""
     cfg = make_config(tmp)
     yml = (cfg / "config.yml").read_text()
     assert "threshold: 0.64" in yml
@@ -54,9 +53,47 @@ def blocking_server(tmp_path_factory):
     assert out in yml
     (cfg / "config.yml").write_text(yml.replace("threshold: 0.64", "threshold: 0.001").replace(
         out, "    probe: off\n    question:"))
-    s = _start(cfg, tmp / "server.log", "--verbose")
-    yield s
-    s.stop()
+    return cfg
+
+
+def input_blocking_config(tmp):
+    """A config whose input rail blocks every question (its Yes/No question decides, probe off, at threshold
+    0.001), so no LLM call is made."""
+    cfg = make_config(tmp)
+    yml = (cfg / "config.yml").read_text()
+    rail = "  flashguard_input_moderation:\n    probe: auto"
+    assert rail in yml
+    (cfg / "config.yml").write_text(yml.replace(rail, "  flashguard_input_moderation:\n    probe: off\n"
+                                                      "    threshold: 0.001"))
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def blocking_servers(tmp_path_factory):
+    """The two servers below, started at once (each loads the model in its own process)."""
+    out, inp = tmp_path_factory.mktemp("blocking"), tmp_path_factory.mktemp("input_blocking")
+    servers = {"output": _launch(blocking_config(out), out / "server.log", "--verbose"),
+               "input": _launch(input_blocking_config(inp), inp / "server.log")}
+    try:
+        for s in servers.values():
+            s.wait()
+        yield servers
+    finally:
+        for s in servers.values():
+            s.stop()
+
+
+@pytest.fixture(scope="module")
+def blocking_server(blocking_servers):
+    """A server whose moderation rail blocks every reply (threshold 0.001), started with --verbose."""
+    return blocking_servers["output"]
+
+
+@pytest.fixture(scope="module")
+def input_blocking_server(blocking_servers):
+    """A server whose input rail blocks every question (its Yes/No question decides, probe off, at threshold
+    0.001), so no LLM call is made."""
+    return blocking_servers["input"]
 
 
 def _stream(client, **kwargs):
@@ -160,22 +197,6 @@ def test_a_blocked_reply_is_the_same_refusal_in_both_modes(blocking_server):
     # --verbose: the log shows the conversation (and the rail's verdict)
     log = blocking_server.log()
     assert "capital of France" in log and "flashguard moderation: BLOCK" in log
-
-
-@pytest.fixture(scope="module")
-def input_blocking_server(tmp_path_factory):
-    """A server whose input rail blocks every question (its Yes/No question decides, probe off, at threshold
-    0.001), so no LLM call is made."""
-    tmp = tmp_path_factory.mktemp("input_blocking")
-    cfg = make_config(tmp)
-    yml = (cfg / "config.yml").read_text()
-    rail = "  flashguard_input_moderation:\n    probe: auto"
-    assert rail in yml
-    (cfg / "config.yml").write_text(yml.replace(rail, "  flashguard_input_moderation:\n    probe: off\n"
-                                                      "    threshold: 0.001"))
-    s = _start(cfg, tmp / "server.log")
-    yield s
-    s.stop()
 
 
 def test_a_question_the_input_rail_blocks_counts_its_prompt_and_the_refusal(input_blocking_server, client):
