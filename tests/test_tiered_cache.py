@@ -58,6 +58,17 @@ def test_plain_generate_accepts_the_cache(engine, text_ids):
     assert out.tolist() == ref.tolist() and cache.get_seq_length() == 700 + 15
 
 
+PREFIX, STEPS = 3000, 200   # the sparse tests: a 3000-token text, then 200 positions after it
+
+
+@pytest.fixture(scope="module")
+def dynamic_after_prefix(engine, text_ids):
+    """The model's logits on a DynamicCache at positions ``PREFIX`` .. ``PREFIX + STEPS`` of the text (prefilled
+    in 256-token chunks: what single-token teacher-forced steps compute), the reference of both sparse tests."""
+    m = engine.model
+    return run(m, DynamicCache(config=m.config), text_ids[:PREFIX + STEPS])[PREFIX:]
+
+
 def teacher_forced(model, cache, ids, prefix, steps):
     """Logits of ``steps`` single-token decode steps after a chunked prefill of ``prefix`` tokens."""
     if prefix:
@@ -68,9 +79,9 @@ def teacher_forced(model, cache, ids, prefix, steps):
     return torch.stack(rows)
 
 
-def test_sparse_default_codecs_kl_and_top1(engine, text_ids, capsys):
-    m, prefix, steps = engine.model, 3000, 200
-    ref = teacher_forced(m, DynamicCache(config=m.config), text_ids, prefix, steps)
+def test_sparse_default_codecs_kl_and_top1(engine, text_ids, dynamic_after_prefix, capsys):
+    m, prefix, steps = engine.model, PREFIX, STEPS
+    ref = dynamic_after_prefix
     cache = TieredCache(m.config, SPARSE).attach(m)
     run(m, cache, text_ids[:prefix])
     reads = cache.page_reads
@@ -92,18 +103,16 @@ def test_sparse_default_codecs_kl_and_top1(engine, text_ids, capsys):
     assert cache.store.tier_counts()["l3_pages"] > 0
 
 
-def test_short_chunks_past_the_pool_read_only_the_selected_pages(engine, text_ids, capsys):
+def test_short_chunks_past_the_pool_read_only_the_selected_pages(engine, text_ids, dynamic_after_prefix, capsys):
     """A short prompt chunk (a question after a long text, a rail's suffix) under the sparse policy attends the
     pages Quest selects for its queries, as a decoding step does, not every page: within the sparse targets of
     every position it prefills (KL <= 0.01 nats, top-1 >= 98% teacher-forced, as above)."""
     from flashguard.kv.cache import SPARSE_CHUNK_TOKENS
 
-    m, prefix, chunk, chunks = engine.model, 3000, 12, 16
-    assert chunk <= SPARSE_CHUNK_TOKENS
+    m, prefix, chunk, chunks = engine.model, PREFIX, 12, 16
+    assert chunk <= SPARSE_CHUNK_TOKENS and chunk * chunks <= STEPS
     tail = text_ids[prefix:prefix + chunk * chunks]
-    dyn = DynamicCache(config=m.config)
-    run(m, dyn, text_ids[:prefix])
-    ref = run(m, dyn, tail, chunk=chunk)
+    ref = dynamic_after_prefix[:chunk * chunks]
     cache = TieredCache(m.config, SPARSE).attach(m)
     run(m, cache, text_ids[:prefix])
     reads = cache.page_reads
@@ -173,12 +182,18 @@ def test_deepseek_shape_random_weights(text_ids):
     cache.check_integrity()
 
 
-@pytest.mark.parametrize("filler_sentences", [60, 160])
-def test_passkey_grid_matches_dynamic_cache(engine, filler_sentences, capsys):
-    """Needle retrieval at three depths: wherever DynamicCache finds the key, the sparse tiered cache does too."""
+@pytest.fixture(scope="module")
+def sparse_engine(engine):
+    """An engine on the sparse tiered cache (SMALL tiers), loaded once for the passkey grid."""
     from flashguard.engine.engine import Engine
 
-    tiered = Engine(EngineConfig(kv_cache="tiered", kv=SPARSE), source=engine.source)
+    return Engine(EngineConfig(kv_cache="tiered", kv=SPARSE), source=engine.source)
+
+
+@pytest.mark.parametrize("filler_sentences", [60, 160])
+def test_passkey_grid_matches_dynamic_cache(engine, sparse_engine, filler_sentences, capsys):
+    """Needle retrieval at three depths: wherever DynamicCache finds the key, the sparse tiered cache does too."""
+    tiered = sparse_engine
     filler = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
     for depth in (0.1, 0.5, 0.9):
         before = int(filler_sentences * depth)
