@@ -43,8 +43,12 @@ def utf8_output() -> None:
 
 
 def _setup_logging(verbose: bool) -> None:
-    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    logging.getLogger("flashguard").setLevel(logging.INFO)
+    """Quiet by default: warnings, the start-up line and one line per blocked turn (flashguard/notice.py), and the
+    server's one line per request; ``-v`` adds flashguard's INFO lines (verdicts, plans, timings) and NeMo's."""
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s" if verbose else "%(levelname)s: %(message)s")
+    logging.getLogger("flashguard").setLevel(logging.INFO if verbose else logging.WARNING)
+    logging.getLogger("flashguard.server").setLevel(logging.INFO)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
@@ -211,15 +215,61 @@ def cmd_quantize(args) -> int:
     return 0
 
 
+def plan_model(args) -> tuple[str, str, dict]:
+    """``(model, where it came from, the config's parameters)`` for ``flashguard plan``: ``--model`` where given,
+    else the config's ``model_path`` (the embedded model when it has none)."""
+    import yaml
+
+    if args.model is not None:
+        return args.model, "--model", {}
+    path = Path(args.config, "config.yml")
+    try:
+        doc = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise SystemExit(f"flashguard: cannot read {path}: {exc}; pass --config DIR or --model") from exc
+    main = next((m for m in doc.get("models") or [] if isinstance(m, dict) and m.get("type") == "main"), {})
+    params = main.get("parameters") or {}
+    if not params.get("model_path"):
+        return "embedded", f"the embedded model: {path} sets no model_path", params
+    from .engine import loader
+
+    source = loader.resolve_model(params["model_path"], params.get("gguf_file"))
+    model = os.path.join(source.folder, source.gguf_file) if source.gguf_file else source.folder
+    return model, f"models[main].parameters.model_path of {path}", params
+
+
+def plan_weights(args, model: str, params: dict) -> tuple[str, str]:
+    """``(weights, why)``: ``--weights`` where given, else the config's ``weights`` key, ``auto`` resolved as the
+    engine resolves it on a GPU (engine/loader.py ``choose_weights``); a named shape is planned in int4."""
+    import torch
+
+    from .config import ConfigError
+    from .engine import loader
+
+    if args.weights is not None:
+        return ("float" if args.weights == "fp16" else args.weights), "--weights"   # fp16: the old name
+    weights = params.get("weights", "auto")
+    if weights not in ("auto", "float", "int4"):
+        raise ConfigError(f"must be one of auto, float, int4; got {weights!r}", key="weights")
+    if weights != "auto":
+        return weights, "weights: " + weights + " in the config"
+    if model.lower() in ("deepseek-r1-distill-qwen-1.5b", "deepseek-r1-distill-qwen-7b"):
+        return "int4", "a named shape is planned in int4; --weights float to compare"
+    source = loader.resolve_model(None if model == "embedded" else model)
+    return loader.choose_weights("auto", source, torch.device("cuda"))
+
+
 def cmd_plan(args) -> int:
     import dataclasses
 
     from .config import CacheConfig, parse_bytes
     from .vram import plan as planner
 
-    shape = dataclasses.replace(planner.resolve_shape(args.model), lm_head=args.lm_head)
-    if args.weights == "fp16":   # the old name
-        args.weights = "float"
+    model, where, params = plan_model(args)
+    shape = dataclasses.replace(planner.resolve_shape(model), lm_head=args.lm_head)   # an unknown model: one line
+    args.weights, why = plan_weights(args, model, params)
+    if not args.json:
+        print(f"model: {shape.name} ({where}); weights: {args.weights} ({why})")
     # auto (None): the largest pool that fits, as the engine sizes it
     kv = CacheConfig(l1_tokens=args.l1_tokens, peer_gpus=args.peer_gpus)
     gpu = parse_bytes(args.gpu_mem, key="--gpu-mem")
@@ -368,16 +418,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--force", action="store_true", help="replace DST if it exists")
     p.set_defaults(func=cmd_quantize)
     p = sub.add_parser("plan", help="will a model, cache and context fit a GPU; what to change if not")
-    p.add_argument("--model", default="deepseek-r1-distill-qwen-1.5b",
+    p.add_argument("--model", default=None,
                    help="deepseek-r1-distill-qwen-1.5b, deepseek-r1-distill-qwen-7b, embedded, an HF folder or a .gguf "
-                   "file (never downloaded)")
+                   "file (never downloaded); default: the model of --config")
+    p.add_argument("--config", default=default_config_dir(), help="the config whose model and weights are planned")
     p.add_argument("--gpu-mem", "--vram-budget", dest="gpu_mem", default="4GiB",
                    help="the process's GPU memory (vram_budget), CUDA context included")
     p.add_argument("--context", type=int, default=131072)
     p.add_argument("--lm-head", choices=("float", "int4"), default="float",
                    help="int4: an lm_head held as int4 codes (a GGUF's Q4 output matrix); float: 16-bit")
-    p.add_argument("--weights", choices=("int4", "float", "fp16"), default="int4",
-                   help="the weights key's values (fp16: the old name of float)")
+    p.add_argument("--weights", choices=("int4", "float", "fp16"), default=None,
+                   help="the weights key's values (fp16: the old name of float); default: the config's, auto "
+                        "resolved as on a GPU (int4 for a named shape)")
     p.add_argument("--kv-cache", choices=("tiered", "dynamic"), default="tiered", help="the kv_cache key")
     p.add_argument("--prefill-chunk", type=int, default=None,
                    help="tokens per prefill pass (default: the engine's auto on a GPU, 2048, or down to 512 where "

@@ -148,9 +148,11 @@ class EngineConfig:
     kv             CacheConfig for the tiered cache.
     vram_budget    bytes (or "4GiB") the engine may use on the GPU; "auto" (default) = the GPU's free memory at
                    start minus ``VRAM_MARGIN``; None = no cap. Ignored on the CPU.
-    weights        "float" (as stored) or "int4": a GGUF's Q4_0 / Q4_1 / Q4_K matrices load straight into
-                   Int4Linear (seconds; quant/gguf_load.py); a float model is AWQ-quantized once (group size 64)
-                   and cached in the user cache folder; an AWQ checkpoint is always loaded in int4.
+    weights        "auto" (default), "float" (as stored) or "int4": a GGUF's Q4_0 / Q4_1 / Q4_K matrices load
+                   straight into Int4Linear (seconds; quant/gguf_load.py); a float model is AWQ-quantized once
+                   (group size 64) and cached in the user cache folder; an AWQ checkpoint is always loaded in int4.
+                   auto = int4 for such a GGUF on the CPU (the faster decode, nothing converted), else as stored
+                   (engine/loader.py ``choose_weights``; the start-up line and ``engine_info()`` say which).
     int4_kernel    "auto" (the fastest the device runs), "triton" (flashguard's Triton kernels, CUDA), "cuda"
                    (torch's tinygemm, compute capability >= 8.0), "cpu" (torch's CPU kernel) or "dequant" (any device).
     cuda_graphs    record one-token decode steps of Llama/Qwen2 models as CUDA graphs (engine/decode_step.py);
@@ -174,7 +176,7 @@ class EngineConfig:
     kv_cache: str = "tiered"
     kv: CacheConfig = field(default_factory=CacheConfig)
     vram_budget: int | str | None = "auto"
-    weights: str = "float"
+    weights: str = "auto"
     int4_kernel: str = "auto"
     cuda_graphs: bool = True
     system_prompt: str | None = None
@@ -189,7 +191,7 @@ class EngineConfig:
         _check_choice(self.kv_cache, KV_CACHES, "kv_cache")
         if isinstance(self.vram_budget, str) and self.vram_budget != "auto":
             object.__setattr__(self, "vram_budget", parse_bytes(self.vram_budget, key="vram_budget"))
-        _check_choice(self.weights, ("float", "int4"), "weights")
+        _check_choice(self.weights, ("auto", "float", "int4"), "weights")
         _check_choice(self.int4_kernel, INT4_KERNELS, "int4_kernel")
         if not (self.device in ("auto", "cpu", "cuda") or str(self.device).startswith("cuda:")):
             raise ConfigError(f"must be auto, cpu, cuda or cuda:N, got {self.device!r}", key="device")

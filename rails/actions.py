@@ -14,6 +14,7 @@ from typing import Callable, Optional
 from nemoguardrails.actions import action
 from nemoguardrails.actions.rail_outcome import RailOutcome
 
+from flashguard import notice
 from flashguard.errors import ConfigError
 from flashguard.guardrails.server import record_block
 
@@ -95,4 +96,7 @@ def _outcome(rail: str, verdict) -> RailOutcome:
             "reused_tokens": verdict.reused_tokens}
     if verdict.allowed:
         return RailOutcome.allow(reason=verdict.reason, metadata=meta)
+    if sink is None:   # one line a blocked turn (eval-guard's table counts them instead)
+        notice.say("flashguard: the %s rail blocked %s: %s", rail,
+                   "the reply" if rail == "output" else "the message", verdict.reason)
     return RailOutcome.block(reason=verdict.reason, metadata=meta)

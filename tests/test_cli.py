@@ -24,12 +24,16 @@ def test_chat_streams_a_guarded_answer_and_keeps_history(runs):
     p = runs["chat"]
     assert p.returncode == 0, p.stderr
     assert "Paris" in p.stdout and '"moderation"' in p.stdout
-    assert "using the embedded default" in p.stderr  # the one log line that says which model runs
+    # a quiet run: stderr is the one line that says which model loads, how and why
+    lines = [line for line in p.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("flashguard: loading SmolLM2-135M-Instruct"), p.stderr
+    assert "on the CPU, int4 weights (auto:" in lines[0]
 
 
 def test_generate_one_answer(runs):
     p = runs["generate"]
     assert p.returncode == 0 and "Paris" in p.stdout
+    assert [line for line in p.stderr.splitlines() if line.strip()] == [p.stderr.strip()], p.stderr   # one line
 
 
 def test_missing_config_folder_is_a_clear_error(runs):

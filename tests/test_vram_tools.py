@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 import subprocess
 import sys
 
@@ -65,11 +66,36 @@ def _cli(*args):
 
 @pytest.mark.slow
 def test_plan_cli_says_what_to_set():
-    out = _cli("plan", "--weights", "float", "--kv-cache", "dynamic", "--gpu-mem", "4GiB", "--context", "131072")
+    one_five = ("--model", "deepseek-r1-distill-qwen-1.5b")
+    out = _cli("plan", *one_five, "--weights", "float", "--kv-cache", "dynamic", "--gpu-mem", "4GiB",
+               "--context", "131072")
     assert out.returncode == 1
     assert "does NOT fit" in out.stdout and "weights: int4, kv_cache: tiered, vram_budget: 4GiB" in out.stdout
-    out = _cli("plan", "--gpu-mem", "4GiB", "--context", "131072")   # the defaults: int4, the tiered cache, auto
+    out = _cli("plan", *one_five, "--gpu-mem", "4GiB", "--context", "131072")   # int4, the tiered cache, auto
     assert out.returncode == 0 and "kv.l1_tokens (the pool on the GPU)" in out.stdout and "off the pool" in out.stdout
+
+
+@pytest.mark.slow
+def test_plan_without_a_model_plans_the_configs(tmp_path):
+    """No --model: the config's model (configs/flash names none: the embedded SmolLM2) and its weights key, auto
+    resolved as the engine does on a GPU; a config naming another GGUF and weights: int4 plans that."""
+    out = _cli("plan", "--gpu-mem", "4GiB", "--context", "8192")
+    assert out.returncode == 0, out.stderr
+    first = out.stdout.splitlines()[0]
+    assert first.startswith("model: SmolLM2-135M-Instruct (the embedded model") and "weights: float (auto:" in first
+    assert "plan: SmolLM2-135M-Instruct, float weights" in out.stdout
+    from flashguard.engine import loader
+
+    source = loader.resolve_model(None)
+    gguf = Path(source.folder, source.gguf_file)
+    (tmp_path / "config.yml").write_text(f"models:\n  - type: main\n    engine: flashguard\n    model: x\n"
+                                         f"    parameters:\n      model_path: {gguf.as_posix()}\n"
+                                         f"      weights: int4\n", encoding="utf-8")
+    out = _cli("plan", "--config", str(tmp_path), "--gpu-mem", "4GiB", "--context", "8192")
+    assert out.returncode == 0, out.stderr
+    first = out.stdout.splitlines()[0]
+    assert first.startswith(f"model: {gguf.name} (models[main].parameters.model_path") and \
+        "weights: int4 (weights: int4 in the config)" in first
 
 
 @pytest.mark.slow

@@ -28,6 +28,7 @@ import torch
 
 from ..config import EngineConfig
 from ..errors import ConfigError, GpuMemoryError, PromptError
+from .. import notice
 from ..kv import OUT_OF_MEMORY, peer
 from ..vram import host_heap
 from . import loader
@@ -142,12 +143,17 @@ class Engine:
         self.budget_fraction = apply_vram_budget(
             None if self.vram_budget is None else max(0, self.vram_budget - self.cuda_context), self.device)
         t0 = time.perf_counter()
+        # the weights key resolved (auto: int4 for a Q4 GGUF on the CPU, loader.choose_weights) and why
+        self.weights_choice, self.weights_reason = loader.choose_weights(config.weights, self.source, self.device)
         if model is not None:
             self.model, self.tokenizer = model, tokenizer
             self.dtype = next(model.parameters()).dtype
         else:
+            notice.say("flashguard: loading %s on %s, %s weights (%s)", self.source.label,
+                       "the CPU" if self.device.type == "cpu" else self.device, self.weights_choice,
+                       self.weights_reason)
             where, kernel = self._load_target(config)   # host RAM when int4 layers will stream (_place_layers)
-            self.model, self.tokenizer = loader.load(self.source, where, self.dtype, config.weights, kernel)
+            self.model, self.tokenizer = loader.load(self.source, where, self.dtype, self.weights_choice, kernel)
         log.info("flashguard: loaded %s on %s (%s) in %.1fs", self.source.label, self.device,
                  str(self.dtype).replace("torch.", ""), time.perf_counter() - t0)
         self.adapter = None   # lora_path: on this one engine, so the moderation rail runs with it too
@@ -509,7 +515,7 @@ class Engine:
         all fit ``vram_budget``: a 7B's would not fit the device to be moved off it after loading."""
         from ..vram import plan as planner
 
-        if self.vram_budget is None or self.device.type != "cuda" or config.weights != "int4":
+        if self.vram_budget is None or self.device.type != "cuda" or self.weights_choice != "int4":
             return self.device, config.int4_kernel
         try:
             from transformers import AutoConfig
@@ -835,7 +841,7 @@ class Engine:
             kv_token = int(shape.layers * 2 * shape.kv_heads * shape.head_dim * bytes_per_value())
         kernels = sorted({m.backend for m in self.model.modules() if isinstance(m, Int4Linear)})
         out = {"model": self.source.label, "device": str(self.device), "dtype": str(self.dtype).replace("torch.", ""),
-               "weights": self.weights_kind, "int4_kernel": kernels[0] if len(kernels) == 1 else kernels or None,
+               "weights": self.weights_kind, "weights_reason": self.weights_reason, "int4_kernel": kernels[0] if len(kernels) == 1 else kernels or None,
                "cache": self.config.kv_cache, "vram_budget": self.vram_budget, "context": self.context_length,
                "prefill_chunk": self.prefill_chunk,
                "embedding": "host" if self.embedding_on_host else str(self.device),

@@ -17,6 +17,8 @@ Contract:
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
 import importlib.util
 import json
@@ -87,7 +89,7 @@ def embedded_model_source() -> ModelSource:
 def resolve_model(model_path: str | None, gguf_file: str | None = None) -> ModelSource:
     if model_path is None:
         source = embedded_model_source()
-        log.info("flashguard: no model_path configured; using the embedded default %s", source.label)
+        log.debug("flashguard: no model_path configured; using the embedded default %s", source.label)
         return source
     path = Path(model_path)
     if not path.exists():
@@ -324,6 +326,52 @@ def _load_gguf_int4(source: ModelSource, device: torch.device, dtype: torch.dtyp
     return model, tokenizer
 
 
+@contextlib.contextmanager
+def _quiet_progress():
+    """transformers' weight-loading progress bar off for the ``with`` block (its previous state restored)."""
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            hf_logging.enable_progress_bar()
+
+
+@functools.lru_cache(maxsize=16)
+def _gguf_int4_arch(path: str, size: int, mtime: float) -> str | None:
+    from ..quant import gguf_load
+
+    try:
+        return gguf_load.int4_arch(path)
+    except ValueError:   # a broken file: the loader says what is wrong
+        return None
+
+
+def choose_weights(weights: str, source: ModelSource, device: torch.device) -> tuple[str, str]:
+    """The ``weights`` key resolved: ``(kind, why)``, kind ``"float"`` or ``"int4"``, why a short phrase for the
+    start-up line, ``engine_info()`` and ``flashguard plan``.
+
+    ``auto`` (the default) picks int4 where it is the faster choice and converts nothing: a GGUF whose matrices
+    are Q4_0 / Q4_1 / Q4_K of an architecture ``quant.gguf_load`` maps, on the CPU (its own codes run in
+    Int4Linear; decode several times the float model's, docs/benchmarks/cpu_decode.md). Everything else stays as
+    stored (float; an AWQ checkpoint loads in int4 either way): on a GPU ``weights: int4`` is the user's call,
+    ``flashguard plan`` says when it is needed to fit."""
+    if weights != "auto":
+        return weights, f"weights: {weights}"
+    if source.gguf_file is None:
+        return "float", "auto: as stored; weights: int4 quantizes a float model with AWQ once"
+    path = os.path.join(source.folder, source.gguf_file)
+    st = os.stat(path)
+    if _gguf_int4_arch(path, st.st_size, st.st_mtime) is None:
+        return "float", "auto: the GGUF has no Q4 matrices that load straight into int4"
+    if device.type != "cpu":
+        return "float", "auto: float on a GPU; weights: int4 runs the GGUF's own Q4 codes"
+    return "int4", "auto: the GGUF's own Q4 codes on the CPU; weights: float dequantizes them, a slower decode"
+
+
 def load(source: ModelSource, device: torch.device, dtype: torch.dtype, weights: str = "float",
          int4_kernel: str = "auto"):
     """Load ``(model, tokenizer)``; errors name ``model_path`` and say what to change."""
@@ -350,7 +398,8 @@ def load(source: ModelSource, device: torch.device, dtype: torch.dtype, weights:
             model = awq_load.load_awq(folder, config, device, dtype, int4_kernel)
             log.info("flashguard: %s in AWQ int4 (%s kernel)", source.label, int4_linear.backend_of(model))
             return model, tokenizer
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa")
+        with _quiet_progress():   # the start-up line says what loads; no per-tensor bar
+            model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa")
     except (ValueError, OSError, KeyError, RuntimeError) as exc:
         raise ModelLoadError(f"cannot load {source.label!r}: {exc}", key="model_path") from exc
     model.to(device).eval()

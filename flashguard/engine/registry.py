@@ -23,7 +23,7 @@ def engine_key(config: EngineConfig, source: loader.ModelSource) -> tuple:
     device = loader.resolve_device(config.device)
     return (source.identity, str(device), str(loader.resolve_dtype(config.dtype, device)), config.kv_cache,
             config.kv, config.vram_budget, config.max_context, config.prefill_chunk, config.system_prompt,
-            config.weights, config.int4_kernel, config.cuda_graphs, config.lora_path)
+            loader.choose_weights(config.weights, source, device)[0], config.int4_kernel, config.cuda_graphs, config.lora_path)
 
 
 def get_engine(config: EngineConfig) -> Engine:

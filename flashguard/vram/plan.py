@@ -330,18 +330,24 @@ def resolve_shape(model: str) -> Shape:
         return Shape.from_config(deepseek_1_5b_config(), name)
     if name == "deepseek-r1-distill-qwen-7b":
         return Shape.from_config(deepseek_7b_config(), name)
-    if name == "embedded":
+    if name == "embedded":   # the config and tokenizer of the GGUF's header: no weights converted
         from transformers import AutoConfig
 
         from ..engine import loader
 
-        return Shape.from_config(AutoConfig.from_pretrained(loader.materialize(loader.resolve_model(None))),
-                                 "SmolLM2-135M-Instruct")
+        folder = loader.gguf_meta_folder(loader.resolve_model(None))
+        return Shape.from_config(AutoConfig.from_pretrained(folder), "SmolLM2-135M-Instruct")
     if os.path.isfile(model):  # a GGUF file: its header holds the shape
-        from ..engine import gguf_header
+        from ..engine import gguf_header, loader
 
-        return Shape.from_config(gguf_header.config_from_header(gguf_header.read_header(model)),
-                                 os.path.basename(model))
+        try:
+            return Shape.from_config(gguf_header.config_from_header(gguf_header.read_header(model)),
+                                     os.path.basename(model))
+        except ValueError:   # not qwen2: transformers reads the header (config and tokenizer only, cached)
+            from transformers import AutoConfig
+
+            source = loader.resolve_model(model)
+            return Shape.from_config(AutoConfig.from_pretrained(loader.gguf_meta_folder(source)), source.label)
     if not os.path.isfile(os.path.join(model, "config.json")):
         raise ModelLoadError(f"unknown model {model!r}: the known names are {', '.join(NAMED_SHAPES)}; an HF model "
                              "folder (with its config.json) or a .gguf file path works too")

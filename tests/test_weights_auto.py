@@ -1,0 +1,41 @@
+"""``weights: auto`` (the default): int4 for a GGUF with Q4 matrices on the CPU, as stored everywhere else; the
+choice and its reason are what the start-up line, ``engine_info()`` and ``flashguard plan`` say."""
+
+import torch
+
+from flashguard.config import ConfigError, EngineConfig
+from flashguard.engine import loader
+from flashguard.engine.registry import engine_key
+
+import pytest
+
+
+def test_auto_is_the_default_and_a_bad_value_names_the_key():
+    assert EngineConfig().weights == "auto"
+    with pytest.raises(ConfigError, match="weights") as err:
+        EngineConfig.from_parameters({"weights": "int8"})
+    assert "auto, float, int4" in str(err.value)
+
+
+def test_auto_runs_the_embedded_gguf_in_int4_on_the_cpu_and_as_stored_on_a_gpu():
+    source = loader.resolve_model(None)
+    kind, why = loader.choose_weights("auto", source, torch.device("cpu"))
+    assert kind == "int4" and why.startswith("auto: the GGUF's own Q4 codes on the CPU")
+    kind, why = loader.choose_weights("auto", source, torch.device("cuda"))
+    assert kind == "float" and "weights: int4" in why
+    assert loader.choose_weights("float", source, torch.device("cpu")) == ("float", "weights: float")
+
+
+def test_auto_keeps_an_hf_folder_as_stored(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    source = loader.resolve_model(str(tmp_path))
+    kind, why = loader.choose_weights("auto", source, torch.device("cpu"))
+    assert kind == "float" and "AWQ" in why
+
+
+def test_auto_and_its_choice_share_one_engine_on_the_cpu():
+    """The registry keys engines by the resolved weights: ``auto`` and ``int4`` load the embedded model once."""
+    source = loader.resolve_model(None)
+    cpu = {"device": "cpu"}
+    assert engine_key(EngineConfig(**cpu), source) == engine_key(EngineConfig(weights="int4", **cpu), source)
+    assert engine_key(EngineConfig(**cpu), source) != engine_key(EngineConfig(weights="float", **cpu), source)
