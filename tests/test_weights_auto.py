@@ -39,3 +39,19 @@ def test_auto_and_its_choice_share_one_engine_on_the_cpu():
     cpu = {"device": "cpu"}
     assert engine_key(EngineConfig(**cpu), source) == engine_key(EngineConfig(weights="int4", **cpu), source)
     assert engine_key(EngineConfig(**cpu), source) != engine_key(EngineConfig(weights="float", **cpu), source)
+
+
+def test_a_model_without_a_chat_template_gets_the_plain_one_for_the_chat_and_the_rails(tmp_path):
+    """A base model (Gemma 3 270M's GGUF has no template): the engine, the rails' question suffix and calibrate
+    render conversations the same way, with "role: text" lines, where apply_chat_template used to raise."""
+    import copy
+
+    from rails.moderation import moderation_suffix
+    from tests import tiny
+
+    tok = copy.deepcopy(tiny.tokenizer())
+    tok.chat_template = None
+    engine = tiny.engine(tmp_path, tok=tok)
+    ids = engine.encode_messages([{"role": "user", "content": "hi"}])
+    assert engine.tokenizer.decode(ids) == "user: hi\nassistant:"
+    assert engine.tokenizer.decode(moderation_suffix(engine, "Safe?")) == "\nuser: Safe?\nassistant:"

@@ -53,13 +53,14 @@ def model(arch: str = "llama", seed: int = 0, layers: int = 2, context: int = 20
     return m
 
 
-def engine(folder: Path, arch: str = "llama", net=None, **parameters) -> Engine:
+def engine(folder: Path, arch: str = "llama", net=None, tok=None, **parameters) -> Engine:
     """An Engine on a tiny model (``net``, or a new one of ``arch``), configured as config.yml's ``parameters:``
     would. ``folder`` stands for the model's path (its identity keys the cache's pages)."""
     config = EngineConfig.from_parameters({"device": "cpu", "dtype": "float32", **parameters})
     Path(folder).mkdir(parents=True, exist_ok=True)
     source = ModelSource(folder=str(folder), gguf_file=None, label=f"tiny-{arch}")
-    return Engine(config, source, model=net if net is not None else model(arch), tokenizer=tokenizer())
+    return Engine(config, source, model=net if net is not None else model(arch),
+                  tokenizer=tok if tok is not None else tokenizer())
 
 
 def text(n: int, seed: int = 0) -> str:

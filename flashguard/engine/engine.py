@@ -124,6 +124,12 @@ def apply_vram_budget(budget: int | None, device: torch.device) -> float | None:
     return fraction
 
 
+# A model without a chat template (a base model) gets this one, so the generation, the rails and calibrate render
+# conversations one way: the BOS token, "role: text" lines, and "assistant:" to answer.
+PLAIN_CHAT_TEMPLATE = ("{{ bos_token or '' }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                       "{% if add_generation_prompt %}assistant:{% endif %}")
+
+
 class Engine:
     def __init__(self, config: EngineConfig, source: loader.ModelSource | None = None, *, model=None,
                  tokenizer=None):
@@ -156,6 +162,10 @@ class Engine:
             self.model, self.tokenizer = loader.load(self.source, where, self.dtype, self.weights_choice, kernel)
         log.info("flashguard: loaded %s on %s (%s) in %.1fs", self.source.label, self.device,
                  str(self.dtype).replace("torch.", ""), time.perf_counter() - t0)
+        if getattr(self.tokenizer, "chat_template", None) is None:   # a base model: one plain template for all
+            log.warning("flashguard: %s has no chat template (a base model?): conversations are written as "
+                        "'role: text' lines ending in 'assistant:'", self.source.label)
+            self.tokenizer.chat_template = PLAIN_CHAT_TEMPLATE
         self.adapter = None   # lora_path: on this one engine, so the moderation rail runs with it too
         if config.lora_path is not None:
             from . import lora
@@ -298,12 +308,9 @@ class Engine:
             if ids is not None:
                 self._encoded.move_to_end(key)
                 return list(ids)
-        if self.tokenizer.chat_template is None:
-            text = "".join(f"{m['role']}: {m['content']}\n" for m in msgs) + "assistant:"
-            ids = tuple(self.tokenizer(text, add_special_tokens=True)["input_ids"])
-        else:   # (the text's tail past what an earlier conversation held is all that is tokenized: encoding.py)
-            ids = tuple(self.chat_encoder.encode(
-                self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)))
+        # (the text's tail past what an earlier conversation held is all that is tokenized: encoding.py)
+        ids = tuple(self.chat_encoder.encode(
+            self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)))
         with self._encoded_lock:
             # a turn encodes the same conversation for the input rail and again for the generation: at 128K
             # tokens each encoding took ~0.5 s of the time to the first token (run_2026-12-01/call1/profile-default.txt)

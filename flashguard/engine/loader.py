@@ -366,7 +366,7 @@ def choose_weights(weights: str, source: ModelSource, device: torch.device) -> t
     path = os.path.join(source.folder, source.gguf_file)
     st = os.stat(path)
     if _gguf_int4_arch(path, st.st_size, st.st_mtime) is None:
-        return "float", "auto: the GGUF has no Q4 matrices that load straight into int4"
+        return "float", "auto: as stored; no int4 straight from this GGUF (its architecture or matrix types)"
     if device.type != "cpu":
         return "float", "auto: float on a GPU; weights: int4 runs the GGUF's own Q4 codes"
     return "int4", "auto: the GGUF's own Q4 codes on the CPU; weights: float dequantizes them, a slower decode"
