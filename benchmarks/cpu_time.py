@@ -1,7 +1,7 @@
 """CPU time a decoded token, flashguard's int4 engine beside llama.cpp, one thread: a measure that holds on a busy
 machine, where wall-clock tok/s of both sides are noise (other processes take the cores).
 
-    python -m flashguard.bench.cpu_time --rounds 4
+    python -m benchmarks.cpu_time --rounds 4
 
 At one thread all of a step's work runs on one thread, so its CPU time is what the step would take alone.
 flashguard: the thread CPU time of the engine's decode loop (``Engine.stream``: sampling and detokenization
@@ -41,12 +41,12 @@ def llama_cpu_ms(binary: str, gguf: str, tokens: int) -> float:
 def main(argv=None) -> int:
     import torch
 
-    from ..config import EngineConfig
-    from ..engine.engine import Engine
-    from ..engine.sampling import SamplingParams
-    from .cpu_decode import PROMPT
+    from flashguard.config import EngineConfig
+    from flashguard.engine.engine import Engine
+    from flashguard.engine.sampling import SamplingParams
+    from benchmarks.cpu_decode import PROMPT
 
-    p = argparse.ArgumentParser(prog="python -m flashguard.bench.cpu_time", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.cpu_time", description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--decode", type=int, default=128)
     p.add_argument("--llama-bench", default=LLAMA_BENCH, help="llama-bench binary ('' to leave llama.cpp out)")

@@ -1,6 +1,6 @@
 """The default cache against DynamicCache on the CPU, through the engine, on the embedded model.
 
-    python -m flashguard.bench.cpu --prompt-tokens 512 2048 --decode 64 --repeats 3 --out docs/benchmarks/cpu_cache.md
+    python -m benchmarks.cpu --prompt-tokens 512 2048 --decode 64 --repeats 3 --out docs/benchmarks/cpu_cache.md
 
 Two engines on one loaded model (the default ``kv_cache: tiered``, sized at start, and ``kv_cache: dynamic``) run
 the same prompt (a fresh session each time: prefill of every token) and the same greedy decode, alternating
@@ -16,7 +16,7 @@ import statistics
 
 def measure(engine, ids, decode: int) -> tuple[float, float]:
     """(prefill tok/s, decode tok/s) of one generation from a fresh session and an empty store."""
-    from ..engine.sampling import SamplingParams
+    from flashguard.engine.sampling import SamplingParams
 
     engine.reset_session()
     engine.store = None    # no page of an earlier repeat may be adopted: every row prefills every token
@@ -30,11 +30,11 @@ def main(argv=None) -> int:
     import pydoc_data.topics as topics
     import torch
 
-    from ..config import EngineConfig
-    from ..engine.engine import Engine
-    from . import emit
+    from flashguard.config import EngineConfig
+    from flashguard.engine.engine import Engine
+    from benchmarks import emit
 
-    p = argparse.ArgumentParser(prog="python -m flashguard.bench.cpu", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.cpu", description=__doc__.split("\n\n")[0])
     p.add_argument("--prompt-tokens", type=int, nargs="+", default=[512, 2048])
     p.add_argument("--decode", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)

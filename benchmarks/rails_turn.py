@@ -1,7 +1,7 @@
 """Latency the moderation rails add to a chat turn: flashguard's input + output rails (the conversation's own
 pages) against NeMo's ``self check input`` / ``self check output`` prompts on the same model, CPU or GPU.
 
-    python -m flashguard.bench.rails_turn [--device cpu|cuda] [--weights float int4] [--turns 12]
+    python -m benchmarks.rails_turn [--device cpu|cuda] [--weights float int4] [--turns 12]
                                           [--model-path DIR_OR_GGUF] [--max-tokens 32] [--out FILE.md] [--json F]
                                           [--messages FILE.jsonl]
 
@@ -29,8 +29,8 @@ import statistics
 import time
 from pathlib import Path
 
-from . import emit
-from .moderation import SELF_CHECK_OUTPUT
+from benchmarks import emit
+from benchmarks.moderation import SELF_CHECK_OUTPUT
 
 # NeMo Guardrails' documented example prompt for self_check_input (NeMo ships none by default).
 SELF_CHECK_INPUT = (

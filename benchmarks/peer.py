@@ -3,13 +3,13 @@
 Run on the ``nvidia-h200-x2`` kind (two GPUs of one host), from anywhere the package imports
 (``docs/benchmarks/run_peer/run.sh`` is the device call)::
 
-    python -m flashguard.bench.peer --context 131072 --out peer.md --json peer.json
-    python -m flashguard.bench.peer --dead-peer --out dead.md --json dead.json      # the dead-peer check, alone
+    python -m benchmarks.peer --context 131072 --out peer.md --json peer.json
+    python -m benchmarks.peer --dead-peer --out dead.md --json dead.json      # the dead-peer check, alone
 
 and on the CPU (gloo, a tiny shape: the smoke test of the same code)::
 
-    python -m flashguard.bench.peer --device cpu --context 2048
-    python -m flashguard.bench.peer --device cpu --dead-peer
+    python -m benchmarks.peer --device cpu --context 2048
+    python -m benchmarks.peer --device cpu --dead-peer
 
 The model: random weights of the DeepSeek-R1-Distill-Qwen-7B shape (Qwen2: 28 layers, hidden 3584, 28 heads,
 4 KV heads, head_dim 128), random int4 codes made in host RAM for the decoder linears and lm_head (group 128,
@@ -52,8 +52,8 @@ import time
 
 import torch
 
-from ..vram.plan import deepseek_7b_config
-from . import emit
+from flashguard.vram.plan import deepseek_7b_config
+from benchmarks import emit
 
 ROWS = ("l2", "peer", "resident", "split")
 PAGE = 64
@@ -83,7 +83,7 @@ class Deadline:
 
     def _fire(self, on_fire) -> None:
         try:
-            print(f"flashguard.bench.peer: deadline reached; writing what was measured", flush=True)
+            print(f"benchmarks.peer: deadline reached; writing what was measured", flush=True)
             on_fire()
         finally:
             for tier in self.tiers:
@@ -106,7 +106,7 @@ def build_model(device: torch.device, shape: str):
         cfg = tiny_config()
         model = Qwen2ForCausalLM(cfg).to(device).eval()
         return model, cfg
-    from flashguard.bench.big import make_model
+    from benchmarks.big import make_model
     from flashguard.engine.host_embedding import install
     from flashguard.engine.layer_stream import place
 
@@ -399,7 +399,7 @@ def render(result) -> str:
         lines += [f"GPU 0's cap for l2/peer: the budget less the CUDA context measured before the process group "
                   f"({a['cuda_context'] / 2**30:.2f} GiB); NCCL's own buffers come on top (GPU 0 NVML growth at the "
                   f"tier's start: {result.get('nccl_gib_on_gpu0') or 0:.2f} GiB; its communicators start lazily)", ""]
-    lines += ["command: python -m flashguard.bench.peer " + " ".join(
+    lines += ["command: python -m benchmarks.peer " + " ".join(
                  f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
                  for k, v in a.items() if k not in ("out", "json", "dead_peer", "cuda_context", "plan") and v is not None), "",
               "| row | pool tokens | off-pool pages | fill s | decode tok/s | ms/step | L2 page reads/step | "

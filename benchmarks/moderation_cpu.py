@@ -1,7 +1,7 @@
 """CPU latency the output rail adds per turn, on the embedded model (float and int4).
 
-    python -m flashguard.bench.moderation_cpu [--rows 24] [--weights float int4]
-    python -m flashguard.bench.moderation_cpu --accuracy FILE.jsonl     per-category accuracy of the rail on FILE
+    python -m benchmarks.moderation_cpu [--rows 24] [--weights float int4]
+    python -m benchmarks.moderation_cpu --accuracy FILE.jsonl     per-category accuracy of the rail on FILE
 
 For each of the first ``--rows`` replies of the test set (every fifth, so all categories appear): the reply is
 teacher-forced as the engine's turn (what generation leaves in the cache), then the rail runs on the shared

@@ -1,7 +1,7 @@
 """Moderation latency and memory after long conversations: the shared-page rail vs the same prompt prefilled
 from scratch vs NeMo's ``self check output`` prompt (which sees only the last exchange), same model and GPU.
 
-    python -m flashguard.bench.moderation --tokenizer DIR --contexts 8192 32768 --out docs/benchmarks/moderation_h200.md
+    python -m benchmarks.moderation --tokenizer DIR --contexts 8192 32768 --out docs/benchmarks/moderation_h200.md
 
 The model is random-weight with the DeepSeek-R1-Distill-Qwen-1.5B shape and the real DeepSeek-R1-Distill tokenizer
 (built from the GGUF header, saved to DIR); the engine is flashguard's (DynamicCache, fp16). Per context: a
@@ -72,7 +72,7 @@ def main(argv=None) -> int:
 
     from transformers import AutoTokenizer, Qwen2ForCausalLM
 
-    from flashguard.bench import emit
+    from benchmarks import emit
     from flashguard.vram.plan import deepseek_1_5b_config
     from flashguard.config import EngineConfig
     from flashguard.engine.engine import Engine
@@ -82,7 +82,7 @@ def main(argv=None) -> int:
         from flashguard.rails.moderation import ModerationSettings, moderate, moderate_input, moderation_suffix
     except ImportError:  # a source checkout on PYTHONPATH, not installed: rails/ is a top-level folder there
         from rails.moderation import ModerationSettings, moderate, moderate_input, moderation_suffix
-    from flashguard.bench.rails_turn import SELF_CHECK_INPUT
+    from benchmarks.rails_turn import SELF_CHECK_INPUT
 
     tok = AutoTokenizer.from_pretrained(args.tokenizer)
     torch.manual_seed(0)

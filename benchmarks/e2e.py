@@ -1,6 +1,6 @@
 """End-to-end benchmark: LLMRails on configs/flash, two guarded turns at several conversation lengths.
 
-    python -m flashguard.bench.e2e --workdir /tmp/e2e --contexts 8192 32768 131072 --out e2e.md --json e2e.json
+    python -m benchmarks.e2e --workdir /tmp/e2e --contexts 8192 32768 131072 --out e2e.md --json e2e.json
 
 What a user runs, measured per turn: ``LLMRails(RailsConfig)`` built from a copy of ``configs/flash`` whose only
 change is ``parameters:`` (the model path and the row's keys), output moderation on. The model is a random-weight
@@ -32,7 +32,7 @@ import sys
 import time
 from pathlib import Path
 
-from . import emit, save
+from benchmarks import emit, save
 
 ROWS = {
     "default": {"vram_budget": "4GiB"},
@@ -68,7 +68,7 @@ def tokenizer(folder: str | None = None):
     to a GPU machine) or built from the GGUF header in the package."""
     import importlib.util
 
-    from ..engine.gguf_header import read_header, tokenizer_from_header
+    from flashguard.engine.gguf_header import read_header, tokenizer_from_header
 
     if folder:
         from transformers import AutoTokenizer
@@ -85,9 +85,9 @@ def make_checkpoints(workdir: Path, tokenizer_folder: str | None = None) -> tupl
     import torch
     from transformers import Qwen2ForCausalLM
 
-    from ..quant import awq_format
-    from ..quant.awq_search import save_awq
-    from ..vram.plan import deepseek_1_5b_config
+    from flashguard.quant import awq_format
+    from flashguard.quant.awq_search import save_awq
+    from flashguard.vram.plan import deepseek_1_5b_config
 
     int4, fp16 = workdir / "ds15b-int4", workdir / "ds15b-fp16"
     if int4.exists() and fp16.exists():
@@ -189,7 +189,7 @@ def trace_first_rail(path: str) -> None:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from ..engine.engine import Engine
+    from flashguard.engine.engine import Engine
 
     plain, done = Engine.next_token_state, []
 
@@ -254,8 +254,8 @@ def _turns(args, rails, engine, tok, context: int, out: list):
     """Turn 1, turn 2, then turn 2 again in a new session (``reset_session``: its pages come from the store)."""
     import torch
 
-    from ..engine.registry import all_engines
-    from ..vram.accounting import nvml_process_bytes
+    from flashguard.engine.registry import all_engines
+    from flashguard.vram.accounting import nvml_process_bytes
 
     text = conversation_text(context, tok)
     messages = [{"role": "user", "content": text + "\n\n" + QUESTION_1}]
@@ -272,7 +272,7 @@ def _turns(args, rails, engine, tok, context: int, out: list):
             torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
         if args.profile and context == max(args.contexts):   # where the serving thread's time goes (bench.sampler)
-            from .sampler import sampled
+            from benchmarks.sampler import sampled
 
             reply = sampled(f"{args.profile}-{args.row}.txt", lambda: rails.generate(messages=messages),
                             title=f"{args.row}, {context} tokens, turn {turn}", append=True,
@@ -342,7 +342,7 @@ def render(rows: list[dict]) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m flashguard.bench.e2e", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.e2e", description=__doc__.split("\n\n")[0])
     p.add_argument("--workdir", default="/tmp/flashguard-e2e")
     p.add_argument("--contexts", type=int, nargs="+", default=[8192, 32768, 131072])
     p.add_argument("--rows", nargs="+", default=list(ROWS), choices=list(ROWS))
@@ -366,7 +366,7 @@ def main(argv=None) -> int:
     make_checkpoints(Path(args.workdir), args.tokenizer)
     results = []
     for name in args.rows:
-        cmd = [sys.executable, "-m", "flashguard.bench.e2e", "--row", name, "--workdir", args.workdir,
+        cmd = [sys.executable, "-m", "benchmarks.e2e", "--row", name, "--workdir", args.workdir,
                "--max-tokens", str(args.max_tokens), "--config", str(Path(args.config).resolve()),
                "--contexts", *map(str, args.contexts)]
         if args.tokenizer:

@@ -1,6 +1,6 @@
 """KV cache benchmark: DynamicCache, offloaded DynamicCache and flashguard exact/sparse, side by side.
 
-    python -m flashguard.bench.kv --contexts 8192 32768 131072 --out docs/benchmarks/kv_h200.md
+    python -m benchmarks.kv --contexts 8192 32768 131072 --out docs/benchmarks/kv_h200.md
 
 A random-weight model with the DeepSeek-R1-Distill-Qwen-1.5B shape (Qwen2: 28 layers, 12 heads, 2 KV heads,
 head_dim 128) runs a chunked prefill of random token ids and then greedy decode steps, in one process, one
@@ -17,10 +17,10 @@ import time
 
 import torch
 
-from ..engine.decode_step import greedy_step
-from ..vram.accounting import cache_device_bytes
-from ..vram.plan import deepseek_1_5b_config
-from . import emit, timed_steps
+from flashguard.engine.decode_step import greedy_step
+from flashguard.vram.accounting import cache_device_bytes
+from flashguard.vram.plan import deepseek_1_5b_config
+from benchmarks import emit, timed_steps
 
 
 WARMUP_STEPS = 2  # untimed decode steps of every row (lazy inits, the decode step's CUDA graphs)
@@ -110,7 +110,7 @@ def main(argv=None) -> int:
                 if name == "default":        # the engine's default without a budget: the pool holds the context
                     return TieredCache(cfg, CacheConfig(l3_tokens=0), preallocate=True).attach(model)
                 if name == "default-4gib":   # the engine's default sizes under vram_budget: 4GiB (fp16 weights)
-                    from ..vram import plan as planner
+                    from flashguard.vram import plan as planner
 
                     sized = planner.sized_kv(planner.Shape.from_config(cfg), budget=4 << 30, context=ctx,
                                              weights="int4", prefill_chunk=args.chunk, kv=CacheConfig(l3_tokens=0))

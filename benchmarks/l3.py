@@ -1,7 +1,7 @@
 """L3 under decoding, through the engine (issue 13's L3 targets, no NeMo): one process, one int4 DeepSeek-R1-Distill-
 Qwen-1.5B-shape checkpoint (random weights, the real tokenizer), the default memory-aware cache under ``--budget``.
 
-    python -m flashguard.bench.l3 --tokenizer .devcarry/ds-tokenizer --context 131072 --budget 4GiB \
+    python -m benchmarks.l3 --tokenizer .devcarry/ds-tokenizer --context 131072 --budget 4GiB \
         --out docs/benchmarks/l3_h200.md --json docs/benchmarks/l3_h200.json
 
 Rows, one engine each, on the same conversation (``--context`` tokens of prose):
@@ -26,7 +26,7 @@ import json
 import time
 from pathlib import Path
 
-from . import emit
+from benchmarks import emit
 
 QUESTION = "\n\nIn one sentence: what is this text about?"
 
@@ -36,10 +36,10 @@ def make_int4(workdir: Path, tokenizer_folder: str | None) -> Path:
     import torch
     from transformers import Qwen2ForCausalLM
 
-    from ..quant import awq_format
-    from ..quant.awq_search import save_awq
-    from ..vram.plan import deepseek_1_5b_config
-    from .e2e import tokenizer
+    from flashguard.quant import awq_format
+    from flashguard.quant.awq_search import save_awq
+    from flashguard.vram.plan import deepseek_1_5b_config
+    from benchmarks.e2e import tokenizer
 
     int4 = workdir / "ds15b-int4"
     if int4.exists():
@@ -60,7 +60,7 @@ def make_int4(workdir: Path, tokenizer_folder: str | None) -> Path:
 
 
 def _call(engine, ids, steps):
-    from ..engine.sampling import SamplingParams
+    from flashguard.engine.sampling import SamplingParams
 
     cache = engine.session.cache if engine.session is not None else None
     missed0 = getattr(cache, "pages_missed", 0)
@@ -77,10 +77,10 @@ def _call(engine, ids, steps):
 def run_row(args, model: Path | None, name: str, kv: dict, out: list) -> None:
     import torch
 
-    from ..config import EngineConfig
-    from ..engine.engine import Engine
-    from .e2e import conversation_text, tokenizer
-    from .sampler import sampled
+    from flashguard.config import EngineConfig
+    from flashguard.engine.engine import Engine
+    from benchmarks.e2e import conversation_text, tokenizer
+    from benchmarks.sampler import sampled
 
     params = {"max_context": args.context + 4096, "kv": kv}   # as config.yml's ``parameters:`` would set them
     if model is not None:
@@ -142,7 +142,7 @@ def run_row(args, model: Path | None, name: str, kv: dict, out: list) -> None:
 
 
 def render(rows: list[dict], args) -> str:
-    lines = [f"`python -m flashguard.bench.l3 --context {args.context} --budget {args.budget} --l2-small "
+    lines = [f"`python -m benchmarks.l3 --context {args.context} --budget {args.budget} --l2-small "
              f"{args.l2_small} --warm-steps {args.warm_steps} --steps {args.steps}`", "",
              "| row | tokens | L3 pages / pages after the first call | TTFT s | prefilled / reused | decode tok/s (first "
              f"{args.warm_steps}) | decode tok/s (next {args.steps}) | L3 reads / step | picked pages attended "
@@ -168,7 +168,7 @@ def render(rows: list[dict], args) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m flashguard.bench.l3", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.l3", description=__doc__.split("\n\n")[0])
     p.add_argument("--workdir", default="/tmp/flashguard-l3")
     p.add_argument("--tokenizer", help="a saved copy of the DeepSeek-R1-Distill tokenizer (default: the GGUF package)")
     p.add_argument("--model", help="an int4 checkpoint to use instead of the random-weight one; `embedded`: the "

@@ -1,6 +1,6 @@
 """Float against int4 weights on the CPU, through the engine, on the embedded model, beside llama.cpp on its GGUF.
 
-    python -m flashguard.bench.cpu_decode --threads 2 --llamacpp llamacpp.md --out docs/benchmarks/cpu_decode.md
+    python -m benchmarks.cpu_decode --threads 2 --llamacpp llamacpp.md --out docs/benchmarks/cpu_decode.md
 
 ``llamacpp.md`` is the output of ``../shared/anchors/llamacpp/bench_cpu.sh`` (llama-bench pp512 / tg128 on the same
 GGUF and threads). Each row is an Engine with the default cache (``kv_cache: tiered``): ``float`` (the GGUF
@@ -36,7 +36,7 @@ def llamacpp_numbers(path: str) -> dict:
 
 def measure(engine, prompt_ids, story_ids, decode: int) -> tuple[float, float, int]:
     """(prefill tok/s of ``prompt_ids`` from nothing, decode tok/s after ``story_ids``, tokens decoded)."""
-    from ..engine.sampling import SamplingParams
+    from flashguard.engine.sampling import SamplingParams
 
     engine.reset_session()
     engine.store = None   # nothing of an earlier run may be adopted
@@ -54,11 +54,11 @@ def main(argv=None) -> int:
     import pydoc_data.topics as topics
     import torch
 
-    from ..config import EngineConfig
-    from ..engine.engine import Engine
-    from . import emit
+    from flashguard.config import EngineConfig
+    from flashguard.engine.engine import Engine
+    from benchmarks import emit
 
-    p = argparse.ArgumentParser(prog="python -m flashguard.bench.cpu_decode", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.cpu_decode", description=__doc__.split("\n\n")[0])
     p.add_argument("--prompt-tokens", type=int, default=512)
     p.add_argument("--decode", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
@@ -104,7 +104,7 @@ def main(argv=None) -> int:
     if pp and tg:
         lines.append(f"| llama.cpp (llama-bench) | | {pp:.0f} | {tg:.1f} | {args.decode} | 1.00x | 1.00x |")
     if args.breakdown and "int4" in engines:
-        from ..quant.int4_linear import Int4Linear
+        from flashguard.quant.int4_linear import Int4Linear
 
         real = 1e3 / statistics.median(r[1] for r in got["int4"])
         forward = Int4Linear.forward

@@ -1,6 +1,6 @@
 """The one-graph decode step, kernel by kernel: the torch kernels against ``kv/step_kernels.py``, one process.
 
-    python -m flashguard.bench.step --contexts 8192 32768 --out step.md --json step.json
+    python -m benchmarks.step --contexts 8192 32768 --out step.md --json step.json
 
 A random-weight model of the DeepSeek-R1-Distill-Qwen-1.5B shape (``--shape 7b``: the 7B's), int4 on the Triton
 backend (group 128, as AWQ) with the 16-bit embedding and lm_head, the context prefilled into a DynamicCache and
@@ -24,7 +24,7 @@ from collections import defaultdict
 
 import torch
 
-from . import emit
+from benchmarks import emit
 
 VARIANTS = {"torch": False, "step-kernels": True}
 
@@ -123,7 +123,7 @@ def main(argv=None) -> int:
 
     from transformers import Qwen2ForCausalLM
 
-    from flashguard.bench.int4 import model_config
+    from benchmarks.int4 import model_config
     from flashguard.kv import step_kernels
     from flashguard.quant.int4_linear import quantize_linears_rtn
 

@@ -1,6 +1,6 @@
 """A random-weight Q4_K_M GGUF of a Qwen2 / Llama shape, written directly: llama.cpp's side of ``bench.big``.
 
-    PYTHONPATH=llama.cpp/gguf-py python -m flashguard.bench.gguf_random VOCAB.gguf OUT.gguf [--layers N]
+    PYTHONPATH=llama.cpp/gguf-py python -m benchmarks.gguf_random VOCAB.gguf OUT.gguf [--layers N]
 
 ``VOCAB.gguf`` is what ``convert_hf_to_gguf.py HF_DIR --vocab-only`` writes for a folder holding the shape's
 config.json and the real tokenizer: the model's metadata (shape, rope, norms) and tokenizer, no tensors. This adds

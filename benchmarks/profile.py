@@ -1,7 +1,7 @@
 """Where a long conversation's time goes on a GPU: the profiler over one prefill chunk past the pool and over a few
 decode steps off it, through the engine as configured (the default cache under a budget).
 
-    python -m flashguard.bench.profile --model DIR --budget 4GiB --context 65536 --out profile.txt
+    python -m benchmarks.profile --model DIR --budget 4GiB --context 65536 --out profile.txt
 
 ``DIR`` is an int4 checkpoint (``bench.e2e.make_checkpoints``'s ``ds15b-int4``). The engine prefills ``--context``
 random tokens (untimed), then the profiler records (1) one more ``prefill_chunk`` of tokens, which attends the
@@ -42,9 +42,9 @@ def main(argv=None) -> int:
 
     from torch.profiler import ProfilerActivity, profile
 
-    from ..config import EngineConfig
-    from ..engine.engine import Engine
-    from ..engine.sampling import SamplingParams
+    from flashguard.config import EngineConfig
+    from flashguard.engine.engine import Engine
+    from flashguard.engine.sampling import SamplingParams
 
     engine = Engine(EngineConfig.from_parameters({"model_path": args.model, "device": args.device,
                                                   "vram_budget": args.budget if args.device == "cuda" else None}))

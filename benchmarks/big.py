@@ -1,8 +1,8 @@
 """The 7B in 4 GiB (issue 18): DeepSeek-R1-Distill-Qwen-7B's shape, int4, through the engine under ``vram_budget``.
 
-    python -m flashguard.bench.big --tokenizer .devcarry/ds-tokenizer --budget 4GiB --contexts 8192 32768 \\
+    python -m benchmarks.big --tokenizer .devcarry/ds-tokenizer --budget 4GiB --contexts 8192 32768 \\
         --out big.md --json big.json
-    python -m flashguard.bench.big --tiny --device cpu      # the same code on a 4-layer toy, CPU, seconds
+    python -m benchmarks.big --tiny --device cpu      # the same code on a 4-layer toy, CPU, seconds
 
 The model is made in int4 directly, never in 16-bit (a 15 GB checkpoint would take minutes to write): random packed
 codes (``make_model``: one random draw per projection shape, each layer XOR-ed with its own byte), a fixed scale and
@@ -49,7 +49,7 @@ def seven_b_config(layers: int | None = None, tiny: bool = False, vocab: int | N
     kind (hidden 256, 4 heads, 2 KV heads, head_dim 64) for CPU runs."""
     from transformers import Qwen2Config
 
-    from ..vram.plan import deepseek_7b_config
+    from flashguard.vram.plan import deepseek_7b_config
 
     if tiny:
         cfg = Qwen2Config(hidden_size=256, intermediate_size=512, num_hidden_layers=layers or 4, num_attention_heads=4,
@@ -70,7 +70,7 @@ def _random_bytes(shape, generator) -> torch.Tensor:
 
 def _int4_layer(n: int, k: int, packed: torch.Tensor, bias: torch.Tensor | None, scale: float):
     """An Int4Linear (``dequant`` backend, host RAM) over ``packed`` [n, k/2] codes, zero 8, a fixed scale."""
-    from ..quant.int4_linear import Int4Linear
+    from flashguard.quant.int4_linear import Int4Linear
 
     layer = Int4Linear(k, n, GROUP, "dequant")
     layer.register_buffer("packed", packed)
@@ -87,8 +87,8 @@ def make_model(cfg, dtype: torch.dtype = torch.float16, lm_head: str = "int4", s
     engine places them), built without any 16-bit copy of them: seconds for the 7B (~3.6 GB of codes)."""
     from transformers import Qwen2ForCausalLM
 
-    from ..quant.awq_load import _rebuild_meta_buffers
-    from ..quant.int4_linear import set_module
+    from flashguard.quant.awq_load import _rebuild_meta_buffers
+    from flashguard.quant.int4_linear import set_module
 
     g = torch.Generator().manual_seed(seed)
     with torch.device("meta"):
@@ -131,7 +131,7 @@ class _Sampler:
     """The process's peak GPU memory as NVML reports it, sampled in a thread (None without NVML)."""
 
     def __init__(self, index: int):
-        from ..vram.accounting import nvml_process_bytes
+        from flashguard.vram.accounting import nvml_process_bytes
 
         self.read = lambda: nvml_process_bytes(index, os.getpid())
         self.peak = self.read()
@@ -162,7 +162,7 @@ def _sync(device):
 
 def run_context(engine, tok, context: int, steps: int, warmup_steps: int) -> dict:
     """Prefill a ``context``-token prompt and decode ``steps`` greedy tokens through the engine."""
-    from .e2e import conversation_text
+    from benchmarks.e2e import conversation_text
 
     device = engine.device
     # the row's own first words: its first page differs from every other row's, so nothing is reused
@@ -231,7 +231,7 @@ def pcie_layer_seconds(stream, reps: int = 5) -> float | None:
 def cpu_layer_seconds(cfg, threads: int | None = None, reps: int = 5) -> float | None:
     """Seconds the host's CPU takes for one decoder layer's seven int4 projections at one token (torch's CPU int4
     kernel, bf16): what computing a streamed layer on the CPU would cost instead of copying it."""
-    from ..quant.int4_linear import Int4Linear
+    from flashguard.quant.int4_linear import Int4Linear
 
     if not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
         return None
@@ -262,9 +262,9 @@ def cpu_layer_seconds(cfg, threads: int | None = None, reps: int = 5) -> float |
 
 
 def build_engine(args, cfg, tok, chunk: str, workdir: str):
-    from ..config import EngineConfig
-    from ..engine.engine import Engine
-    from ..engine.loader import ModelSource
+    from flashguard.config import EngineConfig
+    from flashguard.engine.engine import Engine
+    from flashguard.engine.loader import ModelSource
 
     dtype = torch.float16 if args.device == "cuda" else torch.float32
     t0 = time.perf_counter()
@@ -341,7 +341,7 @@ def render(result: dict) -> str:
              f"random int4 weights (group {GROUP}, lm_head {a['lm_head']}), real tokenizer, torch {result['torch']}, "
              f"{a['steps']} greedy decode steps per row (the first {a['warmup_steps']} untimed), engine path "
              "(`Engine._prefill` / `Engine._forward`: DecodeStep graphs, tiered cache, streamed layers)", "",
-             "command: `python -m flashguard.bench.big " + " ".join(result["argv"]) + "`", "",
+             "command: `python -m benchmarks.big " + " ".join(result["argv"]) + "`", "",
              "| chunk | layers resident / streamed | context | prompt | TTFT s | decode tok/s | step ms (median) "
              "| peak reserved GiB | peak NVML GiB | pool tokens |", "|---|---|---|---|---|---|---|---|---|---|"]
     for v in result["variants"]:
@@ -382,8 +382,8 @@ def render(result: dict) -> str:
 def main(argv=None) -> int:
     import sys
 
-    from . import emit
-    from .e2e import tokenizer
+    from benchmarks import emit
+    from benchmarks.e2e import tokenizer
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokenizer", default=None, help="a saved DeepSeek-R1-Distill tokenizer folder")
