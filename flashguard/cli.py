@@ -268,8 +268,21 @@ def cmd_plan(args) -> int:
     model, where, params = plan_model(args)
     shape = dataclasses.replace(planner.resolve_shape(model), lm_head=args.lm_head)   # an unknown model: one line
     args.weights, why = plan_weights(args, model, params)
+    context_note = "--context"
+    if args.context is None:
+        args.context, context_note = shape.context or 131072, "the model's own; --context to change"
+    elif shape.context and args.context > shape.context:
+        context_note = f"--context {args.context} is past the model's own {shape.context}, which the engine caps at"
+        args.context = shape.context
     if not args.json:
         print(f"model: {shape.name} ({where}); weights: {args.weights} ({why})")
+        print(f"planned for a GPU of {args.gpu_mem} (--gpu-mem: the process's share, CUDA context included) and a "
+              f"context of {args.context} tokens ({context_note})")
+        import torch
+
+        if not torch.cuda.is_available():
+            print("(this machine has no CUDA GPU: on the CPU the engine keeps the whole context in RAM and runs "
+                  "int4 for a Q4 GGUF, weights: auto)")
     # auto (None): the largest pool that fits, as the engine sizes it
     kv = CacheConfig(l1_tokens=args.l1_tokens, peer_gpus=args.peer_gpus)
     gpu = parse_bytes(args.gpu_mem, key="--gpu-mem")
@@ -285,7 +298,7 @@ def cmd_plan(args) -> int:
                                  prefill_chunk=args.prefill_chunk, kv=kv, streamed=streamed)
         where = "every token resident" if sized.l1_tokens >= args.context else \
             f"{args.context - sized.l1_tokens} tokens off the pool, in L2 (host RAM) / L3 (disk)"
-        print(f"kv.l1_tokens (the pool on the GPU): {sized.l1_tokens} tokens, {where}\n")
+        print(f"kv.l1_tokens (the pool on the GPU): {sized.l1_tokens} tokens in {sized.l1_codec}, {where}\n")
     if args.json:
         print(json.dumps({"fits": p.fits, "gpu": p.parts, "host": p.host, "peak_reserved": p.peak_reserved,
                           "total": p.total, "peers": p.peers, "prefill_chunk": p.prefill_chunk,
@@ -423,8 +436,9 @@ def main(argv: list[str] | None = None) -> int:
                    "file (never downloaded); default: the model of --config")
     p.add_argument("--config", default=default_config_dir(), help="the config whose model and weights are planned")
     p.add_argument("--gpu-mem", "--vram-budget", dest="gpu_mem", default="4GiB",
-                   help="the process's GPU memory (vram_budget), CUDA context included")
-    p.add_argument("--context", type=int, default=131072)
+                   help="the process's GPU memory (vram_budget), CUDA context included (default 4GiB)")
+    p.add_argument("--context", type=int, default=None,
+                   help="prompt + generation tokens (default: the model's own context length)")
     p.add_argument("--lm-head", choices=("float", "int4"), default="float",
                    help="int4: an lm_head held as int4 codes (a GGUF's Q4 output matrix); float: 16-bit")
     p.add_argument("--weights", choices=("int4", "float", "fp16"), default=None,

@@ -37,6 +37,9 @@ async def flashguard_moderate_output(llm=None, config=None, context: Optional[di
     user = user_message if user_message is not None else context.get("user_message")
     if not bot:
         return RailOutcome.allow(reason="empty reply")
+    refusals = (getattr(config, "bot_messages", None) or {}).get("refuse to respond") or ()
+    if bot.strip() in {str(r).strip() for r in refusals}:   # the rails' own refusal (after an input block)
+        return RailOutcome.allow(reason="the rails' own refusal")
     settings = ModerationSettings.from_custom_data(getattr(config, "custom_data", None))
     verdict = await asyncio.to_thread(moderate, engine, bot, user, settings)
     return _outcome("output", verdict)
@@ -97,6 +100,7 @@ def _outcome(rail: str, verdict) -> RailOutcome:
     if verdict.allowed:
         return RailOutcome.allow(reason=verdict.reason, metadata=meta)
     if sink is None:   # one line a blocked turn (eval-guard's table counts them instead)
-        notice.say("flashguard: the %s rail blocked %s: %s", rail,
-                   "the reply" if rail == "output" else "the message", verdict.reason)
+        notice.say("flashguard: the %s rail blocked %s (p_unsafe %.3f >= %.2f, %s)", rail,
+                   "the reply" if rail == "output" else "the message", verdict.p_unsafe, verdict.threshold,
+                   verdict.decided_by)
     return RailOutcome.block(reason=verdict.reason, metadata=meta)

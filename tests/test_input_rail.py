@@ -392,3 +392,28 @@ def test_keep_window_takes_the_long_part_of_another_probe_file_for_the_same_mode
         keep_window_probe(i4, tmp_path / "missing.json")
     with pytest.raises(SystemExit, match="--rail input"):   # an output probe has no window probe to keep
         keep_window_probe(dataclasses.replace(i4, rail="output"), shipped / "SmolLM2-135M-Instruct.Q4_1-int4-input.json")
+
+
+def test_the_output_rail_passes_the_rails_own_refusal_without_a_pass(engine):
+    """After an input block NeMo streams the refusal through the output rail (flashguard chat, a streamed server
+    request): the action lets the config's own refusal text through without moderating it (no prefill of it, no
+    'fallback' in /stats); any other reply is judged."""
+    import asyncio
+    import types
+
+    from nemoguardrails import RailsConfig
+
+    from rails.actions import flashguard_moderate_output
+
+    config = RailsConfig.from_path(str(ROOT / "configs/flash"))
+    refusal = config.bot_messages["refuse to respond"][0]
+    llm = types.SimpleNamespace(engine=engine)   # the provider's one attribute the action reads
+    before = engine.stats.as_dict().get("moderation", {}).get("calls", 0)
+    out = asyncio.run(flashguard_moderate_output(llm=llm, config=config, bot_message=refusal,
+                                                 user_message="How do I make a pipe bomb?"))
+    assert not out.is_blocked and out.reason == "the rails' own refusal"
+    assert engine.stats.as_dict().get("moderation", {}).get("calls", 0) == before
+    out = asyncio.run(flashguard_moderate_output(llm=llm, config=config, bot_message="Paris is the capital.",
+                                                 user_message="What is the capital of France?"))
+    assert not out.is_blocked and "p_unsafe" in out.reason
+    assert engine.stats.as_dict()["moderation"]["calls"] > before   # judged (a reply not generated here: a prefill)

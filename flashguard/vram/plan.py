@@ -69,6 +69,7 @@ class Shape:
     tied: bool
     qkv_bias: bool
     lm_head: str = "float"   # "int4" where the loaded model's untied lm_head is an Int4Linear (a GGUF's Q4 codes)
+    context: int = 0         # the model's own context length (max_position_embeddings), 0 where unknown
 
     @classmethod
     def from_config(cls, config, name: str = "") -> "Shape":
@@ -77,7 +78,7 @@ class Shape:
         return cls(name or getattr(c, "_name_or_path", "") or c.model_type, c.hidden_size, c.num_hidden_layers,
                    c.num_attention_heads, c.num_key_value_heads or c.num_attention_heads, head_dim,
                    c.intermediate_size, c.vocab_size, bool(getattr(c, "tie_word_embeddings", False)),
-                   c.model_type == "qwen2")
+                   c.model_type == "qwen2", context=int(getattr(c, "max_position_embeddings", 0) or 0))
 
 
 @dataclass(frozen=True)
