@@ -298,7 +298,12 @@ def cmd_plan(args) -> int:
                                  prefill_chunk=args.prefill_chunk, kv=kv, streamed=streamed)
         where = "every token resident" if sized.l1_tokens >= args.context else \
             f"{args.context - sized.l1_tokens} tokens off the pool, in L2 (host RAM) / L3 (disk)"
-        print(f"kv.l1_tokens (the pool on the GPU): {sized.l1_tokens} tokens in {sized.l1_codec}, {where}\n")
+        print(f"kv.l1_tokens (the pool on the GPU): {sized.l1_tokens} tokens in {sized.l1_codec}, {where}")
+        read = planner.decode_bytes(shape, weights=args.weights, context=args.context, kv=sized)
+        print("read per decoded token at this context: " + ", ".join(
+            f"{k} {v / 1e9:.3f} GB" for k, v in read.items() if k != "total") + f"; {read['total'] / 1e9:.3f} GB in "
+            f"all, at least {read['total'] / 1e6 / planner.LAPTOP_GB_S:.1f} ms a token on a {planner.LAPTOP_GB_S} "
+            "GB/s laptop GPU\n")
     if args.json:
         print(json.dumps({"fits": p.fits, "gpu": p.parts, "host": p.host, "peak_reserved": p.peak_reserved,
                           "total": p.total, "peers": p.peers, "prefill_chunk": p.prefill_chunk,

@@ -142,3 +142,21 @@ def test_the_pool_is_the_whole_context_when_it_fits_and_the_budget_otherwise():
     _, _, final, notes = planner.fit_to_budget(s, budget=1 << 30, context=131072, weights="int4", cache="tiered",
                                                prefill_chunk=512, kv=auto)
     assert not final.fits and "still exceeds" in notes[-1]     # the engine turns this into an error naming the key
+
+
+def test_bytes_per_decoded_token_of_the_1_5b_beside_llamacpps():
+    """decode_bytes: the int4 linears, the 16-bit lm_head and every K/V value of a resident context; past the pool,
+    the sparse policy's attended tokens only. llama.cpp's Q4_K_M estimate: ~0.99 GB of weights a token (its file's
+    1.04 GiB less the embedding table), as the issue measured."""
+    s = deepseek()
+    kv8k = planner.sized_kv(s, budget=4 << 30, context=8192, weights="int4", prefill_chunk=2048, kv=CacheConfig())
+    read = planner.decode_bytes(s, weights="int4", context=8192, kv=kv8k)
+    assert read["lm_head"] == s.vocab * s.hidden * 2
+    assert read["kv attended"] == 8192 * s.layers * 2 * s.kv_heads * s.head_dim * 2   # fp16, all resident
+    assert 0.70e9 < read["decoder linears"] < 0.76e9 and read["total"] == sum(v for k, v in read.items() if k != "total")
+    long = planner.sized_kv(s, budget=4 << 30, context=131072, weights="int4", prefill_chunk=2048, kv=CacheConfig())
+    far = planner.decode_bytes(s, weights="int4", context=131072, kv=long)
+    assert long.l1_tokens < 131072 and far["kv attended"] < 131072 * s.layers * 2 * s.kv_heads * s.head_dim * 2
+    llama = planner.llamacpp_decode_bytes(s, context=8192, kv_type="q8_0")
+    assert 0.95e9 < llama["decoder linears"] + llama["lm_head"] < 1.02e9
+    assert llama["kv attended"] == int(8192 * s.layers * 2 * s.kv_heads * s.head_dim * 34 / 32)

@@ -222,6 +222,60 @@ def plan(shape: Shape, *, gpu_mem: int, context: int, weights: str = "int4", cac
 MIN_POOL_PAGES = 8   # the smallest pool worth running: sinks, a few window pages and a hot set
 
 
+# A laptop GPU of the 4 GB class (RTX 3050 Laptop: GDDR6 on a 128-bit bus, 192 GB/s): decode there is bound by the
+# bytes a token reads, not by launches, so bytes per token divided by this is the step's floor.
+LAPTOP_GB_S = 192
+
+
+def decode_bytes(shape: Shape, *, weights: str, context: int, kv, group: int = AWQ_GROUP_SIZE) -> dict:
+    """GPU bytes one decoded token reads at ``context`` tokens with a sized ``kv`` (``sized_kv``): the decoder's
+    linears, the lm_head (16-bit, or int4 where the model's own is), and the K/V attended: every token while the
+    pool holds the conversation (``policy: exact`` or a resident context), else the sinks, the window and the pages
+    the sparse policy selects (``budget_tokens`` per KV head) in the pool's codec. Norms and the one embedding row
+    are left out (a few KB)."""
+    kvd = shape.kv_heads * shape.head_dim
+    w = weight_bytes(shape, weights, group)
+    head = shape.vocab * shape.hidden
+    lm_head = int4_bytes(head, group) if weights == "int4" and shape.lm_head == "int4" else head * 2
+    pool = kv.l1_tokens if kv.l1_tokens is not None else context
+    if pool >= context or kv.policy == "exact":
+        attended = context
+    else:
+        attended = min(context, kv.sink_tokens + pool + shape.kv_heads * kv.budget_tokens)
+    per_value = 2.0
+    if kv.l1_codec == "int8":
+        from ..kv.int8_pool import bytes_per_value
+
+        per_value = bytes_per_value()
+    kv_bytes = int(attended * shape.layers * 2 * kvd * per_value)
+    out = {"decoder linears": w["decoder linears"], "lm_head": lm_head, "kv attended": kv_bytes}
+    out["total"] = sum(out.values())
+    return out
+
+
+# llama.cpp's Q4_K_M, as `llama-quantize` writes it: Q4_K (4.5 bits a weight) for most matrices, Q6_K (6.5625) for
+# half the layers' attn_v and ffn_down and for the output matrix; its KV cache q8_0 (34 bytes a 32 values) or f16.
+Q4_K_BITS, Q6_K_BITS = 4.5, 6.5625
+
+
+def llamacpp_decode_bytes(shape: Shape, *, context: int, kv_type: str = "q8_0") -> dict:
+    """The same three parts for llama.cpp's Q4_K_M of ``shape`` with a ``kv_type`` cache attending every token (its
+    decode reads the whole cache: no paging). An estimate from the quantization mix, not a file's tensor table."""
+    kvd = shape.kv_heads * shape.head_dim
+    q = shape.heads * shape.head_dim
+    attn_qko = shape.hidden * (q + kvd) + q * shape.hidden
+    attn_v = shape.hidden * kvd
+    up_gate, down = 2 * shape.hidden * shape.intermediate, shape.hidden * shape.intermediate
+    half = shape.layers // 2
+    bits = shape.layers * (attn_qko + up_gate) * Q4_K_BITS + \
+        (attn_v + down) * (half * Q6_K_BITS + (shape.layers - half) * Q4_K_BITS)
+    per_value = 34 / 32 if kv_type == "q8_0" else 2.0
+    out = {"decoder linears": int(bits / 8), "lm_head": int(shape.vocab * shape.hidden * Q6_K_BITS / 8),
+           "kv attended": int(context * shape.layers * 2 * kvd * per_value)}
+    out["total"] = sum(out.values())
+    return out
+
+
 def planned(budget: int) -> int:
     """The share of ``vram_budget`` (the process's whole GPU memory, CUDA context included) a plan may fill."""
     return int(budget * (1 - HEADROOM))
