@@ -305,6 +305,13 @@ def _turns(args, rails, engine, tok, context: int, out: list):
             "cuda_ooms": alloc.get("num_ooms", 0), "alloc_retries": alloc.get("num_alloc_retries", 0),
             "oom_retries": engine.oom_retries, "prefill_chunk": engine.prefill_chunk,
         }
+        from flashguard.vram import plan as planner
+
+        # bytes a decoded token reads at this context, from the loaded tensors, beside llama.cpp's Q4_K_M estimate
+        # with a q8_0 cache (docs/benchmarks/bytes_per_token.md)
+        result["gb_per_token"] = engine.decode_bytes(context)["total"] / 1e9
+        result["llamacpp_gb_per_token"] = planner.llamacpp_decode_bytes(
+            planner.Shape.from_config(engine.model.config), context=context)["total"] / 1e9
         info = engine.info()
         if "tiers" in info:
             t = info["tiers"]
@@ -325,10 +332,11 @@ def _turns(args, rails, engine, tok, context: int, out: list):
 def render(rows: list[dict]) -> str:
     lines = ["| row | context | turn | wall s | TTFT s | decode tok/s | gen prefilled / reused | input rail prefilled / "
              "reused | output rail prefilled / reused | L3 reads | L3 reads / step | pool tokens | L3 pages / pages | "
-             "peak reserved GiB | NVML GiB |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "peak reserved GiB | NVML GiB | GB read / token (llama.cpp q8_0) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['row']} | {r.get('context', '')} | | {r['error']} |" + " |" * 11)
+            lines.append(f"| {r['row']} | {r.get('context', '')} | | {r['error']} |" + " |" * 12)
             continue
         dec = f"{r['decode_tok_s']:.1f}" if r.get("decode_tok_s") else "-"
         pool = f"{r['pool_tokens']} {r.get('pool_codec') or ''}".strip() if "pool_tokens" in r else "-"
@@ -337,7 +345,8 @@ def render(rows: list[dict]) -> str:
                      f"{r['gen_prefilled']} / {r['gen_reused']} | {r.get('input_prefilled')} / {r.get('input_reused')} | "
                      f"{r['mod_prefilled']} / {r['mod_reused']} | "
                      f"{r['l3_reads']} | {r.get('l3_reads_per_step', 0):.2f} | {pool} | {pages} | "
-                     f"{r['peak_reserved_gib']:.2f} | {r['nvml_gib']:.2f} |")
+                     f"{r['peak_reserved_gib']:.2f} | {r['nvml_gib']:.2f} | "
+                     f"{r.get('gb_per_token', 0):.3f} ({r.get('llamacpp_gb_per_token', 0):.3f}) |")
     return "\n".join(lines) + "\n"
 
 

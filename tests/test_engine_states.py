@@ -487,3 +487,8 @@ def test_a_cpu_engine_holds_the_whole_context_in_its_pool(tmp_path, llama):
     info = engine.info()
     assert info["context"] == 512 and info["tiers"]["pool"]["tokens"] == 512 and info["vram_budget"] is None
     assert info["weights"] == "float" and info["cache"] == "tiered"
+    # bytes a decoded token reads: the held linears and lm_head, and every K/V value of the 512-token context (fp32)
+    read, cfg = info["decode_bytes"], llama.config
+    assert read["lm_head"] == llama.lm_head.weight.numel() * 4
+    assert read["kv attended"] == 512 * cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * 16 * 4
+    assert read["total"] == read["decoder linears"] + read["lm_head"] + read["kv attended"] > 0

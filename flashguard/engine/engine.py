@@ -583,6 +583,25 @@ class Engine:
                 "slot_bytes": stats["slot_bytes"] if stats else 0,
                 "layer_copies": stats["copies"] if stats else 0}
 
+    def decode_bytes(self, context: int | None = None) -> dict:
+        """Bytes one decoded token reads at ``context`` (default: the engine's context length), from the loaded
+        tensors: the decoder layers' linears and the lm_head as they are held (int4 codes, 16-bit, an int4 pair),
+        and the K/V the cache as sized attends (``vram.plan.kv_read_bytes``). ``engine_info()`` and
+        ``benchmarks.e2e`` report it beside llama.cpp's estimate (``vram.plan.llamacpp_decode_bytes``)."""
+        from ..vram import plan as planner
+
+        def held(module) -> int:
+            return sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()])
+
+        linears = sum(held(m) for layer in self.model.model.layers
+                      for name, m in layer.named_modules() if name.endswith("_proj"))
+        head = self.model.get_output_embeddings()
+        out = {"decoder linears": linears, "lm_head": held(head),
+               "kv attended": planner.kv_read_bytes(self._plan_shape(), context=context or self.context_length,
+                                                    kv=self.kv, value_bytes=self.dtype.itemsize)}
+        out["total"] = sum(out.values())
+        return out
+
     @property
     def weights_kind(self) -> str:
         """"int4" when the decoder's linears are int4, else "float": the ``weights`` key's values, which the
@@ -853,6 +872,7 @@ class Engine:
                "prefill_chunk": self.prefill_chunk,
                "embedding": "host" if self.embedding_on_host else str(self.device),
                "placement": self.placement(),
+               "decode_bytes": self.decode_bytes(),
                "lora": None if self.adapter is None else {"path": self.adapter.path, "rank": self.adapter.rank,
                                                           "modules": len(self.adapter.layers)}}
         with self.lock:

@@ -168,6 +168,12 @@ def render(report: dict) -> str:
             budget = info.get("vram_budget")
             lines.append(f"  weights {info['weights']} ({info.get('int4_kernel') or 'float'}), cache {info['cache']}, "
                          f"context {info['context']}, vram_budget {_gib(budget) + ' GiB' if budget else 'none'}")
+            head = (info.get("placement") or {}).get("lm_head") or {}
+            read = info.get("decode_bytes") or {}
+            if read:
+                lines.append(f"  read per decoded token at the full context: {read['total'] / 1e9:.3f} GB (decoder "
+                             f"linears {read['decoder linears'] / 1e9:.3f}, lm_head {read['lm_head'] / 1e9:.3f} "
+                             f"({head.get('weights', '?')}), K/V {read['kv attended'] / 1e9:.3f})")
         for tier, t in (info.get("tiers") or {}).items():
             if isinstance(t, dict):
                 extra = ", ".join(f"{k} {v}" for k, v in t.items() if k != "tokens" and v is not None)

@@ -233,24 +233,29 @@ def decode_bytes(shape: Shape, *, weights: str, context: int, kv, group: int = A
     pool holds the conversation (``policy: exact`` or a resident context), else the sinks, the window and the pages
     the sparse policy selects (``budget_tokens`` per KV head) in the pool's codec. Norms and the one embedding row
     are left out (a few KB)."""
-    kvd = shape.kv_heads * shape.head_dim
     w = weight_bytes(shape, weights, group)
     head = shape.vocab * shape.hidden
     lm_head = int4_bytes(head, group) if weights == "int4" and shape.lm_head == "int4" else head * 2
+    out = {"decoder linears": w["decoder linears"], "lm_head": lm_head,
+           "kv attended": kv_read_bytes(shape, context=context, kv=kv)}
+    out["total"] = sum(out.values())
+    return out
+
+
+def kv_read_bytes(shape: Shape, *, context: int, kv, value_bytes: int = 2) -> int:
+    """K/V bytes one decoded token attends (``decode_bytes``): ``value_bytes`` a value in a 16-bit pool (4 for an
+    fp32 model on the CPU), the int8 pool's codes and scales otherwise."""
     pool = kv.l1_tokens if kv.l1_tokens is not None else context
     if pool >= context or kv.policy == "exact":
         attended = context
     else:
         attended = min(context, kv.sink_tokens + pool + shape.kv_heads * kv.budget_tokens)
-    per_value = 2.0
+    per_value = float(value_bytes)
     if kv.l1_codec == "int8":
         from ..kv.int8_pool import bytes_per_value
 
         per_value = bytes_per_value()
-    kv_bytes = int(attended * shape.layers * 2 * kvd * per_value)
-    out = {"decoder linears": w["decoder linears"], "lm_head": lm_head, "kv attended": kv_bytes}
-    out["total"] = sum(out.values())
-    return out
+    return int(attended * shape.layers * 2 * shape.kv_heads * shape.head_dim * per_value)
 
 
 # llama.cpp's Q4_K_M, as `llama-quantize` writes it: Q4_K (4.5 bits a weight) for most matrices, Q6_K (6.5625) for
