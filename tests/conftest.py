@@ -48,9 +48,21 @@ def deepseek_tokenizer():
 
 @pytest.fixture(scope="session")
 def engine():
+    """The embedded model as configs/flash and ``flashguard chat`` load it (``weights: auto``: int4 on the CPU):
+    the engine the rails' and the server's tests share with the LLMRails they build."""
     from flashguard import EngineConfig, get_engine
 
     return get_engine(EngineConfig())
+
+
+@pytest.fixture(scope="session")
+def float_engine():
+    """The embedded model in float (``weights: float``): for tests that compare the engine's tokens and logits with
+    transformers' own forward of the same weights (the int4 kernels round activations to bf16, so their greedy
+    tokens part from a float reference at near-ties)."""
+    from flashguard import EngineConfig, get_engine
+
+    return get_engine(EngineConfig(weights="float"))
 
 
 def make_config(tmp_path: Path, yaml_text: str | None = None) -> Path:

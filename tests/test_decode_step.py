@@ -13,6 +13,12 @@ from flashguard.kv.cache import TieredCache
 TIERS = dict(page_size=32, l1_tokens=128, sink_tokens=32, l2_tokens=256, l1_max_tokens=256, budget_tokens=256)
 
 
+@pytest.fixture(scope="module")
+def engine(float_engine):
+    """The float model: the steps are compared with its forward at 2e-4."""
+    return float_engine
+
+
 def prefill(model, cache, ids):
     for a in range(0, len(ids), 200):
         if hasattr(cache, "feed"):

@@ -12,6 +12,12 @@ Q = [{"role": "user", "content": "What is the capital of France?"}]
 STORY = [{"role": "user", "content": "Write a short story about a lighthouse keeper."}]
 
 
+@pytest.fixture(scope="module")
+def engine(float_engine):
+    """The float model: its tokens are compared with transformers' generate."""
+    return float_engine
+
+
 def hf_greedy(engine, ids, n):
     inp = torch.tensor([ids])
     out = engine.model.generate(inp, attention_mask=torch.ones_like(inp), max_new_tokens=n, do_sample=False,
