@@ -10,6 +10,13 @@ from flashguard.engine import SamplingParams
 from flashguard.engine.engine import OUT_OF_MEMORY, Engine
 from flashguard.kv.cache import TieredCache
 
+
+@pytest.fixture(scope="module")
+def engine(float_engine):
+    """The float model: the cache's logits and tokens are compared with DynamicCache's at tight tolerances."""
+    return float_engine
+
+
 pytestmark = pytest.mark.slow
 
 GREEDY = SamplingParams(max_tokens=8)
@@ -17,7 +24,7 @@ GREEDY = SamplingParams(max_tokens=8)
 
 @pytest.fixture(scope="module")
 def dynamic(engine):
-    return Engine(EngineConfig(kv_cache="dynamic"), source=engine.source)
+    return Engine(EngineConfig(weights="float", kv_cache="dynamic"), source=engine.source)
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +80,7 @@ PAGED = CacheConfig(page_size=32, l1_tokens=256, sink_tokens=32, l1_max_tokens=5
 
 
 def test_references_go_back_to_zero_on_reset(engine, long_ids):
-    e = Engine(EngineConfig(kv_cache="tiered", kv=PAGED), source=engine.source)
+    e = Engine(EngineConfig(weights="float", kv_cache="tiered", kv=PAGED), source=engine.source)
     e.generate(long_ids, GREEDY)
     assert refs(e) == e.session.references() > 0
     e.reset_session()
@@ -86,7 +93,7 @@ def test_references_go_back_to_zero_on_reset(engine, long_ids):
 def test_references_go_back_to_zero_after_an_out_of_memory_recovery(engine, long_ids):
     """A forward that runs out of memory half-way through the layers: every layer back to the tokens before it,
     the chunk run again in halves, the same answer, and no reference kept by the failed attempt."""
-    e = Engine(EngineConfig(kv_cache="tiered", kv=PAGED, prefill_chunk=512), source=engine.source)
+    e = Engine(EngineConfig(weights="float", kv_cache="tiered", kv=PAGED, prefill_chunk=512), source=engine.source)
     want = e.generate(long_ids[:900], GREEDY).text
     e.reset_session()
     e.store.pages.clear()
@@ -113,7 +120,7 @@ def test_references_go_back_to_zero_after_an_out_of_memory_recovery(engine, long
 
 def test_references_go_back_to_zero_after_a_page_lost_recovery(engine, long_ids, tmp_path):
     kv = PAGED.replace(l2_tokens=256, l3_dir=str(tmp_path / "l3"))
-    e = Engine(EngineConfig(kv_cache="tiered", kv=kv), source=engine.source)
+    e = Engine(EngineConfig(weights="float", kv_cache="tiered", kv=kv), source=engine.source)
     want = e.generate(long_ids, GREEDY).text
     e.reset_session()
     assert e.store.tier_counts()["l3_pages"] > 0
@@ -134,7 +141,7 @@ def test_a_page_promoted_from_l3_is_not_read_from_disk_again_while_selected(engi
     reads each of A's pages from L3 at most once: a promoted page stays in L2 (B's cold pages leave instead)."""
     kv = CacheConfig(page_size=32, l1_tokens=256, sink_tokens=32, l1_max_tokens=256, l2_tokens=2560,
                      budget_tokens=128, policy="sparse", l3_dir=str(tmp_path / "l3"))
-    e = Engine(EngineConfig(kv_cache="tiered", kv=kv), source=engine.source)
+    e = Engine(EngineConfig(weights="float", kv_cache="tiered", kv=kv), source=engine.source)
     text_b = "".join(topics.topics[k] for k in sorted(topics.topics)[60:90])
     b_ids = engine.tokenizer(text_b)["input_ids"][:len(long_ids)]
     e.generate(long_ids, SamplingParams(max_tokens=1))

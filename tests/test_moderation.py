@@ -43,12 +43,16 @@ def test_the_sets_are_separate_labelled_and_cover_every_category():
     assert not {r["bot"].lower() for r in TEST} & {r["bot"].lower() for r in TEST_B}
 
 
-def test_shared_and_fresh_paths_agree(engine, shipped_probes_only):
+def test_shared_and_fresh_paths_agree(float_engine, shipped_probes_only):
     """The verdict on the turn's cached pages equals the one of an engine that prefills the same ids from nothing
-    (a DynamicCache: the tiered cache would adopt the stored pages even after reset_session)."""
+    (a DynamicCache: the tiered cache would adopt the stored pages even after reset_session). In float: int4's
+    bf16 activations move p_unsafe by ~0.01 between a 28-token suffix over held pages and a 97-token prefill."""
     from flashguard import EngineConfig, get_engine
+    from flashguard.rails.state import rail_state
 
-    cold = get_engine(EngineConfig(kv_cache="dynamic"))
+    engine = float_engine
+    rail_state(engine).forget_probes()   # (shipped_probes_only hid the user cache's probes; forget what it held)
+    cold = get_engine(EngineConfig(kv_cache="dynamic", weights="float"))
     for row in TEST[::11]:
         shared = run_rail(engine, row)
         assert shared.path == "shared" and shared.method == "probe"
@@ -129,7 +133,7 @@ def test_calibrate_trains_a_probe_the_rail_then_finds(engine, monkeypatch, tmp_p
             sorted((r for r in pasted if r["block"] == block), key=lambda r: len(r["user"]))[:2]]
     probe, table = train(engine, rows, layers=(8, 16))
     assert 1 <= probe.layer < engine.model.config.num_hidden_layers + 1
-    assert probe.features == table[0]["features"] and probe.weights == "float"
+    assert probe.features == table[0]["features"] and probe.weights == engine.weights_kind   # int4 on the CPU
     # the last state (and the suffix's mean beside it, when the cross-validation chose it)
     assert len(probe.weight) == engine.model.config.hidden_size * (2 if probe.features == "last+mean" else 1)
     assert (probe.layer, probe.metrics["l2"]) == (table[0]["layer"], table[0]["l2"])

@@ -40,8 +40,7 @@ def shipped(request, monkeypatch, tmp_path):
     """The engine of one weights kind, seeing only the shipped probes (what a fresh install gets)."""
     from flashguard import EngineConfig, get_engine
 
-    engine = request.getfixturevalue("engine") if request.param == "float" else \
-        get_engine(EngineConfig(weights="int4"))
+    engine = request.getfixturevalue("float_engine" if request.param == "float" else "engine")   # auto: int4
     monkeypatch.setattr(probe_mod, "user_probe_path", lambda key, side="output": tmp_path / "none.json")
     rail_state(engine).forget_probes()
     yield request.param, engine

@@ -9,6 +9,13 @@ from flashguard import CacheConfig, EngineConfig
 from flashguard.engine import SamplingParams
 from flashguard.kv.cache import TieredCache
 
+
+@pytest.fixture(scope="module")
+def engine(float_engine):
+    """The float model: the cache's logits and tokens are compared with DynamicCache's at tight tolerances."""
+    return float_engine
+
+
 pytestmark = pytest.mark.slow
 
 SMALL = dict(page_size=32, l1_tokens=256, sink_tokens=32, l2_tokens=512, l1_max_tokens=512, budget_tokens=512)
@@ -132,7 +139,7 @@ def test_short_chunks_past_the_pool_read_only_the_selected_pages(engine, text_id
 def test_exact_default_codecs_greedy_256_tokens_equal_dynamic(engine, text_ids):
     from flashguard.engine.engine import Engine
 
-    tiered = Engine(EngineConfig(kv_cache="tiered", kv=EXACT), source=engine.source)
+    tiered = Engine(EngineConfig(weights="float", kv_cache="tiered", kv=EXACT), source=engine.source)
     prompt = tiered.encode_messages([{"role": "user", "content": "Summarise this text.\n" +
                                       engine.tokenizer.decode(text_ids[:900])}])
     params = SamplingParams(max_tokens=256)
@@ -149,7 +156,7 @@ def test_exact_default_codecs_greedy_256_tokens_equal_dynamic(engine, text_ids):
 def test_common_prefix_shares_pages_and_output(engine, text_ids):
     from flashguard.engine.engine import Engine
 
-    tiered = Engine(EngineConfig(kv_cache="tiered", kv=LOSSLESS), source=engine.source)
+    tiered = Engine(EngineConfig(weights="float", kv_cache="tiered", kv=LOSSLESS), source=engine.source)
     doc = engine.tokenizer.decode(text_ids[:600])
     a = tiered.encode_messages([{"role": "user", "content": doc + "\nWhat is this about?"}])
     b = tiered.encode_messages([{"role": "user", "content": doc + "\nList three keywords."}])
@@ -160,7 +167,7 @@ def test_common_prefix_shares_pages_and_output(engine, text_ids):
     shared = tiered.generate(b, params).text
     reused = tiered.stats.as_dict()["generation"]["reused_tokens"] - before
     assert reused >= 512 and tiered.store.stats.misses >= 1
-    fresh_engine = Engine(EngineConfig(kv_cache="tiered", kv=LOSSLESS), source=engine.source)
+    fresh_engine = Engine(EngineConfig(weights="float", kv_cache="tiered", kv=LOSSLESS), source=engine.source)
     assert fresh_engine.generate(b, params).text == shared
     tiered.session.cache.check_integrity()
 
@@ -187,7 +194,7 @@ def sparse_engine(engine):
     """An engine on the sparse tiered cache (SMALL tiers), loaded once for the passkey grid."""
     from flashguard.engine.engine import Engine
 
-    return Engine(EngineConfig(kv_cache="tiered", kv=SPARSE), source=engine.source)
+    return Engine(EngineConfig(weights="float", kv_cache="tiered", kv=SPARSE), source=engine.source)
 
 
 @pytest.mark.parametrize("filler_sentences", [60, 160])

@@ -720,10 +720,16 @@ class Engine:
             # of cudaHostAlloc in its prefill's profile (docs/benchmarks/run_2026-12-02/call1/profile_32768.txt)
             if store is not None and self.session.leaving(len(rest)):
                 store.expect_tokens(len(rest))
-            while a < len(rest):
+            # the last token runs alone, as a reused prompt's does (ids[:-1] held, one token fed): the first
+            # token's logits then come from the same computation whether the prompt was prefilled now or held, so
+            # greedy replies do not depend on what the session held before (int4 kernels round a token's
+            # activations differently in a chunk of many than alone)
+            body = rest[:-1]
+            while a < len(body):
                 chunk = self.prefill_chunk  # may shrink inside _forward after an out-of-memory
-                logits = self._forward(rest[a:a + chunk])
+                self._forward(body[a:a + chunk])
                 a += chunk
+            logits = self._forward(rest[-1:])
         return logits, reused
 
     def _reuse_prefix(self, ids: list[int]) -> int:
