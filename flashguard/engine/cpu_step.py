@@ -29,7 +29,8 @@ import math
 
 import torch
 
-_RMS_NORMS = ("LlamaRMSNorm", "Qwen2RMSNorm", "MistralRMSNorm")
+# the RMSNorm classes whose forward is weight * x / rms(x) (decode_step.py fuses and steps over these too)
+RMS_NORMS = ("LlamaRMSNorm", "Qwen2RMSNorm", "MistralRMSNorm")
 _SILUS = ("SiLU", "SiLUActivation")   # torch's and transformers' (ACT2FN["silu"])
 
 
@@ -50,14 +51,14 @@ class CpuStep:
     @classmethod
     def make(cls, step) -> "CpuStep | None":
         if step.use_graphs or step.host_embed or step.device.type != "cpu" or step.dtype != torch.float32 or \
-                type(step.norm).__name__ not in _RMS_NORMS:
+                type(step.norm).__name__ not in RMS_NORMS:
             return None
         layers = []
         for layer, fused in zip(step.layers, step.fused):
             attn, mlp = layer.self_attn, layer.mlp
             if fused is None or fused[0].backend != "cpu" or _kernel(attn.o_proj) is None or \
                     _kernel(mlp.down_proj) is None or type(mlp.act_fn).__name__ not in _SILUS or \
-                    any(type(n).__name__ not in _RMS_NORMS for n in (layer.input_layernorm,
+                    any(type(n).__name__ not in RMS_NORMS for n in (layer.input_layernorm,
                                                                       layer.post_attention_layernorm)):
                 return None
             qkv, (nq, nk, nv), gate_up = fused

@@ -481,7 +481,7 @@ def _kernels_take(model, head_dim: int) -> bool:
     """``step_kernels`` compute this model's layers: RMSNorms, a SiLU-gated MLP, a head size the kernels take."""
     layer = model.model.layers[0]
     return step_kernels.supported(head_dim) and getattr(model.config, "hidden_act", None) == "silu" and \
-        all(type(m).__name__ in _RMS_NORMS for m in (layer.input_layernorm, layer.post_attention_layernorm))
+        all(type(m).__name__ in cpu_step.RMS_NORMS for m in (layer.input_layernorm, layer.post_attention_layernorm))
 
 
 def _linear(module, x: torch.Tensor, residual: torch.Tensor | None = None, norm=None,
@@ -501,13 +501,10 @@ def _linear(module, x: torch.Tensor, residual: torch.Tensor | None = None, norm=
     return out if residual is None else residual + out
 
 
-_RMS_NORMS = ("LlamaRMSNorm", "Qwen2RMSNorm", "MistralRMSNorm")
-
-
 def _rms_norm(module, x: torch.Tensor) -> torch.Tensor:
     """``module(x)`` for the RMSNorms of Llama / Qwen2 as one ``F.rms_norm`` call (one fused kernel on a GPU, where
     transformers' module launches eight); any other norm module runs as it is."""
-    if type(module).__name__ in _RMS_NORMS:
+    if type(module).__name__ in cpu_step.RMS_NORMS:
         return torch.nn.functional.rms_norm(x, module.weight.shape, module.weight, module.variance_epsilon)
     return module(x)
 
@@ -538,7 +535,7 @@ def fuse_norms(model) -> int:
     to the engine too). Returns how many modules were changed."""
     n = 0
     for module in model.modules():
-        if type(module).__name__ in _RMS_NORMS and "forward" not in vars(module):
+        if type(module).__name__ in cpu_step.RMS_NORMS and "forward" not in vars(module):
             module.forward = functools.partial(_rms_norm, module)
             n += 1
     return n

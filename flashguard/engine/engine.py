@@ -873,7 +873,8 @@ class Engine:
             kv_token = int(shape.layers * 2 * shape.kv_heads * shape.head_dim * bytes_per_value())
         kernels = sorted({m.backend for m in self.model.modules() if isinstance(m, Int4Linear)})
         out = {"model": self.source.label, "device": str(self.device), "dtype": str(self.dtype).replace("torch.", ""),
-               "weights": self.weights_kind, "weights_reason": self.weights_reason, "int4_kernel": kernels[0] if len(kernels) == 1 else kernels or None,
+               "weights": self.weights_kind, "weights_reason": self.weights_reason,
+               "int4_kernel": kernels[0] if len(kernels) == 1 else kernels or None,
                "cache": self.config.kv_cache, "vram_budget": self.vram_budget, "context": self.context_length,
                "prefill_chunk": self.prefill_chunk,
                "embedding": "host" if self.embedding_on_host else str(self.device),
