@@ -14,10 +14,10 @@ def emit(table: str, data, out: str | None, json_path: str | None) -> None:
 def save(table: str, data, out: str | None, json_path: str | None) -> None:
     """Write ``table`` (``--out``) and ``data`` (``--json``) where asked (a benchmark's results so far)."""
     if json_path:
-        with open(json_path, "w") as fh:
+        with open(json_path, "w", encoding="utf-8") as fh:
             json.dump(data, fh, indent=1, default=str)
     if out:
-        with open(out, "w") as fh:
+        with open(out, "w", encoding="utf-8") as fh:
             fh.write(table)
 
 

@@ -106,3 +106,20 @@ def test_a_conversation_encoded_again_is_not_tokenized_again(engine, monkeypatch
     for i in range(engine.ENCODED_KEPT):                # older conversations leave: encoded again when they return
         engine.encode_messages([{"role": "user", "content": f"filler {i}"}])
     assert engine.encode_messages(msgs) == first and len(calls) == 3 + engine.ENCODED_KEPT
+
+
+def test_int4_greedy_replies_do_not_depend_on_what_the_session_held():
+    """int4 (the CPU's default) rounds a token's activations to bf16 differently in a chunk than alone: the prompt's
+    last token runs alone after its prefill, as a held prompt's does, so a question asked again (after its own
+    answer, after another question) gets the same greedy reply (before, the reply parted ~35 tokens in, and the load
+    test counted it as cross-talk)."""
+    from flashguard import EngineConfig, get_engine
+
+    int4 = get_engine(EngineConfig(weights="int4"))
+    ids, other = int4.encode_messages(STORY), int4.encode_messages(Q)
+    params = SamplingParams(max_tokens=48)
+    int4.reset_session()
+    fresh = int4.generate(ids, params).text
+    assert "".join(p.text for p in int4.stream(ids, params)) == fresh
+    int4.generate(other, params)
+    assert int4.generate(ids, params).text == fresh

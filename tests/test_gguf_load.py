@@ -217,7 +217,7 @@ def test_the_embedded_model_starts_in_int4_from_its_q4_1_weights(tmp_path, monke
     from flashguard.engine.sampling import SamplingParams
 
     # the shared cache folder: converted once for the suite; on a CPU machine the suite's own float engine
-    float_engine = get_engine(EngineConfig(device="cpu"))
+    float_engine = get_engine(EngineConfig(device="cpu", weights="float"))
     monkeypatch.setenv("FLASHGUARD_CACHE_DIR", str(tmp_path / "cache"))
     with caplog.at_level(logging.INFO, logger="flashguard"):
         engine = Engine(EngineConfig(device="cpu", weights="int4"))

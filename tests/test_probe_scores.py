@@ -40,7 +40,8 @@ def shipped(request, monkeypatch, tmp_path):
     """The engine of one weights kind, seeing only the shipped probes (what a fresh install gets)."""
     from flashguard import EngineConfig, get_engine
 
-    engine = request.getfixturevalue("float_engine" if request.param == "float" else "engine")   # auto: int4
+    engine = request.getfixturevalue("float_engine") if request.param == "float" else \
+        get_engine(EngineConfig(weights="int4"))   # (on a CPU the suite's shared engine: auto is int4 there)
     monkeypatch.setattr(probe_mod, "user_probe_path", lambda key, side="output": tmp_path / "none.json")
     rail_state(engine).forget_probes()
     yield request.param, engine

@@ -55,3 +55,29 @@ def test_a_model_without_a_chat_template_gets_the_plain_one_for_the_chat_and_the
     ids = engine.encode_messages([{"role": "user", "content": "hi"}])
     assert engine.tokenizer.decode(ids) == "user: hi\nassistant:"
     assert engine.tokenizer.decode(moderation_suffix(engine, "Safe?")) == "\nuser: Safe?\nassistant:"
+
+
+def test_auto_reads_an_awq_checkpoint_as_int4(tmp_path):
+    """An AWQ folder loads in int4 whatever the key says: auto says so (the start-up line, plan, the registry)."""
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": "awq", "bits": 4}}))
+    kind, why = loader.choose_weights("auto", loader.resolve_model(str(tmp_path)), torch.device("cuda"))
+    assert kind == "int4" and "AWQ checkpoint" in why
+
+
+def test_a_prompt_answers_the_same_after_other_prompts(tmp_path):
+    """The last prompt token runs alone after the prefill, as a held prompt's does: greedy replies do not depend on
+    what the session held (fresh, asked again, and after another prompt)."""
+    from flashguard.engine import SamplingParams
+    from tests import tiny
+
+    engine = tiny.engine(tmp_path, prefill_chunk=7)
+    ids = engine.encode_messages([{"role": "user", "content": tiny.text(90)}])
+    other = engine.encode_messages([{"role": "user", "content": tiny.text(60, seed=1)}])
+    p = SamplingParams(max_tokens=24)
+    engine.reset_session()
+    first = engine.generate(ids, p).text
+    assert engine.generate(ids, p).text == first
+    engine.generate(other, p)
+    assert engine.generate(ids, p).text == first

@@ -724,12 +724,16 @@ class Engine:
             # token's logits then come from the same computation whether the prompt was prefilled now or held, so
             # greedy replies do not depend on what the session held before (int4 kernels round a token's
             # activations differently in a chunk of many than alone)
-            body = rest[:-1]
+            # (only while the prompt fits the pool: past it a token fed alone attends the sparse policy's pages,
+            # where a prefill chunk attends every page)
+            alone = self.config.kv_cache == "dynamic" or self.kv.l1_tokens is None or len(ids) <= self.kv.l1_tokens
+            body = rest[:-1] if alone else rest
             while a < len(body):
                 chunk = self.prefill_chunk  # may shrink inside _forward after an out-of-memory
-                self._forward(body[a:a + chunk])
+                logits = self._forward(body[a:a + chunk])
                 a += chunk
-            logits = self._forward(rest[-1:])
+            if alone:
+                logits = self._forward(rest[-1:])
         return logits, reused
 
     def _reuse_prefix(self, ids: list[int]) -> int:

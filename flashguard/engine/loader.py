@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from .. import notice
 from ..errors import ModelLoadError
 from ..quant import AWQ_GROUP_SIZE
 
@@ -205,7 +206,8 @@ def materialize(source: ModelSource) -> str:
         return str(target)
     from transformers import AutoModelForCausalLM, GgufConfig
 
-    log.info("flashguard: converting %s to safetensors once (kept in %s)", source.label, target)
+    notice.say("flashguard: converting %s to safetensors once, about 25 s for the embedded model (kept in %s)",
+               source.label, target)
     try:
         tok = gguf_tokenizer(source)
         model = AutoModelForCausalLM.from_pretrained(
@@ -362,6 +364,14 @@ def choose_weights(weights: str, source: ModelSource, device: torch.device) -> t
     if weights != "auto":
         return weights, f"weights: {weights}"
     if source.gguf_file is None:
+        from ..quant import awq_load
+
+        try:
+            config = json.loads(Path(source.folder, "config.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):   # the loader says what is wrong with the folder
+            config = {}
+        if awq_load.is_awq(config):
+            return "int4", "auto: an AWQ checkpoint, int4 as stored"
         return "float", "auto: as stored; weights: int4 quantizes a float model with AWQ once"
     path = os.path.join(source.folder, source.gguf_file)
     st = os.stat(path)
