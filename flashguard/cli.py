@@ -220,6 +220,8 @@ def plan_model(args) -> tuple[str, str, dict]:
     else the config's ``model_path`` (the embedded model when it has none)."""
     import yaml
 
+    from .config import main_parameters
+
     if args.model is not None:
         return args.model, "--model", {}
     path = Path(args.config, "config.yml")
@@ -227,8 +229,7 @@ def plan_model(args) -> tuple[str, str, dict]:
         doc = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
     except (OSError, yaml.YAMLError) as exc:
         raise SystemExit(f"flashguard: cannot read {path}: {exc}; pass --config DIR or --model") from exc
-    main = next((m for m in doc.get("models") or [] if isinstance(m, dict) and m.get("type") == "main"), {})
-    params = main.get("parameters") or {}
+    params = main_parameters(doc)
     if not params.get("model_path"):
         return "embedded", f"the embedded model: {path} sets no model_path", params
     from .engine import loader
@@ -243,14 +244,12 @@ def plan_weights(args, model: str, params: dict) -> tuple[str, str]:
     engine resolves it on a GPU (engine/loader.py ``choose_weights``); a named shape is planned in int4."""
     import torch
 
-    from .config import ConfigError
+    from .config import EngineConfig
     from .engine import loader
 
     if args.weights is not None:
         return ("float" if args.weights == "fp16" else args.weights), "--weights"   # fp16: the old name
-    weights = params.get("weights", "auto")
-    if weights not in ("auto", "float", "int4"):
-        raise ConfigError(f"must be one of auto, float, int4; got {weights!r}", key="weights")
+    weights = EngineConfig.from_parameters({"weights": params.get("weights", "auto")}).weights
     if weights != "auto":
         return weights, "weights: " + weights + " in the config"
     if model.lower() in ("deepseek-r1-distill-qwen-1.5b", "deepseek-r1-distill-qwen-7b"):

@@ -237,6 +237,13 @@ class EngineConfig:
         return dataclasses.replace(self, **changes)
 
 
+def main_parameters(doc: Any) -> dict:
+    """``models[type: main].parameters`` of a loaded config.yml document (``{}`` where it has none)."""
+    models = doc.get("models") if isinstance(doc, Mapping) else None
+    main = next((m for m in models or [] if isinstance(m, Mapping) and m.get("type") == "main"), {})
+    return dict(main.get("parameters") or {})
+
+
 def _check_choice(value: Any, choices: tuple, key: str) -> None:
     if value not in choices:
         raise ConfigError(f"must be one of {', '.join(map(str, choices))}; got {value!r}", key=key)

@@ -448,15 +448,14 @@ def keep_window_probe(probe: Probe, path: Path) -> Probe:
 
 def main(args) -> int:
     """The CLI command (``flashguard calibrate``): build the config's engine, train, write the probe."""
-    from flashguard.config import EngineConfig
+    from flashguard.config import EngineConfig, main_parameters
     from flashguard.engine.engine import Engine
 
     import yaml
 
     cfg_path = Path(args.config) / "config.yml"
     data = yaml.safe_load(cfg_path.read_text()) or {}
-    main_model = next((m for m in data.get("models") or [] if m.get("type") == "main"), None) or {}
-    params = dict(main_model.get("parameters") or {})
+    params = main_parameters(data)
     if args.weights:
         params["weights"] = args.weights
     config = EngineConfig.from_parameters(params)

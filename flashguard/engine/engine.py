@@ -150,16 +150,16 @@ class Engine:
             None if self.vram_budget is None else max(0, self.vram_budget - self.cuda_context), self.device)
         t0 = time.perf_counter()
         # the weights key resolved (auto: int4 for a Q4 GGUF on the CPU, loader.choose_weights) and why
-        self.weights_choice, self.weights_reason = loader.choose_weights(config.weights, self.source, self.device)
+        weights, self.weights_reason = loader.choose_weights(config.weights, self.source, self.device)
         if model is not None:
             self.model, self.tokenizer = model, tokenizer
             self.dtype = next(model.parameters()).dtype
         else:
             notice.say("flashguard: loading %s on %s, %s weights (%s)", self.source.label,
-                       "the CPU" if self.device.type == "cpu" else self.device, self.weights_choice,
+                       "the CPU" if self.device.type == "cpu" else self.device, weights,
                        self.weights_reason)
-            where, kernel = self._load_target(config)   # host RAM when int4 layers will stream (_place_layers)
-            self.model, self.tokenizer = loader.load(self.source, where, self.dtype, self.weights_choice, kernel)
+            where, kernel = self._load_target(config, weights)   # host RAM when int4 layers stream (_place_layers)
+            self.model, self.tokenizer = loader.load(self.source, where, self.dtype, weights, kernel)
         log.info("flashguard: loaded %s on %s (%s) in %.1fs", self.source.label, self.device,
                  str(self.dtype).replace("torch.", ""), time.perf_counter() - t0)
         if getattr(self.tokenizer, "chat_template", None) is None:   # a base model: one plain template for all
@@ -516,13 +516,13 @@ class Engine:
             shape = dataclasses.replace(shape, lm_head="int4")
         return shape
 
-    def _load_target(self, config: EngineConfig) -> tuple[torch.device, str]:
+    def _load_target(self, config: EngineConfig, weights: str) -> tuple[torch.device, str]:
         """``(device, int4_kernel)`` for the loader: the engine's, or host RAM with the ``dequant`` int4 layout (the
         Triton kernels' bytes, ``layer_stream.place`` switches them) when the model's int4 decoder layers will not
         all fit ``vram_budget``: a 7B's would not fit the device to be moved off it after loading."""
         from ..vram import plan as planner
 
-        if self.vram_budget is None or self.device.type != "cuda" or self.weights_choice != "int4":
+        if self.vram_budget is None or self.device.type != "cuda" or weights != "int4":
             return self.device, config.int4_kernel
         try:
             from transformers import AutoConfig
