@@ -25,7 +25,7 @@ than the one it should (the probe on the turn's shared pages, prefilling only it
 messages). On 2 busy CPU cores all sets take about 25 minutes per weights kind.
 
 The test suite keeps fast checks: the rails' plumbing, and that the shipped probes load and score a few rows as
-recorded (tests/test_probe_scores.py; ``python -m benchmarks.record_probe_scores`` records them again after a refit).
+recorded (tests/rails/test_probe_scores.py; ``python -m benchmarks.record_probe_scores`` records them again after a refit).
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ import time
 import torch
 
 from flashguard.engine.decode_step import greedy_step
+from flashguard.kv.session import forwarding
 from flashguard.vram.accounting import cache_device_bytes
 from flashguard.vram.plan import deepseek_1_5b_config
 from benchmarks import emit, timed_steps
@@ -39,9 +40,8 @@ def run_row(model, make_cache, ids, chunk, steps, kwarg, step=None):
     with torch.inference_mode():
         for a in range(0, ids.shape[1], chunk):
             part = ids[:, a:a + chunk]
-            if hasattr(cache, "feed"):
-                cache.feed(part[0].tolist())
-            logits = model(input_ids=part, **{kwarg: cache}, logits_to_keep=1).logits
+            with forwarding(cache, part[0].tolist()):
+                logits = model(input_ids=part, **{kwarg: cache}, logits_to_keep=1).logits
         torch.cuda.synchronize()
         prefill = time.perf_counter() - t0
         _, decode = timed_steps(model, cache, logits[:, -1].argmax(-1, keepdim=True), step, kwarg, WARMUP_STEPS,
@@ -155,8 +155,8 @@ def profile_steps(model, cfg, kv, kwarg, ctx, chunk, step, policy) -> str:
     ids = torch.randint(0, cfg.vocab_size, (1, ctx), device="cuda")
     with torch.inference_mode():
         for a in range(0, ctx, chunk):
-            cache.feed(ids[0, a:a + chunk].tolist())
-            model(input_ids=ids[:, a:a + chunk], **{kwarg: cache}, logits_to_keep=1)
+            with forwarding(cache, ids[0, a:a + chunk].tolist()):
+                model(input_ids=ids[:, a:a + chunk], **{kwarg: cache}, logits_to_keep=1)
         tok = ids[:, -1:]
         for _ in range(4):  # warm the hot set
             tok = greedy_step(model, cache, tok, step, kwarg)

@@ -52,6 +52,7 @@ import time
 
 import torch
 
+from flashguard.kv.session import forwarding
 from flashguard.vram.plan import deepseek_7b_config
 from benchmarks import emit
 
@@ -137,20 +138,20 @@ def fill_random(cache, cfg, ids, chunk: int, device, dtype) -> None:
     with torch.inference_mode():
         for a in range(0, ids.shape[1], chunk):
             z = min(a + chunk, ids.shape[1])
-            cache.feed(ids[0, a:z].tolist())
             first = a // FILL_BLOCK
-            for layer in range(cfg.num_hidden_layers):
-                parts = [block(layer, b) for b in range(first, (z - 1) // FILL_BLOCK + 1)]
-                k = torch.cat([p[0] for p in parts], dim=1)[:, a - first * FILL_BLOCK:z - first * FILL_BLOCK]
-                v = torch.cat([p[1] for p in parts], dim=1)[:, a - first * FILL_BLOCK:z - first * FILL_BLOCK]
-                cache.update(k.unsqueeze(0), v.unsqueeze(0), layer)
+            with forwarding(cache, ids[0, a:z].tolist()):
+                for layer in range(cfg.num_hidden_layers):
+                    parts = [block(layer, b) for b in range(first, (z - 1) // FILL_BLOCK + 1)]
+                    k = torch.cat([p[0] for p in parts], dim=1)[:, a - first * FILL_BLOCK:z - first * FILL_BLOCK]
+                    v = torch.cat([p[1] for p in parts], dim=1)[:, a - first * FILL_BLOCK:z - first * FILL_BLOCK]
+                    cache.update(k.unsqueeze(0), v.unsqueeze(0), layer)
 
 
 def fill_model(model, cache, ids, chunk: int, kwarg: str) -> None:
     with torch.inference_mode():
         for a in range(0, ids.shape[1], chunk):
-            cache.feed(ids[0, a:a + chunk].tolist())
-            model(input_ids=ids[:, a:a + chunk], **{kwarg: cache}, logits_to_keep=1)
+            with forwarding(cache, ids[0, a:a + chunk].tolist()):
+                model(input_ids=ids[:, a:a + chunk], **{kwarg: cache}, logits_to_keep=1)
 
 
 def row_kv(name: str, cfg, ctx: int, args, device):
@@ -214,8 +215,8 @@ def run_row(name, model, cfg, ids, args, tier, step, kwarg, device) -> dict:
     fill_s = time.perf_counter() - t0
     token = ids[:, -1:]
     with torch.inference_mode():
-        cache.feed(token[0].tolist())
-        first = model(input_ids=token, **{kwarg: cache}, logits_to_keep=1).logits[0, -1].float().cpu()
+        with forwarding(cache, token[0].tolist()):
+            first = model(input_ids=token, **{kwarg: cache}, logits_to_keep=1).logits[0, -1].float().cpu()
         token = first.argmax().view(1, 1).to(device)
         for _ in range(args.warmup):
             token = greedy_step(model, cache, token, step, kwarg)
@@ -485,18 +486,16 @@ def dead_peer(args, device) -> int:
         rows, times = [], []
         with torch.inference_mode():
             for a in range(0, prefix, 128):
-                if hasattr(cache, "feed"):
-                    cache.feed(ids[0, a:a + 128].tolist())
-                model(input_ids=ids[:, a:a + 128], **{kwarg: cache})
+                with forwarding(cache, ids[0, a:a + 128].tolist()):
+                    model(input_ids=ids[:, a:a + 128], **{kwarg: cache})
             for t in range(prefix, ids.shape[1]):
                 if tier is not None and t == prefix + kill_at:
                     tier.processes[0].kill()
                     tier.processes[0].join(5)
                     out["killed_at_step"] = kill_at
-                if hasattr(cache, "feed"):
-                    cache.feed(ids[0, t:t + 1].tolist())
                 t0 = time.perf_counter()
-                rows.append(model(input_ids=ids[:, t:t + 1], **{kwarg: cache}).logits[0, -1].float().cpu())
+                with forwarding(cache, ids[0, t:t + 1].tolist()):
+                    rows.append(model(input_ids=ids[:, t:t + 1], **{kwarg: cache}).logits[0, -1].float().cpu())
                 times.append(time.perf_counter() - t0)
         return torch.stack(rows), times
 

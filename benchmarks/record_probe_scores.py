@@ -1,5 +1,5 @@
 """Record what the shipped probes score on a few rows: tests/data/probe_scores.json, which
-tests/test_probe_scores.py compares the shipped probes against (that they load, find the model's states and score
+tests/rails/test_probe_scores.py compares the shipped probes against (that they load, find the model's states and score
 as they did when they were fitted). Run it again after refitting or replacing a shipped probe (rails/probes/):
 
     python -m benchmarks.record_probe_scores [--out FILE]
@@ -132,7 +132,7 @@ def main(argv=None) -> int:
     engines = {w: engine_for(w) for w in WEIGHTS}
     record = {
         "about": "p_unsafe of the shipped probes on a few rows, per weights kind (3 decimals); "
-                 "tests/test_probe_scores.py compares; `python -m benchmarks.record_probe_scores` writes it",
+                 "tests/rails/test_probe_scores.py compares; `python -m benchmarks.record_probe_scores` writes it",
         "probes": probe_record(engines),
         "rows": [row for rail in ("output", "input") for row in choose(rail, engines)],
     }

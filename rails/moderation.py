@@ -342,19 +342,21 @@ def turn_ids(engine, turn, settings: ModerationSettings) -> list[int]:
     return prompt + engine.tokenizer(lead + answer + more_answer, add_special_tokens=False)["input_ids"]
 
 
-def _score(engine, ids, settings, probe, task: str = "moderation") -> tuple[float, float, str, int, float, str]:
+def _score(engine, ids, settings, probe, task: str = "moderation",
+           keep: Optional[int] = None) -> tuple[float, float, str, int, float, str]:
     """One forward over ``ids`` (the unseen suffix of them): ``(p_unsafe, threshold, method, reused,
     p_question, strictness level)`` (the level "" where none applies: ``probe_threshold``). A probe that reads the
     suffix's mean (``features: last+mean``, format 2) gets it from the same forward: the mean over the last
     ``len(moderation_suffix)`` positions of ``ids`` (the suffix, which ends every output rail's ids), so the prefill
-    is still only the suffix."""
+    is still only the suffix. ``keep``: as ``Engine.read``'s."""
     pooled = None
     if probe is not None and probe.pools:
         start = len(ids) - len(moderation_suffix(engine, settings.prompt))
-        logprobs, hidden, means, reused = suffix_state(engine, ids, start, probe.pool_layers, task=task)
-        pooled = means.mean(0)
+        r = engine.read(ids, task=task, hidden=True, layers=probe.pool_layers, mean_from=start, keep=keep)
+        pooled = r.mean.mean(0)
     else:
-        logprobs, hidden, reused = engine.next_token_state(ids, task=task, hidden=probe is not None)
+        r = engine.read(ids, task=task, hidden=probe is not None, keep=keep)
+    logprobs, hidden, reused = r.logprobs, r.hidden, r.reused
     log_odds = answer_log_odds(logprobs, answer_ids(engine, settings.unsafe_answer),
                                answer_ids(engine, settings.safe_answer))
     p_question = 1.0 / (1.0 + math.exp(-log_odds))
@@ -475,11 +477,9 @@ def moderate_input(engine, messages: list[dict], settings: Optional[ModerationSe
             for piece in pieces:
                 branch = list(messages[:-1]) + [{**messages[-1], "content": piece}]
                 branch_ids = engine.encode_messages(branch)
-                p, r = _score_prompt(engine, branch_ids, probe, message_start(engine, branch, branch_ids))
+                # each piece is a branch after the conversation: the session goes back to its start after
+                p, r = _score_prompt(engine, branch_ids, probe, message_start(engine, branch, branch_ids), keep=start)
                 p_unsafe, prefilled, reused = max(p_unsafe, p), prefilled + len(branch_ids) - r, max(reused, r)
-            held = engine.session_ids
-            if engine.session is not None and len(held) > start and held[:start] == conv[:start]:
-                engine.session.crop(start)
             threshold, level = _threshold(engine, probe, settings)
             method, p_question, path = "probe", float("nan"), "head+tail"
             v = Verdict(allowed=p_unsafe < threshold, p_unsafe=p_unsafe, path=path, prompt_tokens=len(conv),
@@ -493,10 +493,9 @@ def moderate_input(engine, messages: list[dict], settings: Optional[ModerationSe
             branch = 0
             while branch < min(len(conv), len(ids)) and conv[branch] == ids[branch]:
                 branch += 1
+            # the question branched off at ``branch``: the generation continues from there
             p_unsafe, threshold, method, reused, p_question, level = _score(engine, ids, settings, None,
-                                                                            task="input_moderation")
-            if engine.session is not None and len(engine.session_ids) > branch > 0:
-                engine.session.crop(branch)   # the question branched off here; the generation continues from here
+                                                                            task="input_moderation", keep=branch)
             path = "branch"
     v = Verdict(allowed=p_unsafe < threshold, p_unsafe=p_unsafe, path=path, prompt_tokens=len(ids),
                 prefilled_tokens=len(ids) - reused, reused_tokens=reused, seconds=time.perf_counter() - t0,
@@ -507,14 +506,15 @@ def moderate_input(engine, messages: list[dict], settings: Optional[ModerationSe
     return v
 
 
-def _score_prompt(engine, ids, probe, start: int = 0) -> tuple[float, int]:
+def _score_prompt(engine, ids, probe, start: int = 0, keep: Optional[int] = None) -> tuple[float, int]:
     """An input probe on the generation prompt ``ids``: the state of its last token and, for a probe that reads it,
-    the mean state over ``ids[start:]`` (the user's message: ``message_start``). ``(p_unsafe, reused)``."""
+    the mean state over ``ids[start:]`` (the user's message: ``message_start``). ``(p_unsafe, reused)``. ``keep``:
+    the session afterwards holds at most ``ids[:keep]`` (``Engine.read``)."""
     if not probe.pools:
-        _, hidden, reused = engine.next_token_state(ids, task="input_moderation", hidden=True)
-        return probe.p_unsafe(hidden, 0.0), reused
-    hidden, pooled, reused = pooled_state(engine, ids, start, probe.pool_layers, task="input_moderation")
-    return probe.p_unsafe(hidden, 0.0, pooled.mean(0)), reused
+        r = engine.read(ids, task="input_moderation", hidden=True, keep=keep)
+        return probe.p_unsafe(r.hidden, 0.0), r.reused
+    r = engine.read(ids, task="input_moderation", hidden=True, layers=probe.pool_layers, mean_from=start, keep=keep)
+    return probe.p_unsafe(r.hidden, 0.0, r.mean.mean(0)), r.reused
 
 
 def message_windows(engine, messages: list[dict], window: int) -> Optional[tuple[str, str]]:
@@ -574,52 +574,6 @@ def message_start(engine, messages: list[dict], ids: Optional[list[int]] = None)
     return n
 
 
-class _Pool:
-    """The running sum of the hidden states at ``layers`` over the positions >= ``start`` the forward computes."""
-
-    def __init__(self, start: int, layers, keep: bool = False):
-        self.start, self.layers = start, tuple(layers)
-        self.sums: dict = {}
-        self.count = 0
-        self.kept: Optional[dict] = {} if keep else None   # keep: each position's states too, per layer
-
-    def add(self, layer: int, rows: torch.Tensor) -> None:
-        self.sums[layer] = rows.sum(0) + self.sums.get(layer, 0)
-        if layer == self.layers[0]:
-            self.count += rows.shape[0]
-        if self.kept is not None:
-            self.kept.setdefault(layer, []).append(rows)
-
-    @property
-    def sum(self) -> Optional[torch.Tensor]:
-        return torch.stack([self.sums[layer] for layer in self.layers]) if len(self.sums) == len(self.layers) else None
-
-
-def _pool_hook(engine):
-    """Forward hooks on the engine's model (registered once) on the modules whose outputs are the hidden states a
-    probe reads (state ``i``: the embedding's output for 0, decoder layer ``i``'s for ``1..n-1``, the final norm's for
-    ``n``, as ``output_hidden_states`` numbers them): while a pool is set (under the engine's lock) they add up the
-    states of the positions at or after the pool's start, at the pool's layers. A chunk's first position is the
-    number of tokens the session holds (the session commits a chunk after its forward)."""
-    state = rail_state(engine)
-    if state.pool_hook is None:
-        def make(at):
-            def hook(module, args, output):
-                pool = state.pool
-                if pool is None or at not in pool.layers:
-                    return
-                h = output[0] if isinstance(output, tuple) else output
-                skip = max(0, pool.start - len(engine.session_ids))
-                if skip < h.shape[1]:
-                    pool.add(at, h[0, skip:].float().cpu())
-            return hook
-
-        inner = engine.model.model
-        modules = [inner.embed_tokens] + list(inner.layers[:-1]) + [inner.norm]
-        state.pool_hook = [m.register_forward_hook(make(at)) for at, m in enumerate(modules)]
-    return state
-
-
 def pooled_state(engine, ids: list[int], start: int, layers, task: str = "input_moderation", keep: bool = False):
     """One forward over ``ids`` (its unseen part) with the hidden states kept: ``(hidden [layers + 1, d] of the last
     token, the mean state over ids[start:] at each of ``layers`` [len(layers), d], reused)``. Tokens from ``start``
@@ -640,29 +594,5 @@ def suffix_state(engine, ids: list[int], start: int, layers, task: str = "modera
 
 
 def _pooled_forward(engine, ids, start, layers, task, keep):
-    state = _pool_hook(engine)
-    with engine.lock:
-        held = engine.session_ids
-        if len(held) > start and held[:start + 1] == ids[:start + 1]:
-            if start > 0:
-                engine.session.crop(start)
-            else:
-                engine.reset_session()
-        for attempt in range(2):
-            state.pool = _Pool(start, layers, keep)
-            try:
-                logprobs, hidden, reused = engine.next_token_state(ids, task=task, hidden=True)
-                pool = state.pool
-            finally:
-                state.pool = None
-            if reused <= start or attempt:   # stored pages adopted past the start (a tiered cache): once more
-                break
-            engine.session.crop(start) if start > 0 else engine.reset_session()
-        if pool.sum is None or pool.count < len(ids) - max(start, reused):
-            raise RuntimeError(f"the probe's mean covered {pool.count} of {len(ids) - start} tokens")
-        kept = None
-        if keep:
-            kept = torch.stack([torch.cat(pool.kept[layer], 0) for layer in pool.layers])
-            if kept.shape[1] != len(ids) - start:
-                raise RuntimeError(f"the input probe's windows covered {kept.shape[1]} of {len(ids) - start} tokens")
-        return logprobs, hidden, pool.sum / pool.count, reused, kept
+    r = engine.read(ids, task=task, hidden=True, layers=layers, mean_from=start, keep_states=keep)
+    return r.logprobs, r.hidden, r.mean, r.reused, r.states

@@ -85,9 +85,7 @@ class ModelKey:
 
 def engine_weights(engine) -> str:
     """``int4`` when the model runs Int4Linear layers (``weights: int4`` or an AWQ checkpoint), else ``float``."""
-    from flashguard.quant.int4_linear import Int4Linear
-
-    return "int4" if any(isinstance(m, Int4Linear) for m in engine.model.modules()) else "float"
+    return engine.weights_kind
 
 
 @dataclass(frozen=True)

@@ -18,8 +18,6 @@ class RailState:
     threshold_warned: set = field(default_factory=set)
     probe_warned: set = field(default_factory=set)
     strictness_warned: set = field(default_factory=set)   # (side, long): a probe without a strictness table, logged
-    pool: object = None          # the input probe's running mean over the user's message (moderation.pooled_state)
-    pool_hook: object = None     # the forward hooks that feed it (registered once per engine)
 
     def forget_probes(self) -> None:
         """Drop what depends on where probes are looked for (tests move that folder)."""

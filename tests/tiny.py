@@ -14,6 +14,7 @@ import torch
 from flashguard import EngineConfig
 from flashguard.engine.engine import Engine
 from flashguard.engine.loader import ModelSource
+from flashguard.kv.session import forwarding  # noqa: F401 - the tests drive caches with it
 
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -83,3 +84,4 @@ def qwen2_head64(seed: int = 0):
                       num_key_value_heads=2, head_dim=64, vocab_size=300, max_position_embeddings=4096,
                       tie_word_embeddings=False)
     return Qwen2ForCausalLM(cfg).eval()
+

@@ -6,7 +6,7 @@ Output rail on replies to long pastes: (1) the model's own (greedy, 64-token) re
 files and CI logs (test-split sources of tools/make_long_input_items.py), (2) output test set B (held out) with
 1.5K or 3K characters of documentation (TEST_DOC_KEYS: no tuning row uses them) pasted before each user message.
 The pastes come from one seeded generator, so (2)'s pastes are the same whether (1) runs or not.
-tests/test_output_rail_long_pastes.py asserts (2) with the shipped probes."""
+tests/rails/test_output_rail_long_pastes.py asserts (2) with the shipped probes."""
 import os
 import random
 import sys

@@ -16,7 +16,7 @@ with about half the calls, each cheap:
   once a step (``advance``). Any other cache goes through ``DecodeStep._attend`` (its own update and attention).
 
 The residual stream, rotary, the MLP's activation and the attention stay in fp32, so the logits are the model's
-forward's up to fp32 rounding (tests/test_cpu_decode.py).
+forward's up to fp32 rounding (tests/engine/test_cpu_decode.py).
 
 Contract: ``CpuStep.make(step)`` returns None unless ``step`` (a ``DecodeStep`` without CUDA graphs) is over an
 fp32 model on the CPU whose every layer has fused int4 projections on the ``cpu`` backend, RMSNorms and a SiLU
@@ -28,6 +28,8 @@ from __future__ import annotations
 import math
 
 import torch
+
+from ..kv.cache import TieredCache
 
 # the RMSNorm classes whose forward is weight * x / rms(x) (decode_step.py fuses and steps over these too)
 RMS_NORMS = ("LlamaRMSNorm", "Qwen2RMSNorm", "MistralRMSNorm")
@@ -90,7 +92,7 @@ class CpuStep:
         if self.x is None or self.x.shape[1] != h.shape[1]:
             self.x = torch.empty_like(h, dtype=torch.bfloat16)
         x = self.x
-        view = cache.static_view() if hasattr(cache, "static_view") else None
+        view = cache.static_view() if isinstance(cache, TieredCache) else None
         if view is not None and view.scales is not None:   # an int8 pool: its own update and attention
             view = None
         pos = None if view is None else view.length

@@ -33,55 +33,13 @@ import torch
 
 from ..kv import attention, int8_pool
 from ..kv import step_kernels
+from ..kv.cache import TieredCache
 from ..kv.sparse_step import SparseKV
+from ..kv.static import StaticKV
 from . import cpu_step
 from .host_embedding import HostEmbedding
 
 log = logging.getLogger("flashguard")
-
-
-class StaticKV:
-    """Keys and values of every layer, ``keys[i]`` / ``values[i]`` ``[kv_heads, capacity, head_dim]`` (two device
-    tensors ``[layers, ...]``, or per-layer lists: a resident TieredCache's L1 buffers), written at the step's
-    position by a kernel (the position is a device tensor) and attended up to a device-side count
-    (``attention.prefix_attention``): shapes never change, so a whole decode step can be replayed as one CUDA
-    graph. ``length`` is the number of tokens held (host side); ``owner`` (a TieredCache) is told of each step.
-    ``scales``: an int8 pool (``kv/int8_pool.py``): keys/values are codes and ``scales`` is ``(key scales, value
-    scales)``, per layer ``[kv_heads, capacity, head_dim / GROUP]``."""
-
-    def __init__(self, keys, values, length: int, owner=None, scales=None):
-        self.keys, self.values, self.length, self.owner = keys, values, length, owner
-        self.scales = scales
-
-    @property
-    def capacity(self) -> int:
-        return self.keys[0].shape[1]
-
-    @property
-    def key(self) -> tuple:
-        """Where the buffers are: a graph recorded over them stays valid while this is unchanged."""
-        if isinstance(self.keys, torch.Tensor):
-            return (self.keys.data_ptr(), self.values.data_ptr(), self.capacity)
-        scales = () if self.scales is None else tuple(t.data_ptr() for part in self.scales for t in part)
-        return (tuple(t.data_ptr() for t in self.keys), tuple(t.data_ptr() for t in self.values), self.capacity,
-                scales)
-
-    @classmethod
-    def from_cache(cls, cache, capacity: int) -> "StaticKV":
-        """A copy of a transformers Cache's layers (``layers[i].keys`` ``[1, kvh, T, D]``), room for ``capacity``."""
-        first = cache.layers[0].keys
-        _, kvh, length, d = first.shape
-        if capacity < length:
-            raise ValueError(f"capacity {capacity} < the {length} tokens held")
-        shape = (len(cache.layers), kvh, capacity, d)
-        keys, values = (torch.zeros(shape, dtype=first.dtype, device=first.device) for _ in range(2))
-        for i, layer in enumerate(cache.layers):
-            keys[i, :, :length].copy_(layer.keys[0])
-            values[i, :, :length].copy_(layer.values[0])
-        return cls(keys, values, length)
-
-    def get_seq_length(self) -> int:
-        return self.length
 
 
 class DecodeStep:
@@ -228,12 +186,12 @@ class DecodeStep:
         return h, cos, sin, q, k, v
 
     def _attend(self, i: int, cache, q, k, v) -> None:
-        layer = cache.layers[i]
-        if not hasattr(layer, "attend"):  # a cache that may keep the tensors it is given: not the graph's outputs
+        tiered = isinstance(cache, TieredCache)
+        if not tiered:  # a cache that may keep the tensors it is given: not the graph's outputs
             k, v = k.clone(), v.clone()
         k_all, v_all = cache.update(k, v, i)
-        if hasattr(layer, "attend"):   # a TieredLayer: its own tiers
-            out = layer.attend(q[0], self.scaling)                          # [Hq, 1, D]
+        if tiered:   # a TieredLayer: its own tiers
+            out = cache.layers[i].attend(q[0], self.scaling)                # [Hq, 1, D]
         else:  # one query over every key: the query heads of a KV head are rows of one fused-kernel call
             kvh = k_all.shape[1]
             qg = q[0].reshape(kvh, q.shape[1] // kvh, 1, self.head_dim)
@@ -334,13 +292,14 @@ class DecodeStep:
             if cache.length >= cache.capacity:
                 raise ValueError(f"the StaticKV is full ({cache.length} tokens)")
             return self._whole_step(cache)
-        view = cache.static_view() if self.whole_step and hasattr(cache, "static_view") else None
-        if view is None and self.whole_step and self.sparse_graphs and hasattr(cache, "sparse_view"):
+        tiered = isinstance(cache, TieredCache)
+        view = cache.static_view() if self.whole_step and tiered else None
+        if view is None and self.whole_step and self.sparse_graphs and tiered:
             view = cache.sparse_view()   # off the pool: the sparse step as fixed-shape kernels (kv/sparse_step.py)
         if view is not None:   # a TieredCache's whole step, attention included, as one graph
             logits = self._whole_step(view)
             # pages the sparse step picked were only on disk (L3): promoted to L2 now, the step again
-            while view is not None and hasattr(cache, "promote_missed") and cache.promote_missed():
+            while view is not None and cache.promote_missed():
                 view = cache.sparse_view()
                 if view is None:   # (cannot happen: nothing the view depends on changed but the slots)
                     return self._layers(self._attend, cache)
@@ -543,9 +502,11 @@ def fuse_norms(model) -> int:
 
 def greedy_step(model, cache, token: torch.Tensor, step: "DecodeStep | None", kwarg: str = "past_key_values"):
     """One greedy token ``[1, 1]`` after ``token`` ``[1, 1]``: through ``step`` when given, else the model's forward
-    (what transformers runs); a TieredCache is fed the token first. The benchmarks' and ``stress``'s loop."""
-    if hasattr(cache, "feed"):
-        cache.feed(token[0].tolist())
-    if step is not None:
-        return step.step(int(token[0, 0]), cache).argmax(-1).view(1, 1)
-    return model(input_ids=token, **{kwarg: cache}, logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
+    (what transformers runs), in the cache's forward protocol (``kv.session.forwarding``). ``flashguard stress``'s
+    and the benchmarks' loop."""
+    from ..kv.session import forwarding
+
+    with forwarding(cache, token[0].tolist()):
+        if step is not None:
+            return step.step(int(token[0, 0]), cache).argmax(-1).view(1, 1)
+        return model(input_ids=token, **{kwarg: cache}, logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)

@@ -33,6 +33,7 @@ from ..kv import OUT_OF_MEMORY, peer
 from ..vram import host_heap
 from . import loader
 from .decode_step import DecodeStep
+from .reading import Reading
 from .sampling import IncrementalText, SamplingParams, StopMatcher, choose
 from .stats import EngineStats
 
@@ -202,7 +203,7 @@ class Engine:
         self.session = None   # the KVSession of the last sequence run (kv/session.py)
         self.pool = None   # kv/pool.PoolBuffers: the GPU pool's buffers, from one session to the next
         self._reserved_after_release = 0   # _give_back_memory: the allocator's reserved bytes after its last release
-        self._hidden: list | None = None  # next_token_state(hidden=True) collects the last forward's states here
+        self._tap = None   # read(): the reading.Tap collecting states in the forwards of one read
         self.store = None  # the tiered cache's PageStore (kv_cache: tiered)
         self.turns: list[Turn] = []  # recent generations, newest last (bounded)
         # prefill_chunk auto (set above): larger chunks on a GPU (fewer launches; measured in
@@ -408,32 +409,84 @@ class Engine:
 
         Returns ``(logprobs[vocab], reused_tokens)``.
         """
-        logprobs, _, reused = self.next_token_state(ids, task=task)
-        return logprobs, reused
+        r = self.read(ids, task=task)
+        return r.logprobs, r.reused
 
     def next_token_state(self, ids: Sequence[int], task: str = "moderation", *,
                          hidden: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, int]:
-        """Like ``next_token_logprobs``, and with ``hidden`` also the hidden states of the last token of ``ids``
-        after the embedding and after every decoder layer (``[layers + 1, hidden_size]``, float32, CPU): what a
-        linear probe reads. The last token always runs through the model's forward (never a cached logit), so
-        the states are those of this call. Returns ``(logprobs[vocab], hidden or None, reused_tokens)``."""
+        """``read(ids, hidden=hidden)`` as ``(logprobs[vocab], hidden or None, reused_tokens)``."""
+        r = self.read(ids, task=task, hidden=hidden)
+        return r.logprobs, r.hidden, r.reused
+
+    def read(self, ids: Sequence[int], task: str = "moderation", *, hidden: bool = False, layers=(),
+             mean_from: int | None = None, keep_states: bool = False, keep: int | None = None) -> Reading:
+        """The rails' one call: run the part of ``ids`` the session does not hold (its pages reused, the rest
+        prefilled; the last token always runs, so the states are this call's) and return what a verdict reads
+        (``reading.Reading``):
+
+        - ``hidden``: the last token's state after the embedding and every decoder layer (``[layers + 1, d]``).
+        - ``layers`` and ``mean_from``: the mean state over ``ids[mean_from:]`` at those state indices; those tokens
+          run in this call (a session that holds them is cropped back to ``mean_from`` first, stored pages adopted
+          past it are run again). ``keep_states``: every position's state over that span too.
+        - ``keep``: afterwards the session holds at most ``ids[:keep]`` (a branch: the question the rail asked is
+          dropped, the generation continues from ``keep``); None keeps all of ``ids``. Only the engine crops.
+        """
+        from .reading import Tap
+
         ids = self._check_prompt(ids)
         with self.lock:
             t0 = time.perf_counter()
             faults0 = self._l3_reads()
-            self._hidden = [] if hidden else None
-            try:
-                logits, reused = self._prefill(ids)
-                states = self._hidden
-            finally:
-                self._hidden = None
+            span = mean_from is not None
+            if span:
+                self._rewind(ids, mean_from)
+            for attempt in range(2):
+                tap = Tap(hidden, layers if span else (), mean_from, keep_states)
+                self._tap = tap if hidden or span else None
+                try:
+                    logits, reused = self._prefill(ids)
+                finally:
+                    self._tap = None
+                if not span or reused <= mean_from or attempt:
+                    break
+                self._rewind(ids, mean_from)   # stored pages adopted past the span's start: once more, from it
+            mean = tap.mean(len(ids) - max(mean_from, reused)) if span else None
+            states = tap.states(len(ids) - mean_from) if span and keep_states else None
+            if keep is not None:
+                self._branch_back(ids, keep)
             seconds = time.perf_counter() - t0
             self.stats.record(task, prompt=len(ids), prefilled=len(ids) - reused, reused=reused, generated=0,
                               seconds=seconds, first_token_s=seconds, l3_reads=self._l3_reads() - faults0)
             self._give_back_memory()
-            if hidden:
-                states = torch.stack([h[0, -1].float().cpu() for h in states])
-            return torch.log_softmax(logits.float(), dim=-1), states if hidden else None, reused
+            return Reading(logprobs=torch.log_softmax(logits.float(), dim=-1),
+                           hidden=tap.hidden() if hidden else None, mean=mean, states=states, reused=reused,
+                           prefilled=len(ids) - reused)
+
+    def _rewind(self, ids: list[int], start: int) -> None:
+        """The session back to ``start`` tokens when it holds ``ids`` past ``start`` (the next prefill then runs
+        them); to nothing for ``start`` 0 (its pages stay in the store)."""
+        held = self.session_ids
+        if len(held) > start and held[:start + 1] == ids[:start + 1]:
+            if start > 0:
+                self._crop(start)
+            else:
+                self._drop_session(keep_pages=True)
+
+    def _branch_back(self, ids: list[int], keep: int) -> None:
+        """After a read: the session back to ``ids[:keep]`` when it holds more of ``ids`` (``keep`` > 0)."""
+        held = self.session_ids
+        if 0 < keep < len(held) and held[:keep] == ids[:keep]:
+            self._crop(keep)
+
+    def _crop(self, n: int) -> None:
+        """The session keeps its first ``n`` tokens; a page lost on the way drops it (the next call prefills)."""
+        from ..kv.cache import PageLost
+
+        try:
+            self.session.crop(n)
+        except PageLost as exc:
+            log.warning("flashguard: %s; starting the session again", exc)
+            self._drop_session(keep_pages=False)
 
     def teacher_force(self, prompt_ids: Sequence[int], output_ids: Sequence[int], text: str | None = None) -> Turn:
         """Run ``prompt_ids + output_ids`` through the model as if it had generated ``output_ids``.
@@ -790,8 +843,7 @@ class Engine:
         try:
             return self._forward_once(tokens)
         except OUT_OF_MEMORY as exc:
-            self.oom_retries += 1
-            self.session.undo()   # every layer back to the tokens before this call
+            self.oom_retries += 1   # (session.forward brought every layer back to the tokens before this call)
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
             if len(tokens) <= self.MIN_CHUNK:
@@ -813,42 +865,18 @@ class Engine:
             return self._forward_fitting(tokens[half:])
 
     def _forward_once(self, tokens: list[int]) -> torch.Tensor:
-        session = self.session
-        session.feed(tokens)
-        hidden = self._hidden is not None
-        if len(tokens) == 1 and self._step is not None and not hidden:  # a decode step: graphs or the lean eager path
-            logits = self._step.step(tokens[0], session.cache)
-            session.commit(tokens)
-            return logits
-        inp = torch.tensor([tokens], dtype=torch.long, device=self.device)
-        hooks = self._last_states(self._hidden) if hidden else ()
-        try:
-            with torch.inference_mode():
-                out = self.model(input_ids=inp, **{self._cache_kwarg: session.cache}, use_cache=True,
-                                 logits_to_keep=1)
-        finally:
-            for h in hooks:
-                h.remove()
-        session.commit(tokens)
-        return out.logits[0, -1]
-
-    def _last_states(self, states: list) -> list:
-        """Forward hooks that put in ``states`` the last position of what ``output_hidden_states`` returns (the
-        embedding's output, each decoder layer's but the last, and the final norm's): the moderation probes read
-        them. Hooks keep one row a layer where ``output_hidden_states`` held every row of the chunk until the
-        forward returned (~180 MB a 2048-token chunk of a 1.5B model, in every prefill chunk of a rail's check)."""
-        inner = self.model.model
-        n = len(inner.layers)
-        states[:] = [None] * (n + 1)
-
-        def keep(at):
-            def hook(module, args, output):
-                h = output[0] if isinstance(output, tuple) else output
-                states[at] = h[:, -1:].clone()
-            return hook
-
-        modules = [inner.embed_tokens] + list(inner.layers[:-1]) + [inner.norm]
-        return [m.register_forward_hook(keep(at)) for at, m in enumerate(modules)]
+        """One forward over ``tokens`` in the session (``KVSession.forward``: settled after, undone on a failure):
+        a single token runs as a decode step (graphs or the lean eager path) unless a read taps the states."""
+        session, tap = self.session, self._tap
+        with session.forward(tokens) as cache:
+            if len(tokens) == 1 and self._step is not None and tap is None:
+                return self._step.step(tokens[0], cache)
+            inp = torch.tensor([tokens], dtype=torch.long, device=self.device)
+            with tap.forward(self.model, len(session.ids)) if tap is not None else contextlib.nullcontext():
+                with torch.inference_mode():
+                    out = self.model(input_ids=inp, **{self._cache_kwarg: cache}, use_cache=True,
+                                     logits_to_keep=1)
+            return out.logits[0, -1]
 
     def _l3_reads(self) -> int:
         return self.store.stats.page_faults if self.store is not None else 0

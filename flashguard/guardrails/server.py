@@ -322,11 +322,13 @@ class ChatCompletions:
         read, and the refusal's tokens as the completion. A call already counted (an output rail's block) stays."""
         if usage.prompt_tokens or usage.completion_tokens:
             return
+        from .provider import FlashGuardModel
+
         llm = getattr(self.rails, "llm", None)
-        model = llm if hasattr(llm, "prompt_ids") else getattr(llm, "raw_llm", None)   # a LangChain wrapper's
-        engine = getattr(model, "engine", None)
-        if engine is None:
+        model = llm if isinstance(llm, FlashGuardModel) else getattr(llm, "raw_llm", None)   # a LangChain wrapper's
+        if not isinstance(model, FlashGuardModel):
             return
+        engine = model.engine
 
         def count() -> tuple[int, int]:
             return (len(model.prompt_ids(messages)),

@@ -16,11 +16,15 @@ Pages fetched for sparse decoding on the host path stay on the device in a small
 Use::
 
     cache = TieredCache(model.config, CacheConfig(...)).attach(model)
-    model.generate(input_ids, past_key_values=cache, ...)            # or the engine's own loop
+    cache.begin(ids, start=cache.length); model(input_ids=ids, past_key_values=cache); cache.end()
+    # (kv/session.py's ``TieredSession.forward`` does exactly that, with undo on a failure)
+    model.generate(input_ids, past_key_values=cache, ...)            # plain transformers: pages private
 
-``attach`` switches the model to the ``tiered_kv`` attention (any number of caches may share a model). Token ids
-(``feed``) make page keys content hashes, so another cache on the same store reuses the pages of a common
-prefix (``adopt_prefix``); without them (plain ``generate``) pages are private to this cache.
+``attach`` switches the model to the ``tiered_kv`` attention (any number of caches may share a model). The
+forward protocol is ``begin(token_ids, start)`` before a forward and ``end()`` after it: the ids make page keys
+content hashes, so another cache on the same store reuses the pages of a common prefix (``adopt_prefix``), and
+``end`` is the one point where a forward's pages settle (keyed, bounded, stored as they leave the window). Without
+it (plain ``generate``) pages are private to this cache and settle at the next forward's first layer.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from ..config import CacheConfig
 from . import FETCH_BLOCK_TOKENS, FETCH_BLOCK_TOKENS_CPU, attention, codecs, int8_pool, uva
 from .disk import PageLost  # the engine catches it from here
 from .peer import PeerLostError
+from .static import StaticKV
 
 log = logging.getLogger("flashguard")
 from .store import PageStore, namespace_for, page_key
@@ -107,7 +112,8 @@ class TieredLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         if self.index == 0:
-            self.owner._settle_pages()  # the previous forward is complete in every layer: store pages, trim L1
+            if not self.owner.driven:   # plain ``generate``: the previous forward is complete in every layer now
+                self.owner._settle_pages()
             if self.owner.store is not None:
                 self.owner.store.tick()   # one forward: the tier policy's clock ("read lately")
         self._append(key_states[0], value_states[0])
@@ -556,6 +562,7 @@ class TieredCache(Cache):
         self.stored: list[bool] = []            # per full page: the store holds it (and a reference for us)
         self.token_ids: list[int] = []
         self.length = 0
+        self.driven = False                     # forwards come with ``begin`` / ``end`` (the engine's sessions)
         self.page_reads = 0
         self._slot_table: dict[int, int] = {}   # page index -> L2 slot, valid for the store epoch below
         self._slot_epoch = -1
@@ -590,9 +597,22 @@ class TieredCache(Cache):
             model.set_attn_implementation(attention.NAME)
         return self
 
-    def feed(self, token_ids) -> None:
-        """Token ids of the next forward pass (makes page keys content hashes)."""
+    # ---- the forward protocol -------------------------------------------------------------
+    def begin(self, token_ids, start: int) -> None:
+        """A forward over ``token_ids`` at positions ``start``, ``start + 1``, ... is about to run. ``start`` must
+        be the tokens this cache holds (a ``ValueError`` otherwise: K/V at the wrong positions would be attended
+        silently). The ids key the pages they fill by content (``page_key``)."""
+        if start != self.length or len(self.token_ids) != start:
+            raise ValueError(f"a forward from position {start} on a cache holding {self.length} tokens "
+                             f"({len(self.token_ids)} ids)")
+        self.driven = True
         self.token_ids.extend(int(t) for t in token_ids)
+
+    def end(self) -> None:
+        """The forward begun last ran in every layer: its full pages are keyed and bounded (sink pages stored),
+        pages leaving the window are stored and dropped from L1, the window adapts. The one point where a
+        forward's pages settle."""
+        self._settle_pages()
 
     def _on_first_layer_init(self, key_states: torch.Tensor) -> None:
         if self.store is None:
@@ -741,7 +761,6 @@ class TieredCache(Cache):
         l0 = layers[0]
         if not l0.is_initialized or not l0.resident or l0.l1_k.shape[1] <= self.length + 1:
             return None
-        from ..engine.decode_step import StaticKV
 
         # the attention kernel is sized by the capacity it is shown: show a power of two above the length (a few
         # graphs per conversation), not the whole pool (a 128K pool would cost a 4K conversation 15% of its step)
@@ -1197,8 +1216,7 @@ class TieredCache(Cache):
         return total
 
     def stats(self) -> dict:
-        if self.layers[0].is_initialized:
-            self._settle_pages()
+        """Read-only: what the cache holds now."""
         out = {"length": self.length, "pages": len(self.page_keys), "l1_window_tokens": self.window,
                "l1_bytes": self.l1_bytes(), "page_reads": self.page_reads}
         if self.store is not None:
@@ -1206,8 +1224,9 @@ class TieredCache(Cache):
         return out
 
     def check_integrity(self) -> None:
-        """Settles pending pages, then checks the page table, every layer's L1 and the store."""
-        if self.layers[0].is_initialized:
+        """Checks the page table, every layer's L1 and the store, between forwards (a cache driven by plain
+        ``generate`` settles its last forward first)."""
+        if self.layers[0].is_initialized and not self.driven:
             self._settle_pages()
         p = self.page_size
         assert len(self.page_keys) == self.length // p, "page table does not match the length"

@@ -4,8 +4,10 @@ The engine keeps one session (the last sequence it ran). Everything it does to t
 interface, so no caller needs to know which cache it is:
 
 - ``ids``: exactly the tokens whose K/V the cache holds.
-- ``feed(tokens)`` before a forward pass over ``tokens`` (a tiered cache keys its pages by their ids), then
-  ``commit(tokens)`` once the pass succeeded, or ``undo()`` when it failed part-way (every layer back to ``ids``).
+- ``forward(tokens)``: the one way K/V reaches the cache. ``with session.forward(tokens) as cache:`` run the
+  model (or the decode step) over ``tokens`` with ``cache``; they sit at positions ``len(ids)``, ... . On a normal
+  exit the forward is settled (a tiered cache keys, bounds and stores its pages: ``TieredCache.end``) and ``ids``
+  grows by ``tokens``; on an exception every layer goes back to ``ids`` and the exception propagates.
 - ``crop(n)`` keeps the first ``n`` tokens (a new turn that diverges, a moderation suffix cropped away).
 - ``release(keep_pages)`` ends the session: every page reference it holds goes back to the store (with
   ``keep_pages`` its resident pages are stored first, for a later session with the same prefix). Every path
@@ -21,11 +23,32 @@ session to the next).
 
 from __future__ import annotations
 
-from typing import Sequence
+import contextlib
+import logging
+from typing import Iterator, Sequence
+
+log = logging.getLogger("flashguard")
+
+
+@contextlib.contextmanager
+def forwarding(cache, tokens: Sequence[int]) -> Iterator[object]:
+    """The forward protocol for a cache driven outside a session (``flashguard stress``, benchmarks, tests):
+    ``with forwarding(cache, ids): model(input_ids=..., past_key_values=cache)``. A TieredCache is told the ids
+    and their position (``begin``) and settles after (``end``); any other transformers Cache needs nothing. No
+    undo on a failure: a session's ``forward`` is the engine's path."""
+    from .cache import TieredCache
+
+    tiered = isinstance(cache, TieredCache)
+    if tiered:
+        cache.begin(tokens, start=cache.length)
+    yield cache
+    if tiered:
+        cache.end()
 
 
 class KVSession:
     cache = None
+    kind = ""
 
     def __init__(self) -> None:
         self.ids: list[int] = []
@@ -35,11 +58,27 @@ class KVSession:
         """On a new session: reuse stored pages of the longest page-aligned prefix of ``ids``; tokens reused."""
         return 0
 
-    def feed(self, tokens: Sequence[int]) -> None:
-        """Tokens of the next forward pass."""
+    @contextlib.contextmanager
+    def forward(self, tokens: Sequence[int]) -> Iterator[object]:
+        """One forward over ``tokens`` (see the module docstring); yields the cache the model is given."""
+        tokens = [int(t) for t in tokens]
+        self._begin(tokens)
+        try:
+            yield self.cache
+        except BaseException:
+            try:
+                self.undo()   # every layer back to ``ids`` (some may have appended the tokens, others not)
+            except Exception as err:  # noqa: BLE001 - the forward's own error is the one to raise
+                log.warning("flashguard: the cache could not be brought back after a failed forward (%s)", err)
+            raise
+        self._end()
+        self.ids.extend(tokens)
 
-    def commit(self, tokens: Sequence[int]) -> None:
-        self.ids.extend(int(t) for t in tokens)
+    def _begin(self, tokens: list[int]) -> None:
+        """Before a forward over ``tokens`` (at position ``len(ids)``)."""
+
+    def _end(self) -> None:
+        """After that forward succeeded in every layer."""
 
     def leaving(self, tokens: int) -> int:
         """Window tokens that leave the device for the store once ``tokens`` more are fed (whole pages; 0 when
@@ -109,8 +148,11 @@ class TieredSession(KVSession):
         self.ids = [int(t) for t in ids[:reused]]
         return reused
 
-    def feed(self, tokens: Sequence[int]) -> None:
-        self.cache.feed(tokens)
+    def _begin(self, tokens: list[int]) -> None:
+        self.cache.begin(tokens, start=len(self.ids))
+
+    def _end(self) -> None:
+        self.cache.end()
 
     def leaving(self, tokens: int) -> int:
         return self.cache.tokens_leaving(tokens)

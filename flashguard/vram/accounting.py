@@ -33,7 +33,9 @@ def model_bytes(model) -> int:
 def cache_device_bytes(cache) -> int:
     if cache is None:
         return 0
-    if hasattr(cache, "l1_bytes"):
+    from ..kv.cache import TieredCache
+
+    if isinstance(cache, TieredCache):
         return cache.l1_bytes()
     out = []
     for layer in getattr(cache, "layers", []):

@@ -10,6 +10,7 @@ from flashguard import CacheConfig
 from flashguard.engine.decode_step import DecodeStep
 from flashguard.kv import uva
 from flashguard.kv.cache import TieredCache
+from tests.tiny import forwarding
 
 pytest.importorskip("triton")
 
@@ -40,12 +41,12 @@ def test_device_picked_pages_match_the_host_path(interpreted, monkeypatch):
                                              budget_tokens=256, l3_tokens=0)).attach(model)
         with torch.inference_mode():
             for a in range(0, 4000, 1000):
-                cache.feed(ids[0, a:a + 1000].tolist())
-                tok = int(model(input_ids=ids[:, a:a + 1000], past_key_values=cache).logits[0, -1].argmax())
+                with forwarding(cache, ids[0, a:a + 1000].tolist()):
+                    tok = int(model(input_ids=ids[:, a:a + 1000], past_key_values=cache).logits[0, -1].argmax())
         before, rows = cache.page_reads, []
         for t in [tok] + ids[0, :15].tolist():   # teacher-forced: both runs see the same tokens
-            cache.feed([t])
-            rows.append(step.step(t, cache).float())
+            with forwarding(cache, [t]):
+                rows.append(step.step(t, cache).float())
         outs.append(torch.stack(rows))
         reads.append(cache.page_reads - before)
         assert (cache.layers[0].hot_k is None) == device_path   # the device path keeps no hot set

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from flashguard.kv import attention
+from tests.tiny import forwarding
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
@@ -30,7 +31,7 @@ def test_the_fused_int4_decode_step_is_the_models_forward(tmp_path, arch):
     from flashguard.engine.decode_step import DecodeStep
     from flashguard.engine.engine import cache_kwarg
     from flashguard.quant import gguf_load
-    from tests.test_gguf_load import VOCAB, T, write_tiny_gguf
+    from tests.engine.test_gguf_load import VOCAB, T, write_tiny_gguf
 
     write_tiny_gguf(tmp_path / "tiny.gguf", arch, v_type=T.Q4_1)
     config = AutoConfig.from_pretrained(tmp_path, gguf_file="tiny.gguf")
@@ -63,7 +64,7 @@ def test_the_cpu_step_over_a_tiered_cache_is_the_models_forward(tmp_path):
     from flashguard.engine.decode_step import DecodeStep
     from flashguard.kv.cache import TieredCache
     from flashguard.quant import gguf_load
-    from tests.test_gguf_load import VOCAB, T, write_tiny_gguf
+    from tests.engine.test_gguf_load import VOCAB, T, write_tiny_gguf
 
     write_tiny_gguf(tmp_path / "tiny.gguf", "llama", v_type=T.Q4_1)
     config = AutoConfig.from_pretrained(tmp_path, gguf_file="tiny.gguf")
@@ -75,14 +76,14 @@ def test_the_cpu_step_over_a_tiered_cache_is_the_models_forward(tmp_path):
                                            l2_tokens=512, policy="exact", l2_codec="fp16")).attach(model)
     theirs = DynamicCache(config=config)
     with torch.inference_mode():
-        ours.feed(ids)
-        model(input_ids=torch.tensor([ids]), past_key_values=ours)
+        with forwarding(ours, ids):
+            model(input_ids=torch.tensor([ids]), past_key_values=ours)
         token = int(model(input_ids=torch.tensor([ids]), past_key_values=theirs).logits[0, -1].argmax())
     statics = 0
     for _ in range(60):
-        ours.feed([token])
-        statics += ours.static_view() is not None
-        got = step.step(token, ours)
+        with forwarding(ours, [token]):
+            statics += ours.static_view() is not None
+            got = step.step(token, ours)
         with torch.inference_mode():
             want = model(input_ids=torch.tensor([[token]]), past_key_values=theirs).logits[0, -1]
         # the int4 lm_head writes bf16 logits: an fp32 rounding that differs upstream (RMSNorm as a dot product,

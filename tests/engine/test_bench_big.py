@@ -14,7 +14,7 @@ from benchmarks import big, gguf_random
 from flashguard.quant.int4_linear import Int4Linear
 from flashguard.vram import plan as planner
 
-from . import tiny
+from tests import tiny
 
 
 def test_make_model_is_int4_in_host_ram_and_runs():

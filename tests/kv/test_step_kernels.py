@@ -1,7 +1,7 @@
 """The one-graph decode step's Triton kernels (kv/step_kernels.py, the folds of quant/int4_triton.gemv) against
 torch references, on the CPU through Triton's interpreter; then DecodeStep's kernel path against its torch path and
 the model's forward on tiny random Qwen2 models (the resident pool, an int8 pool, the sparse step off the pool).
-tests/test_gpu.py runs the kernel path on a real GPU."""
+tests/engine/test_gpu.py runs the kernel path on a real GPU."""
 
 import pytest
 import torch
@@ -12,6 +12,7 @@ from flashguard import CacheConfig  # noqa: E402
 from flashguard.engine.decode_step import DecodeStep, StaticKV  # noqa: E402
 from flashguard.kv import attention, int8_pool, step_kernels  # noqa: E402
 from flashguard.quant import awq_format, int4_triton  # noqa: E402
+from tests.tiny import forwarding  # noqa: E402
 
 
 @pytest.fixture
@@ -175,7 +176,7 @@ def test_the_kernel_step_of_an_int4_model_equals_its_torch_step(interpreted):
     a, b = StaticKV.from_cache(cache, 96), StaticKV.from_cache(cache, 96)
     fast, plain = DecodeStep(model, graphs=False, kernels=True), DecodeStep(model, graphs=False, kernels=False)
     assert fast.fused[0] is not None
-    for _ in range(2):
+    for _ in range(2):   # (two steps: the second reads the first one's K/V written by the kernel)
         got, want = fast.step(token, a), plain.step(token, b)
         torch.testing.assert_close(got, want, atol=2e-4, rtol=2e-4)
         token = int(want.argmax())
@@ -197,14 +198,14 @@ def test_the_kernel_step_over_an_int8_pool_and_off_the_pool(interpreted):
         runs = []
         for kernels in (True, False):
             cache = TieredCache(model.config, CacheConfig(**tiers)).attach(model)
-            cache.feed(ids)
-            token = int(_prefill(model, cache, ids).argmax())
+            with forwarding(cache, ids):
+                token = int(_prefill(model, cache, ids).argmax())
             step = DecodeStep(model, graphs=False, whole_step=True, kernels=kernels)
             out, views = [], 0
             for _ in range(5):
-                cache.feed([token])
-                views += (cache.sparse_view() if name == "sparse" else cache.static_view()) is not None
-                logits = step.step(token, cache)
+                with forwarding(cache, [token]):
+                    views += (cache.sparse_view() if name == "sparse" else cache.static_view()) is not None
+                    logits = step.step(token, cache)
                 out.append(logits)
                 token = int(logits.argmax())
             runs.append((torch.stack(out), views))

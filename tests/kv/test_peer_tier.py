@@ -16,6 +16,7 @@ import torch
 from flashguard import CacheConfig, EngineConfig
 from flashguard.errors import ConfigError
 from flashguard.kv import attention, peer
+from tests.tiny import forwarding
 
 BOUND_S = 150          # a scenario that has not finished by then hangs
 GLOO_TIMEOUT_S = 8.0   # what bounds every collective of the tier in these runs
@@ -129,13 +130,12 @@ def _logits(model, cache, ids, prefix, chunk=24):
     rows = []
     with torch.inference_mode():
         for a in range(0, prefix, chunk):
-            if hasattr(cache, "feed"):
-                cache.feed(ids[a:min(a + chunk, prefix)])
-            rows.append(model(input_ids=torch.tensor([ids[a:min(a + chunk, prefix)]]), past_key_values=cache).logits[0])
+            with forwarding(cache, ids[a:min(a + chunk, prefix)]):
+                rows.append(model(input_ids=torch.tensor([ids[a:min(a + chunk, prefix)]]),
+                                  past_key_values=cache).logits[0])
         for t in range(prefix, len(ids)):                   # one-token decode steps
-            if hasattr(cache, "feed"):
-                cache.feed(ids[t:t + 1])
-            rows.append(model(input_ids=torch.tensor([ids[t:t + 1]]), past_key_values=cache).logits[0])
+            with forwarding(cache, ids[t:t + 1]):
+                rows.append(model(input_ids=torch.tensor([ids[t:t + 1]]), past_key_values=cache).logits[0])
     return torch.cat(rows)
 
 
@@ -167,8 +167,9 @@ def _qwen2(kill_after: int | None, l2_codec: str) -> dict:
             t0 = time.monotonic()
             with torch.inference_mode():   # the cache meets the dead peer and reads the pages from the store
                 for t in range(prefix + kill_after, len(ids)):
-                    cache.feed(ids[t:t + 1])
-                    rows = torch.cat([rows, model(input_ids=torch.tensor([ids[t:t + 1]]), past_key_values=cache).logits[0]])
+                    with forwarding(cache, ids[t:t + 1]):
+                        rows = torch.cat([rows, model(input_ids=torch.tensor([ids[t:t + 1]]),
+                                                      past_key_values=cache).logits[0]])
             out["after_s"] = time.monotonic() - t0
             t0 = time.monotonic()
             try:                           # what a caller without the store's copy gets: a typed 503

@@ -9,6 +9,7 @@ from transformers import DynamicCache
 from flashguard import CacheConfig
 from flashguard.engine.decode_step import DecodeStep
 from flashguard.kv.cache import TieredCache
+from tests.tiny import forwarding
 
 TIERS = dict(page_size=32, l1_tokens=128, sink_tokens=32, l2_tokens=256, l1_max_tokens=256, budget_tokens=256)
 
@@ -21,9 +22,7 @@ def engine(float_engine):
 
 def prefill(model, cache, ids):
     for a in range(0, len(ids), 200):
-        if hasattr(cache, "feed"):
-            cache.feed(ids[a:a + 200])
-        with torch.inference_mode():
+        with torch.inference_mode(), forwarding(cache, ids[a:a + 200]):
             logits = model(input_ids=torch.tensor([ids[a:a + 200]]), past_key_values=cache).logits[0, -1]
     return logits
 
@@ -36,11 +35,9 @@ def steps_both_ways(model, make_cache, ids, steps):
     assert token == int(prefill(model, theirs, ids).argmax())
     a, b = [], []
     for _ in range(steps):
-        for c in (ours, theirs):
-            if hasattr(c, "feed"):
-                c.feed([token])
-        a.append(step.step(token, ours).float())
-        with torch.inference_mode():
+        with forwarding(ours, [token]):
+            a.append(step.step(token, ours).float())
+        with torch.inference_mode(), forwarding(theirs, [token]):
             b.append(model(input_ids=torch.tensor([[token]]), past_key_values=theirs).logits[0, -1].float())
         token = int(b[-1].argmax())
     return torch.stack(a), torch.stack(b), ours
@@ -144,9 +141,9 @@ def test_resident_tiered_cache_runs_the_whole_step_path():
     step = DecodeStep(model, graphs=False, whole_step=True)   # the whole-step graph's kernels, eagerly
     statics = 0
     for _ in range(80):
-        ours.feed([token])
-        statics += ours.static_view() is not None
-        got = step.step(token, ours)
+        with forwarding(ours, [token]):
+            statics += ours.static_view() is not None
+            got = step.step(token, ours)
         with torch.inference_mode():
             want = model(input_ids=torch.tensor([[token]]), past_key_values=theirs).logits[0, -1]
         torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)

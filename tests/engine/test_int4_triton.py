@@ -1,6 +1,6 @@
 """The Triton int4 kernels (``Int4Linear``'s ``triton`` backend) against the reference dequantization of
 awq_format, on the CPU through Triton's interpreter: odd row counts, a row tail shorter than one load, every AWQ
-group size, fp16 / bf16 / fp32 activations. The H200 run of tests/test_gpu.py checks the same on real hardware."""
+group size, fp16 / bf16 / fp32 activations. The H200 run of tests/engine/test_gpu.py checks the same on real hardware."""
 
 import pytest
 import torch

@@ -68,7 +68,7 @@ def test_two_llmrails_load_the_weights_once(rails):
 def test_output_rail_blocks_a_harmful_reply(tmp_path, probe):
     """LLMRails.check with configs/flash's output rail: a harmful reply is blocked, with the question's verdict
     (probe: off) and with the default probe (probe: auto). The probe's accuracy on labelled sets is
-    tests/test_moderation.py's; this checks the wiring on a reply both verdicts should block."""
+    tests/rails/test_moderation.py's; this checks the wiring on a reply both verdicts should block."""
     from nemoguardrails import LLMRails, RailsConfig
     from nemoguardrails.rails.llm.options import RailStatus, RailType
 

@@ -11,8 +11,8 @@ import pytest
 
 from flashguard.engine.encoding import ChatEncoder
 
-from . import tiny
-from .conftest import deepseek_tokenizer
+from tests import tiny
+from tests.conftest import deepseek_tokenizer
 
 TEXTS = ["Hello there!", "What is the capital of France?", "  spaces  and\ttabs\n\nand blank lines\n",
          "def f(x):\n    return x * 2  # code\n", "ünïcödé, 日本語, emoji 😀🚀, and <b>markup</b>",

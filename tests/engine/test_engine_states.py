@@ -14,7 +14,7 @@ from flashguard import PromptError
 from flashguard.engine.sampling import SamplingParams
 from flashguard.errors import GpuMemoryError
 
-from . import tiny
+from tests import tiny
 
 CACHES = ["dynamic", "tiered"]
 # pages of 16 tokens, a 32-token window over 16 sink tokens: a 200-token prompt leaves most pages outside L1. The

@@ -52,16 +52,16 @@ def _decode(model, l2_tokens: int, steps: int, ids: list[int], chunk: int = 100,
     with torch.inference_mode():
         with store.deferred():   # as the engine's prefill: the prompt's pages stay in L2 until it ends
             for a in range(0, len(ids), chunk):
-                cache.feed(ids[a:a + chunk])
-                logits = model(input_ids=torch.tensor([ids[a:a + chunk]]), past_key_values=cache).logits[0, -1]
+                with tiny.forwarding(cache, ids[a:a + chunk]):
+                    logits = model(input_ids=torch.tensor([ids[a:a + chunk]]), past_key_values=cache).logits[0, -1]
         prefill_reads, counts = len(reads), store.tier_counts()
         assert store.clock == -(-len(ids) // chunk)           # the policy's clock: one tick a forward (``update``)
         out, tokens = [], []
         for _ in range(steps):
             token = int(logits.argmax())
             tokens.append(token)
-            cache.feed([token])
-            logits = step.step(token, cache).float()
+            with tiny.forwarding(cache, [token]):
+                logits = step.step(token, cache).float()
             out.append(logits)
     assert store.clock == -(-len(ids) // chunk) + steps       # ... and one a one-graph step (``advance``)
     cache.check_integrity()

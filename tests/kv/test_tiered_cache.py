@@ -8,6 +8,7 @@ from transformers import DynamicCache
 from flashguard import CacheConfig, EngineConfig
 from flashguard.engine import SamplingParams
 from flashguard.kv.cache import TieredCache
+from tests.tiny import forwarding
 
 
 @pytest.fixture(scope="module")
@@ -33,9 +34,7 @@ def text_ids(engine):
 def run(model, cache, ids, chunk=256):
     out = []
     for a in range(0, len(ids), chunk):
-        if hasattr(cache, "feed"):
-            cache.feed(ids[a:a + chunk])
-        with torch.inference_mode():
+        with torch.inference_mode(), forwarding(cache, ids[a:a + chunk]):
             out.append(model(input_ids=torch.tensor([ids[a:a + chunk]]), past_key_values=cache).logits[0])
     return torch.cat(out)
 
@@ -197,12 +196,14 @@ def sparse_engine(engine):
     return Engine(EngineConfig(weights="float", kv_cache="tiered", kv=SPARSE), source=engine.source)
 
 
-@pytest.mark.parametrize("filler_sentences", [60, 160])
-def test_passkey_grid_matches_dynamic_cache(engine, sparse_engine, filler_sentences, capsys):
-    """Needle retrieval at three depths: wherever DynamicCache finds the key, the sparse tiered cache does too."""
+@pytest.mark.parametrize("filler_sentences,depths", [(60, (0.1, 0.5, 0.9)), (160, (0.1,))])
+def test_passkey_grid_matches_dynamic_cache(engine, sparse_engine, filler_sentences, depths, capsys):
+    """Needle retrieval: wherever DynamicCache finds the key, the sparse tiered cache does too; at three depths of a
+    1.5K-token prompt, and near the start of a 3.9K one (the needle furthest behind the window: the depth where the
+    sparse selection has the most pages to pass over; the other depths at 3.9K cost a minute of CI and add none)."""
     tiered = sparse_engine
     filler = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
-    for depth in (0.1, 0.5, 0.9):
+    for depth in depths:
         before = int(filler_sentences * depth)
         text = (filler * before + "The pass key is 68213. Remember it. 68213 is the pass key. " +
                 filler * (filler_sentences - before) + "\nWhat is the pass key?")

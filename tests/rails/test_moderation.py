@@ -1,6 +1,6 @@
 """The moderation rail: the shared-page path, probe files that are missing or corrupt, calibration, and bad replies.
 The shipped probes' accuracy on the held-out test sets is a benchmark (``python -m benchmarks.guard_sets --set
-output``); tests/test_probe_scores.py checks that they load and score a few rows as recorded."""
+output``); tests/rails/test_probe_scores.py checks that they load and score a few rows as recorded."""
 
 import json
 import logging

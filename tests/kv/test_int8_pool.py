@@ -16,7 +16,7 @@ from flashguard.kv import int8_pool
 from flashguard.kv.cache import TieredCache
 from flashguard.kv.store import namespace_for
 from flashguard.vram import plan as planner
-from tests.tiny import qwen2_head64
+from tests.tiny import forwarding, qwen2_head64
 
 
 @pytest.fixture(scope="module")
@@ -28,19 +28,17 @@ def _greedy(model, cache, ids, steps, step=None):
     """Prefill ``ids`` in chunks of 100, then ``steps`` greedy tokens; returns (tokens, last logits)."""
     with torch.inference_mode():
         for a in range(0, len(ids), 100):
-            if hasattr(cache, "feed"):
-                cache.feed(ids[a:a + 100])
-            logits = model(input_ids=torch.tensor([ids[a:a + 100]]), past_key_values=cache).logits[0, -1]
+            with forwarding(cache, ids[a:a + 100]):
+                logits = model(input_ids=torch.tensor([ids[a:a + 100]]), past_key_values=cache).logits[0, -1]
         out = []
         for _ in range(steps):
             token = int(logits.argmax())
             out.append(token)
-            if hasattr(cache, "feed"):
-                cache.feed([token])
-            if step is not None:
-                logits = step.step(token, cache)
-            else:
-                logits = model(input_ids=torch.tensor([[token]]), past_key_values=cache).logits[0, -1]
+            with forwarding(cache, [token]):
+                if step is not None:
+                    logits = step.step(token, cache)
+                else:
+                    logits = model(input_ids=torch.tensor([[token]]), past_key_values=cache).logits[0, -1]
     return out, logits.float()
 
 

@@ -8,7 +8,7 @@ from flashguard import CacheConfig
 from flashguard.engine.decode_step import DecodeStep
 from flashguard.kv.cache import TieredCache
 from flashguard.kv.sparse_step import SparseKV
-from tests.tiny import qwen2_head64
+from tests.tiny import forwarding, qwen2_head64
 
 TIERS = dict(page_size=16, sink_tokens=16, l1_tokens=64, l1_max_tokens=128, l2_tokens=4096, budget_tokens=32,
              policy="sparse", l1_codec="fp16")
@@ -28,15 +28,15 @@ def _run(model, whole: bool, steps: int, ids: list[int]):
     used_sparse = 0
     with torch.inference_mode():
         for a in range(0, len(ids), 100):
-            cache.feed(ids[a:a + 100])
-            logits = model(input_ids=torch.tensor([ids[a:a + 100]]), past_key_values=cache).logits[0, -1]
+            with forwarding(cache, ids[a:a + 100]):
+                logits = model(input_ids=torch.tensor([ids[a:a + 100]]), past_key_values=cache).logits[0, -1]
         out, tokens = [], []
         for _ in range(steps):
             token = int(logits.argmax())
             tokens.append(token)
-            cache.feed([token])
-            used_sparse += isinstance(cache.sparse_view(), SparseKV) if whole else 0
-            logits = step.step(token, cache).float()
+            with forwarding(cache, [token]):
+                used_sparse += isinstance(cache.sparse_view(), SparseKV) if whole else 0
+                logits = step.step(token, cache).float()
             out.append(logits)
     return torch.stack(out), tokens, cache, used_sparse
 
@@ -56,16 +56,15 @@ def test_the_one_graph_sparse_step_equals_the_layer_by_layer_sparse_step(model):
 def test_no_sparse_view_while_resident_or_with_too_few_pages(model):
     cache = TieredCache(model.config, CacheConfig(**TIERS)).attach(model)
     ids = list(range(1, 60))
-    cache.feed(ids)
-    with torch.inference_mode():
-        model(input_ids=torch.tensor([ids]), past_key_values=cache)
+    with forwarding(cache, ids):
+        with torch.inference_mode():
+            model(input_ids=torch.tensor([ids]), past_key_values=cache)
     assert cache.layers[0].resident and cache.sparse_view() is None
     exact = TieredCache(model.config, CacheConfig(**(TIERS | {"policy": "exact"}))).attach(model)
     ids = list(range(1, 300))
-    exact.feed(ids)
-    with torch.inference_mode():
-        model(input_ids=torch.tensor([ids]), past_key_values=exact)
-    exact.stats()   # settles: the pages past the window leave it
+    with forwarding(exact, ids):
+        with torch.inference_mode():
+            model(input_ids=torch.tensor([ids]), past_key_values=exact)
     assert not exact.layers[0].resident and exact.sparse_view() is None
 
 
@@ -104,13 +103,13 @@ def test_after_a_crop_below_the_window_the_one_graph_step_reads_the_new_pages(mo
                     assert cache.sparse_state is None or cache.sparse_state.slots_key is None
                     ids = second
                 for a in range(0, len(ids), 100):
-                    cache.feed(ids[a:a + 100])
-                    logits = model(input_ids=torch.tensor([ids[a:a + 100]]), past_key_values=cache).logits[0, -1]
+                    with forwarding(cache, ids[a:a + 100]):
+                        logits = model(input_ids=torch.tensor([ids[a:a + 100]]), past_key_values=cache).logits[0, -1]
                 rows = []
                 for _ in range(12):
                     token = int(logits.argmax())
-                    cache.feed([token])
-                    logits = step.step(token, cache).float()
+                    with forwarding(cache, [token]):
+                        logits = step.step(token, cache).float()
                     rows.append(logits)
         outs.append(torch.stack(rows))
         cache.check_integrity()
@@ -124,12 +123,12 @@ def test_a_crop_and_a_release_outside_inference_mode_after_sparse_steps(model):
     cache = TieredCache(model.config, CacheConfig(**TIERS)).attach(model)
     step = DecodeStep(model, graphs=False, whole_step=True)
     with torch.inference_mode():
-        cache.feed(ids)
-        logits = model(input_ids=torch.tensor([ids]), past_key_values=cache).logits[0, -1]
+        with forwarding(cache, ids):
+            logits = model(input_ids=torch.tensor([ids]), past_key_values=cache).logits[0, -1]
     for _ in range(4):
         token = int(logits.argmax())
-        cache.feed([token])
-        logits = step.step(token, cache)
+        with forwarding(cache, [token]):
+            logits = step.step(token, cache)
     assert cache.sparse_state is not None
     cache.crop_to(300)
     assert cache.length == 300 and cache.sparse_state.slots_key is None
@@ -150,14 +149,14 @@ def test_a_new_session_on_the_pools_buffers_runs_the_sparse_step_on_the_same_sta
     def session(cache):
         with torch.inference_mode():
             for a in range(0, len(ids), 32):   # (chunks that fit the buffer's room: it is never replaced)
-                cache.feed(ids[a:a + 32])
-                logits = model(input_ids=torch.tensor([ids[a:a + 32]]), past_key_values=cache).logits[0, -1]
+                with forwarding(cache, ids[a:a + 32]):
+                    logits = model(input_ids=torch.tensor([ids[a:a + 32]]), past_key_values=cache).logits[0, -1]
             out = []
             for _ in range(12):
                 token = int(logits.argmax())
-                cache.feed([token])
-                assert isinstance(cache.sparse_view(), SparseKV)
-                logits = step.step(token, cache).float()
+                with forwarding(cache, [token]):
+                    assert isinstance(cache.sparse_view(), SparseKV)
+                    logits = step.step(token, cache).float()
                 out.append(logits)
         return torch.stack(out)
 

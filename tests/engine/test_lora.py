@@ -15,7 +15,7 @@ from flashguard.engine.sampling import SamplingParams
 from flashguard.errors import ConfigError
 from flashguard.quant.int4_linear import Int4Linear, quantize_linears_rtn
 
-from . import tiny
+from tests import tiny
 
 peft = pytest.importorskip("peft")
 

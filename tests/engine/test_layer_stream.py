@@ -11,7 +11,7 @@ from flashguard.engine.layer_stream import PROJECTIONS, LayerStream
 from flashguard.engine.sampling import SamplingParams
 from flashguard.quant.int4_linear import quantize_linears_rtn
 
-from . import tiny
+from tests import tiny
 
 IDS = list(range(5, 37))
 

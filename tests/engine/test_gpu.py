@@ -6,6 +6,7 @@ import torch
 
 from flashguard import CacheConfig
 from flashguard.kv import attention
+from tests.tiny import forwarding
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -70,14 +71,14 @@ def test_graph_steps_match_eager_steps(policy):
         cache = TieredCache(cfg, tiers).attach(model)
         with torch.inference_mode():
             for a in range(0, 3000, 1000):
-                cache.feed(ids[0, a:a + 1000].tolist())
-                tok = int(model(input_ids=ids[:, a:a + 1000], past_key_values=cache).logits[0, -1].argmax())
+                with forwarding(cache, ids[0, a:a + 1000].tolist()):
+                    tok = int(model(input_ids=ids[:, a:a + 1000], past_key_values=cache).logits[0, -1].argmax())
         logits, fed = [], []
         for n in range(24):
             tok = tok if tokens is None else tokens[n]
-            cache.feed([tok])
-            fed.append(tok)
-            row = step.step(tok, cache).float()
+            with forwarding(cache, [tok]):
+                fed.append(tok)
+                row = step.step(tok, cache).float()
             logits.append(row)
             tok = int(row.argmax())
         tokens = fed
@@ -86,8 +87,8 @@ def test_graph_steps_match_eager_steps(policy):
     assert eager.graphs is None and not eager.step_graphs
     if policy == "sparse":   # off the window, the whole sparse step is one graph (kv/sparse_step.py, with the step
         # kernels of kv/step_kernels.py), which merges two fp16 partial outputs where the eager path attends one
-        # concatenated segment: rounding (the paths agree to 1e-4 in fp32, tests/test_sparse_step.py and
-        # tests/test_step_kernels.py). Over 24 steps a near-tie in the page choice can pick another page at a late
+        # concatenated segment: rounding (the paths agree to 1e-4 in fp32, tests/kv/test_sparse_step.py and
+        # tests/kv/test_step_kernels.py). Over 24 steps a near-tie in the page choice can pick another page at a late
         # step (on the H200: 128 of 24,000 logits past 6e-2, the largest 0.13 at step 22): nearly every logit
         # within the rounding, and none far off
         assert any(key[0] == "sparse" for key in graphs.step_graphs)
@@ -134,8 +135,8 @@ def test_sparse_zero_copy_equals_host_path():
                                          budget_tokens=256, l3_tokens=0)).attach(model)
     with torch.inference_mode():
         for a in range(0, 4000, 1000):
-            cache.feed(ids[0, a:a + 1000].tolist())
-            model(input_ids=ids[:, a:a + 1000], past_key_values=cache)
+            with forwarding(cache, ids[0, a:a + 1000].tolist()):
+                model(input_ids=ids[:, a:a + 1000], past_key_values=cache)
     assert cache.zero_copy(torch.device("cuda"))
     layer = cache.layers[2]
     first, last = 1, layer.win_start // 64
@@ -162,8 +163,8 @@ def test_prefill_streams_the_same_pages_zero_copy_as_through_the_host():
                                          l3_tokens=0, policy="exact")).attach(model)
     with torch.inference_mode():
         for a in range(0, 3000, 1000):
-            cache.feed(ids[0, a:a + 1000].tolist())
-            model(input_ids=ids[:, a:a + 1000], past_key_values=cache)
+            with forwarding(cache, ids[0, a:a + 1000].tolist()):
+                model(input_ids=ids[:, a:a + 1000], past_key_values=cache)
     cache.stats()
     layer = cache.layers[1]
     pages = list(range(1, layer.win_start // 64))
