@@ -76,7 +76,7 @@ class DecodeStep:
         self.sparse_graphs = True   # off the pool, the whole sparse step as one graph (until a capture fails)
         self.graphs: list | None = None
         self.outputs: list | None = None
-        self.step_graphs: dict = {}   # StaticKV.key -> (graph, logits): the one-graph steps recorded
+        self.step_graphs: dict = {}   # kv.static.GraphKey -> (graph, logits): the one-graph steps recorded
         if kernels is None:
             kernels = self.use_graphs and step_kernels.available(self.device)
         self.kernels = kernels and _kernels_take(model, self.head_dim) and \
@@ -328,7 +328,7 @@ class DecodeStep:
         if keep is None:
             self.step_graphs.clear()
             return
-        for key in [k for k in self.step_graphs if not _layer_ptrs(k) <= keep]:
+        for key in [k for k in self.step_graphs if not k.buffers() <= keep]:
             del self.step_graphs[key]
 
     def _whole_step(self, kv: StaticKV) -> torch.Tensor:
@@ -386,7 +386,7 @@ class DecodeStep:
                 logits = self._static_layers(kv)
             return graph, logits
 
-        for old in [k for k in self.step_graphs if stale_graph(k, kv.key)]:
+        for old in [k for k in self.step_graphs if k.replaced_by(kv.key)]:
             del self.step_graphs[old]
         while len(self.step_graphs) >= self.MAX_STEP_GRAPHS:
             self.step_graphs.pop(next(iter(self.step_graphs)))
@@ -466,24 +466,6 @@ def _rms_norm(module, x: torch.Tensor) -> torch.Tensor:
     if type(module).__name__ in cpu_step.RMS_NORMS:
         return torch.nn.functional.rms_norm(x, module.weight.shape, module.weight, module.variance_epsilon)
     return module(x)
-
-
-def _layer_ptrs(key) -> set[int]:
-    """The addresses of the layers' buffers a step graph's key names (``StaticKV.key``, or a ``SparseKV`` key: its
-    L1 buffers and page bounds per layer)."""
-    if key[:1] == ("sparse",):
-        return {ptr for layer in key[1] for ptr in layer[:3]}
-    keys, values = key[0], key[1]
-    return set(keys) | set(values) if isinstance(keys, tuple) else {keys, values}
-
-
-def stale_graph(old_key, new_key) -> bool:
-    """A sparse step's graph recorded over buffers that ``new_key``'s step no longer uses (its L1 buffers, the L2
-    arena or the step's tables were replaced: a grown arena, a new session): it will not be replayed again, and its
-    pool holds device memory until it goes. Variants over the same buffers (the pool's capacity, pages on disk)
-    stay; a change of budget or read-ahead replaces the step's ``missed`` table, so its old graph goes too."""
-    return (isinstance(old_key, tuple) and isinstance(new_key, tuple) and old_key[:1] == new_key[:1] == ("sparse",)
-            and old_key[1:7] != new_key[1:7])
 
 
 def fuse_norms(model) -> int:

@@ -40,7 +40,7 @@ from ..config import CacheConfig
 from . import FETCH_BLOCK_TOKENS, FETCH_BLOCK_TOKENS_CPU, attention, codecs, int8_pool, uva
 from .disk import PageLost  # the engine catches it from here
 from .peer import PeerLostError
-from .static import StaticKV
+from .static import GraphKey, StaticKV
 
 log = logging.getLogger("flashguard")
 from .store import PageStore, namespace_for, page_key
@@ -833,11 +833,11 @@ class TieredCache(Cache):
                          (st.edge, last - self.adapt_pages), (st.tick, self.length)):
             t.fill_(value)
         self.page_reads += kvh * budget * self.num_layers
-        key = ("sparse", tuple((layer.l1_k.data_ptr(), layer.l1_v.data_ptr(), layer.bounds.data_ptr(),
-                                layer.bounds.shape[2]) for layer in self.layers),
-               self.store.arena.data.data_ptr(), st.l1_pos.data_ptr(), st.slots.data_ptr(), st.seen.data_ptr(),
-               st.missed.data_ptr(),
-               budget, l0.l1_k.shape[1], ahead, self._on_disk)
+        key = GraphKey("sparse", tuple((layer.l1_k.data_ptr(), layer.l1_v.data_ptr(), layer.bounds.data_ptr(),
+                                        layer.bounds.shape[2]) for layer in self.layers),
+                       tables=(self.store.arena.data.data_ptr(), st.l1_pos.data_ptr(), st.slots.data_ptr(),
+                               st.seen.data_ptr(), st.missed.data_ptr()),
+                       variant=(budget, l0.l1_k.shape[1], ahead, self._on_disk))
         return SparseKV(self, key, self.length, budget, ahead=ahead, masked=self._on_disk)
 
     SLOT_UPDATE_MAX = 256   # slot changes applied one by one; more: the whole table is asked for again

@@ -6,7 +6,37 @@ transformers Cache into one (``from_cache``).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+
+
+@dataclass(frozen=True)
+class GraphKey:
+    """Which device buffers a recorded whole-step graph reads, and the variant it was recorded for: a graph is
+    replayed only under an equal key, recorded again under a new one.
+
+    ``kind``: "static" (a StaticKV) or "sparse" (a SparseKV). ``layers``: per layer the data pointers of its K and V
+    buffers (and, sparse, its page bounds and their capacity). ``tables``: a sparse step's other buffers (the L2
+    arena, the step's position, slot, seen and missed tables). ``variant``: what else tells two graphs over the same
+    buffers apart (capacity, scales' pointers; sparse: budget, pool capacity, read-ahead, pages on disk)."""
+
+    kind: str
+    layers: tuple
+    tables: tuple = ()
+    variant: tuple = ()
+
+    def buffers(self) -> set[int]:
+        """The layers' buffers (K, V and, sparse, page bounds): what a new session's pool must hold for the graph to
+        stay valid (``DecodeStep.forget_steps``)."""
+        return {ptr for layer in self.layers for ptr in layer[:3 if self.kind == "sparse" else 2]}
+
+    def replaced_by(self, new: "GraphKey") -> bool:
+        """A sparse step's graph whose buffers ``new``'s step no longer uses (its L1 buffers, the L2 arena or the
+        step's tables were replaced: a grown arena, a new session): it will not be replayed again, and its pool
+        holds device memory until it goes. Variants over the same buffers (the pool's capacity, pages on disk) stay;
+        a change of budget or read-ahead replaces the step's ``missed`` table, so its old graph goes too."""
+        return self.kind == new.kind == "sparse" and (self.layers, self.tables) != (new.layers, new.tables)
 
 
 class StaticKV:
@@ -27,13 +57,13 @@ class StaticKV:
         return self.keys[0].shape[1]
 
     @property
-    def key(self) -> tuple:
+    def key(self) -> GraphKey:
         """Where the buffers are: a graph recorded over them stays valid while this is unchanged."""
         if isinstance(self.keys, torch.Tensor):
-            return (self.keys.data_ptr(), self.values.data_ptr(), self.capacity)
+            return GraphKey("static", ((self.keys.data_ptr(), self.values.data_ptr()),), variant=(self.capacity,))
         scales = () if self.scales is None else tuple(t.data_ptr() for part in self.scales for t in part)
-        return (tuple(t.data_ptr() for t in self.keys), tuple(t.data_ptr() for t in self.values), self.capacity,
-                scales)
+        return GraphKey("static", tuple((k.data_ptr(), v.data_ptr()) for k, v in zip(self.keys, self.values)),
+                        variant=(self.capacity, scales))
 
     @classmethod
     def from_cache(cls, cache, capacity: int) -> "StaticKV":

@@ -46,6 +46,7 @@ def test_make_model_of_the_7b_shape_counts_what_the_planner_counts():
     assert model.lm_head.weight_bytes() == planner.int4_bytes(152064 * 3584, 128) - 152064 * 3584 // 128
 
 
+@pytest.mark.slow   # (a benchmark run end to end)
 def test_the_tiny_benchmark_streams_and_reports(tmp_path, capsys):
     folder = tmp_path / "tok"
     tiny.tokenizer().save_pretrained(folder)

@@ -122,6 +122,7 @@ def test_static_kv_whole_step_matches_the_models_forward():
         StaticKV.from_cache(theirs, capacity=100)
 
 
+@pytest.mark.slow   # (15 s: the fast loop stays under a minute)
 def test_resident_tiered_cache_runs_the_whole_step_path():
     """A TieredCache whose every token is resident offers its L1 buffers as a StaticKV (what the one-graph step
     replays on a GPU); the same kernels run eagerly here: the same logits as the model's forward, the cache's
@@ -177,15 +178,18 @@ def test_a_sparse_graph_over_replaced_buffers_is_stale():
     tables) goes when the next one is recorded (its pool held device memory: a 128K new session ran out of memory
     recording beside three such graphs); variants over the same buffers stay, and resident-step graphs are not
     touched."""
-    from flashguard.engine.decode_step import stale_graph
+    from dataclasses import replace
 
-    layers = ((1, 2, 3, 64),)
-    # (layers, arena, the step's scalars, slot table, seen, missed, budget, capacity, ahead, pages on disk)
-    key = ("sparse", layers, 100, 150, 200, 300, 400, 8, 4096, 2, False)
-    assert not stale_graph(key, key)
-    assert not stale_graph(key, key[:7] + (16, 4096, 4, True))              # a variant: same buffers
-    assert stale_graph(key, key[:2] + (101,) + key[3:])                     # the arena grew
-    assert stale_graph(key, ("sparse", ((5, 6, 3, 64),)) + key[2:])         # a new session's L1
-    assert stale_graph(key, key[:3] + (151,) + key[4:])                     # another cache's device scalars
-    assert stale_graph(key, key[:6] + (401,) + key[7:])                     # the step's table regrown
-    assert not stale_graph(("static", 1, 2), key) and not stale_graph(key, ("static", 1, 2))
+    from flashguard.kv.static import GraphKey
+
+    key = GraphKey("sparse", ((1, 2, 3, 64),), tables=(100, 150, 200, 300, 400), variant=(8, 4096, 2, False))
+    tables = key.tables   # (arena, the step's scalars, slot table, seen, missed)
+    assert not key.replaced_by(key)
+    assert not key.replaced_by(replace(key, variant=(16, 4096, 4, True)))          # a variant: same buffers
+    assert key.replaced_by(replace(key, tables=(101,) + tables[1:]))               # the arena grew
+    assert key.replaced_by(replace(key, layers=((5, 6, 3, 64),)))                  # a new session's L1
+    assert key.replaced_by(replace(key, tables=tables[:1] + (151,) + tables[2:]))  # another cache's scalars
+    assert key.replaced_by(replace(key, tables=tables[:4] + (401,)))               # the step's table regrown
+    static = GraphKey("static", ((1, 2),), variant=(64,))
+    assert not static.replaced_by(key) and not key.replaced_by(static)
+    assert key.buffers() == {1, 2, 3} and static.buffers() == {1, 2}

@@ -42,8 +42,8 @@ def _whole(tok, messages):
     return list(out["input_ids"] if hasattr(out, "keys") else out)
 
 
-@pytest.mark.parametrize("name", list(TOKENIZERS))
-def test_ids_equal_whole_tokenizing_over_a_growing_conversation(name):
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n == "deepseek" else n for n in TOKENIZERS])
+def test_ids_equal_whole_tokenizing_over_a_growing_conversation(name):   # (deepseek: a 152K tokenizer, slow)
     tok = TOKENIZERS[name]()
     enc = ChatEncoder(tok)
     rng = random.Random(0)

@@ -56,6 +56,7 @@ def test_every_launch_shape_gives_the_same_product(interpreted, config):
     torch.testing.assert_close(got, x @ ref.t(), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow   # (Triton interpreter: seconds)
 def test_a_wide_layer_uses_several_rows_per_program(interpreted):
     """520 outputs: the launch puts 16 rows in a program (the last one partly empty); each row gets its own sum."""
     packed, scales, zeros, ref = _layer(520, 256, 64, seed=3)

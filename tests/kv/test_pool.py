@@ -72,6 +72,7 @@ def test_buffers_that_do_not_fit_the_next_cache_are_not_used():
 
 def test_step_graphs_over_buffers_the_pool_does_not_hold_are_forgotten():
     from flashguard.engine.decode_step import DecodeStep
+    from flashguard.kv.static import GraphKey
 
     model = tiny.model("qwen2")
     step = DecodeStep(model, graphs=False)
@@ -82,10 +83,11 @@ def test_step_graphs_over_buffers_the_pool_does_not_hold_are_forgotten():
     view = cache.static_view()
     cache.release(keep_pages=False)
     other = torch.zeros(4)
-    sparse_kept = ("sparse", tuple((layer.k.data_ptr(), layer.v.data_ptr(), layer.bounds.data_ptr(), 64)
-                                   for layer in (pool._layers[i] for i in sorted(pool._layers))), 1, 2, 3, 4, 5)
+    sparse_kept = GraphKey("sparse", tuple((layer.k.data_ptr(), layer.v.data_ptr(), layer.bounds.data_ptr(), 64)
+                                           for layer in (pool._layers[i] for i in sorted(pool._layers))),
+                           tables=(1, 2, 3, 4, 5))
     step.step_graphs = {view.key: "static", sparse_kept: "sparse",
-                        ((other.data_ptr(),) * 2, (other.data_ptr(),) * 2, 64, ()): "elsewhere"}
+                        GraphKey("static", ((other.data_ptr(),) * 2,) * 2, variant=(64, ())): "elsewhere"}
     step.forget_steps(keep=pool.ptrs())
     assert set(step.step_graphs.values()) == {"static", "sparse"}
     step.forget_steps(keep=set())

@@ -67,7 +67,7 @@ def test_rope_write_into_an_int8_pool_quantizes_as_int8_pool_does(interpreted):
 
 
 @pytest.mark.parametrize("used,dtype", [(1, torch.float32), (70, torch.float32), (300, torch.float16),
-                                        (2200, torch.float32)])
+                                        pytest.param(2200, torch.float32, marks=pytest.mark.slow)])
 def test_decode_attention_equals_attention_over_the_used_keys(interpreted, used, dtype):
     """Splits follow ``used``: one key, fewer keys than splits x blocks, more; 16-bit; GQA of 3 per KV head."""
     gen = torch.Generator().manual_seed(used)
@@ -217,6 +217,7 @@ def test_the_kernel_step_over_an_int8_pool_and_off_the_pool(interpreted):
         assert a.argmax(-1).tolist() == b.argmax(-1).tolist(), name
 
 
+@pytest.mark.slow   # (Triton interpreter: seconds)
 def test_a_page_at_slot_minus_one_is_left_out_of_the_attention(interpreted):
     """The sparse step's pages only on disk (slot -1): the page kernel attends the others, as if not picked."""
     from flashguard.kv import codecs
