@@ -160,6 +160,14 @@ class EngineConfig:
     system_prompt  system message used when the conversation has none; None = the template's default.
     lora_path      a PEFT LoRA adapter folder (adapter_config.json + adapter_model.safetensors) applied on top of the
                    float or int4 linears (engine/lora.py); None = the base model alone. Its content keys the KV pages.
+    backend        "local" (default: this process runs the model) or "openai": an OpenAI-compatible server runs it
+                   (llama-server, vLLM, SGLang; flashguard/remote/): the requests name the models entry's ``model``,
+                   and the model's tokenizer and chat template (``model_path``) render the conversation here, so the
+                   server's prefix cache serves the rails' requests from the conversation's own KV.
+    base_url       the server's OpenAI API root, e.g. http://127.0.0.1:8080/v1 (backend: openai).
+    api_key_env    the name of an environment variable holding the server's API key (never the key itself: it stays
+                   out of config.yml and the logs); None sends no key.
+    timeout_s      seconds a remote request may take before it fails with an error naming this key.
     """
 
     model_path: str | None = None
@@ -181,6 +189,10 @@ class EngineConfig:
     cuda_graphs: bool = True
     system_prompt: str | None = None
     lora_path: str | None = None
+    backend: str = "local"
+    base_url: str | None = None
+    api_key_env: str | None = None
+    timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
         if self.model_path is not None:
@@ -207,6 +219,14 @@ class EngineConfig:
             raise ConfigError(f"must be a positive integer, got {self.prefill_chunk!r}", key="prefill_chunk")
         if self.max_context is not None and self.max_context <= 0:
             raise ConfigError(f"must be a positive integer, got {self.max_context!r}", key="max_context")
+        _check_choice(self.backend, ("local", "openai"), "backend")
+        if self.backend == "openai":
+            if not self.base_url or not str(self.base_url).startswith(("http://", "https://")):
+                raise ConfigError(f"backend: openai needs the server's URL, e.g. http://127.0.0.1:8080/v1; got "
+                                  f"{self.base_url!r}", key="base_url")
+            object.__setattr__(self, "base_url", str(self.base_url).rstrip("/"))
+        if self.timeout_s <= 0:
+            raise ConfigError(f"must be a positive number of seconds, got {self.timeout_s!r}", key="timeout_s")
 
     # The provider receives NeMo's own kwargs beside the user's parameters.
     _NEMO_KEYS = frozenset({"mode", "api_key"})

@@ -260,6 +260,13 @@ def choose_probe(engine, settings: ModerationSettings):
     mode = settings.probe.strip()
     if mode == "off":
         return None
+    if not engine.reads_states:   # a serving engine (backend: openai) returns log-probabilities, not states
+        warned = rail_state(engine).probe_warned
+        if ("remote", settings.side) not in warned:
+            warned.add(("remote", settings.side))
+            log.warning("flashguard moderation: the openai backend returns no hidden states; the %s rail uses the "
+                        "question's Yes/No verdict (%s.probe is not used)", settings.side, settings.section)
+        return None
     if mode == "auto":
         probe, where = find_probe(engine, settings.prompt, settings.side)
         default = INPUT_THRESHOLD if settings.side == "input" else DEFAULT_THRESHOLD

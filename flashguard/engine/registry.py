@@ -26,8 +26,15 @@ def engine_key(config: EngineConfig, source: loader.ModelSource) -> tuple:
             loader.choose_weights(config.weights, source, device)[0], config.int4_kernel, config.cuda_graphs, config.lora_path)
 
 
-def get_engine(config: EngineConfig) -> Engine:
+_remotes: dict[tuple, object] = {}
+
+
+def get_engine(config: EngineConfig, model: str = "flashguard"):
+    """The process's engine for ``config``: a local ``Engine`` (one per weights and how they run), or with
+    ``backend: openai`` a ``remote.engine.RemoteEngine`` (one per server, served ``model`` and tokenizer)."""
     global loads
+    if config.backend == "openai":
+        return _remote(config, model)
     source = loader.resolve_model(config.model_path, config.gguf_file)
     key = engine_key(config, source)
     with _lock:
@@ -39,9 +46,28 @@ def get_engine(config: EngineConfig) -> Engine:
         return engine
 
 
+def _remote(config: EngineConfig, model: str):
+    from ..remote.engine import RemoteEngine
+
+    key = (config.base_url, model, config.model_path, config.gguf_file, config.api_key_env, config.timeout_s,
+           config.max_context, config.system_prompt, config.seed)
+    with _lock:
+        engine = _remotes.get(key)
+        if engine is None:
+            engine = _remotes[key] = RemoteEngine(config, model)
+        return engine
+
+
 def all_engines() -> list[Engine]:
+    """The local engines (what holds memory in this process)."""
     with _lock:
         return list(_engines.values())
+
+
+def all_backends() -> list:
+    """Every engine, local and remote (their task counters: ``flashguard.engine_stats``)."""
+    with _lock:
+        return list(_engines.values()) + list(_remotes.values())
 
 
 def engine_info() -> list[dict]:

