@@ -84,6 +84,10 @@ def remote_yaml(url: str, model: str = "smollm2", extra: str = "", output_thresh
     models = (f"models:\n  - type: main\n    engine: flashguard\n    model: {model}\n    parameters:\n"
               f"      backend: openai\n      base_url: {url}\n      max_tokens: 48\n      temperature: 0.0\n{extra}\n")
     out = models + "# The user's messages go to the model" + rest
+    # the question verdict is all a server gives (no hidden states), and a 135M model's is weak: at the default 0.50
+    # it blocks "What is the capital of France?" (p 0.60 here and in-process alike); these tests check the path
+    # (generation, both rails, the server's cache), so everyday questions must pass the input rail
+    out = out.replace("  flashguard_input_moderation:\n", "  flashguard_input_moderation:\n    threshold: 0.9\n", 1)
     if output_threshold is not None:
         out = out.replace("    probe: auto\n    question:", "    probe: off\n    question:", 1)
         out = out.replace("threshold: 0.64", f"threshold: {output_threshold}", 1)
@@ -107,7 +111,7 @@ def test_a_guarded_turn_runs_on_the_server_and_the_rails_reuse_its_cache(llama_s
     rails = rails_for(tmp_path, remote_yaml(llama_server.url))
     res = rails.generate(messages=QUESTION)
     assert "Paris" in res["content"]
-    stats = _engine(rails).stats.as_dict()
+    stats = _engine(rails).stats.as_dict()   # (the first test on this server's engine)
     assert stats["generation"]["calls"] == 1
     assert stats["input_moderation"]["calls"] == 1 and stats["moderation"]["calls"] == 1
     # the output rail's request starts with the turn's ids: the server took them from its prefix cache
@@ -123,10 +127,11 @@ async def test_a_streamed_turn(llama_server, tmp_path):
 
 
 def test_a_reply_the_output_rail_blocks_is_refused(llama_server, tmp_path):
-    rails = rails_for(tmp_path, remote_yaml(llama_server.url, output_threshold="0.0"))   # every reply blocked
+    rails = rails_for(tmp_path, remote_yaml(llama_server.url, output_threshold="0.01"))   # every reply blocked
+    before = _engine(rails).stats.as_dict().get("moderation", {}).get("calls", 0)
     res = rails.generate(messages=QUESTION)
     assert res["content"] == rails.config.bot_messages["refuse to respond"][0]   # the config's own refusal
-    assert _engine(rails).stats.as_dict()["moderation"]["calls"] == 1
+    assert _engine(rails).stats.as_dict()["moderation"]["calls"] == before + 1
 
 
 def test_a_wrong_model_name_is_one_clear_error(llama_server, tmp_path):
@@ -186,11 +191,13 @@ def test_the_server_gone_mid_reply_is_an_error_not_half_an_answer(tmp_path):
 def test_flashguard_serve_passes_concurrent_conversations_through(llama_server, tmp_path):
     """Four conversations at once through ``flashguard serve``: each gets its own answer, no error, no lock in
     front of the server (the server batches them in its slots)."""
-    cfg = make_config(tmp_path, remote_yaml(llama_server.url))
+    # (the output rail's question verdict blocks some of these replies at 0.64: 0.70-0.79 seen; this test is about
+    # concurrency and cross-talk, so its cut is 0.95)
+    cfg = make_config(tmp_path, remote_yaml(llama_server.url, output_threshold="0.95"))
     server = Server(cfg, tmp_path / "serve.log").wait()
     try:
-        questions = ["What is the capital of France?", "What is the capital of Italy?",
-                     "What is the capital of Japan?", "What is the capital of Spain?"]
+        questions = [f"What is the capital of {c}? Answer in one sentence."
+                     for c in ("France", "Italy", "Japan", "Spain")]
 
         def ask(q):
             r = httpx.post(server.url + "/v1/chat/completions", timeout=120,
