@@ -49,7 +49,10 @@ ROWS=${ROWS:-default}
 CONTEXTS=${CONTEXTS:-8192 32768 131072}
 E2E_TIMEOUT=${E2E_TIMEOUT:-240}
 E2E_ARGS=${E2E_ARGS:-}
-GPU_TESTS=${GPU_TESTS:-test_gpu.py test_step_kernels.py test_int4_triton.py test_zero_copy.py test_sparse_step.py}
+# (test_step_kernels.py and test_int4_triton.py check the Triton kernels through Triton's interpreter, the CPU's
+# way: the H200 image's triton 3.6 interpreter fails on them, "only 0-dimensional arrays can be converted to Python
+# scalars", 2026-12-03; test_gpu.py runs the same kernels compiled on the GPU)
+GPU_TESTS=${GPU_TESTS:-test_gpu.py test_zero_copy.py test_sparse_step.py}
 TEST_MARK=${TEST_MARK-not slow}
 TEST_TIMEOUT=${TEST_TIMEOUT:-150}
 PYTEST_ARGS=${PYTEST_ARGS:-}
