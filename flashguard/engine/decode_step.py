@@ -382,7 +382,9 @@ class DecodeStep:
         ``(graph, logits)``, kept under ``kv.key``, or None where capture failed."""
         def record():
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
+            # thread_local: the store's L3 writer (kv/store.py, its own thread and stream) may run codec work on the
+            # GPU meanwhile; the default (global) mode made its calls fail (the H200's 128K turn, 2026-12-03)
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
                 logits = self._static_layers(kv)
             return graph, logits
 
@@ -407,7 +409,7 @@ class DecodeStep:
             graphs, outputs, prev = [], [], ()
             for i in range(len(self.layers) + 1):
                 g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=pool):
+                with torch.cuda.graph(g, pool=pool, capture_error_mode="thread_local"):   # (as above)
                     out = self._between(i, prev)
                 graphs.append(g)
                 outputs.append(out)
