@@ -50,6 +50,15 @@ class Delta:
     completion_tokens: int = 0
 
 
+def joined(deltas: Iterator[Delta]) -> Delta:
+    """A stream's Deltas as one: the whole text, the last Delta's finish reason and token counts."""
+    parts, last = [], None
+    for d in deltas:
+        parts.append(d.text)
+        last = d
+    return Delta("".join(parts), last.finish_reason, last.prompt_tokens, last.completion_tokens)
+
+
 @dataclass(frozen=True)
 class Turn:
     """What the engine ran for one generation: the ids it attended to and the ids it produced."""
@@ -300,11 +309,7 @@ class Engine:
     # ---- generation ----------------------------------------------------------------------
     def generate(self, ids: Sequence[int], params: SamplingParams, task: str = "generation") -> Delta:
         """Run to completion; returns one Delta with the whole text."""
-        parts, last = [], None
-        for d in self.stream(ids, params, task=task):
-            parts.append(d.text)
-            last = d
-        return Delta("".join(parts), last.finish_reason, last.prompt_tokens, last.completion_tokens)
+        return joined(self.stream(ids, params, task=task))
 
     def stream(self, ids: Sequence[int], params: SamplingParams, task: str = "generation") -> Iterator[Delta]:
         ids = self._check_prompt(ids)

@@ -29,7 +29,7 @@ import torch
 from ..config import EngineConfig
 from ..engine import loader
 from ..engine.encoding import MessageEncoder
-from ..engine.engine import PLAIN_CHAT_TEMPLATE, Delta, Turn
+from ..engine.engine import PLAIN_CHAT_TEMPLATE, Delta, Turn, joined
 from ..engine.reading import Reading
 from ..engine.sampling import SamplingParams
 from ..engine.stats import EngineStats
@@ -108,11 +108,7 @@ class RemoteEngine:
 
     # ---- generation ----------------------------------------------------------------------
     def generate(self, ids: Sequence[int], params: SamplingParams, task: str = "generation") -> Delta:
-        parts, last = [], None
-        for d in self.stream(ids, params, task=task):
-            parts.append(d.text)
-            last = d
-        return Delta("".join(parts), last.finish_reason, last.prompt_tokens, last.completion_tokens)
+        return joined(self.stream(ids, params, task=task))
 
     def stream(self, ids: Sequence[int], params: SamplingParams, task: str = "generation") -> Iterator[Delta]:
         ids = self._check_prompt(ids)
