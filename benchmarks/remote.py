@@ -20,6 +20,7 @@ import json
 import socket
 import statistics
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -69,7 +70,7 @@ def main(argv=None) -> int:
     p.add_argument("--rows", type=int, default=400)
     p.add_argument("--out")
     args = p.parse_args(argv)
-    log = Path("/tmp") / "flashguard-remote-bench.log"
+    log = Path(tempfile.gettempdir()) / "flashguard-remote-bench.log"
     proc, url = start_server(args.server, log)
     try:
         local = get_engine(EngineConfig())

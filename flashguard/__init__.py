@@ -26,7 +26,7 @@ def engine_stats() -> dict:
     """``{model label: {task: counters}}`` for every engine loaded in this process."""
     from .engine.registry import all_backends
 
-    return {e.source.label: e.stats.as_dict() for e in all_backends()}
+    return {e.label: e.stats.as_dict() for e in all_backends()}
 
 
 def engine_info() -> list[dict]:

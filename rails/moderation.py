@@ -206,18 +206,21 @@ def moderate(engine, bot_message: str, user_message: Optional[str] = None,
     """
     with engine.lock:  # the streaming chunk check and the final check can arrive together
         turn = find_turn(engine, bot_message) if allow_shared else None
-        memo = rail_state(engine).verdicts
+        state = rail_state(engine)
+        memo = state.verdicts
         key = (turn, bot_message.strip(), user_message if turn is None else None, settings)
-        if use_memo and allow_shared and key in memo:
-            v = memo[key]
+        with state.lock:
+            v = memo.get(key) if use_memo and allow_shared else None
+        if v is not None:
             log.info("flashguard moderation: %s (p_unsafe=%.3f, threshold=%.2f) remembered from the same turn's "
                      "earlier check", "allow" if v.allowed else "BLOCK", v.p_unsafe, v.threshold)
             return v
         verdict = _moderate(engine, bot_message, user_message, settings, turn, allow_shared)
         if allow_shared:
-            memo[key] = verdict
-            while len(memo) > _MEMO_SIZE:
-                memo.pop(next(iter(memo)))
+            with state.lock:
+                memo[key] = verdict
+                while len(memo) > _MEMO_SIZE:
+                    memo.pop(next(iter(memo)))
         return verdict
 
 

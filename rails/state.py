@@ -18,6 +18,7 @@ class RailState:
     threshold_warned: set = field(default_factory=set)
     probe_warned: set = field(default_factory=set)
     strictness_warned: set = field(default_factory=set)   # (side, long): a probe without a strictness table, logged
+    lock: object = field(default_factory=threading.Lock)  # the memos above: a remote engine's calls run concurrently
 
     def forget_probes(self) -> None:
         """Drop what depends on where probes are looked for (tests move that folder)."""

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds llama.cpp's llama-server (an OpenAI-compatible server with a per-slot prompt cache) for this machine's
-# CPU, once, into the user cache: ~/.cache/flashguard/llama-server/bin/llama-server (FLASHGUARD_CACHE moves it).
+# CPU, once, into the user cache: ~/.cache/flashguard/llama-server/bin/llama-server (FLASHGUARD_CACHE_DIR moves it).
 # The remote-backend tests (tests/remote/) use it and skip with a one-line reason where it is absent.
 #
 # usage (from the project's root): bash tools/build_llama_server.sh [LLAMA_CPP_SOURCE_DIR]
@@ -9,7 +9,7 @@
 # About 8-12 minutes on 2 cores. Windows users take llama.cpp's own release builds instead (llama-server.exe) and
 # point `base_url` at it; this script is for the tests.
 set -euo pipefail
-CACHE=${FLASHGUARD_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/flashguard}
+CACHE=${FLASHGUARD_CACHE_DIR:-$HOME/.cache/flashguard}   # loader.user_cache_dir's folder (Linux / macOS)
 DEST=$CACHE/llama-server
 BIN=$DEST/bin/llama-server
 if [ -x "$BIN" ]; then echo "$BIN"; exit 0; fi

@@ -687,6 +687,11 @@ class Engine:
         return DynamicSession(self.model.config)
 
     @property
+    def label(self) -> str:
+        """The model's name in ``engine_stats()`` (a remote engine's adds its server)."""
+        return self.source.label
+
+    @property
     def model_identity(self) -> str:
         """What the KV pages' namespace is keyed by (kv/store.py ``namespace_for``): the weights' file and the
         adapter's content, whose keys and values differ from the base model's."""
@@ -820,7 +825,8 @@ class Engine:
         try:
             return self._forward_once(tokens)
         except OUT_OF_MEMORY as exc:
-            self.oom_retries += 1   # (session.forward brought every layer back to the tokens before this call)
+            self.oom_retries += 1   # (session.forward brought every layer back to the tokens before this call; a
+            # failure while the pages settled after it arrives as PageLost instead, and _forward recomputes)
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
             if len(tokens) <= self.MIN_CHUNK:

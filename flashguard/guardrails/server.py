@@ -17,7 +17,8 @@ Everything else (``/v1/rails/configs``, ``/v1/checks``, ...) goes to NeMo's serv
 ``RequestBounds`` reads the body of a chat request (at most ``max_body_bytes``), checks it, and answers bad
 input with a 4xx in OpenAI's error envelope (``param`` names the field) before any work: unsupported fields
 (``n > 1``, ``tools``, ``response_format``, ``logprobs``) are refused, not ignored. At most ``max_in_flight``
-chat requests are admitted at once (the engine serves one at a time, the rest wait on its lock); past that
+chat requests are admitted at once (a local engine serves one at a time, the rest wait on its lock; with
+``backend: openai`` they go to the server together); past that
 the answer is 429 with Retry-After, so memory stays bounded.
 
 ``RequestLog`` logs one line per request (method, path, status, tokens, seconds) on the ``flashguard.server``

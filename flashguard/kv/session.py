@@ -71,7 +71,12 @@ class KVSession:
             except Exception as err:  # noqa: BLE001 - the forward's own error is the one to raise
                 log.warning("flashguard: the cache could not be brought back after a failed forward (%s)", err)
             raise
-        self._end()
+        try:
+            self._end()
+        except Exception as exc:   # the forward ran but its pages did not settle (e.g. out of memory storing them):
+            from .disk import PageLost   # the cache is not at ``ids`` nor past them; the engine recomputes on this
+
+            raise PageLost(f"the forward's pages could not be settled ({type(exc).__name__}: {exc})") from exc
         self.ids.extend(tokens)
 
     def _begin(self, tokens: list[int]) -> None:

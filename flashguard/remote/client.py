@@ -58,7 +58,10 @@ class Client:
     @staticmethod
     def _refused(response: httpx.Response, what: str) -> RemoteError:
         text = response.text[:300].replace("\n", " ")
-        return RemoteError(f"the server refused {what}: HTTP {response.status_code}: {text}")
+        key = {401: "api_key_env", 403: "api_key_env", 404: "base_url"}.get(response.status_code)
+        hint = {"api_key_env": "; set api_key_env to the variable holding the server's key",
+                "base_url": "; base_url is the server's API root (it usually ends in /v1)"}.get(key, "")
+        return RemoteError(f"the server refused {what}: HTTP {response.status_code}: {text}{hint}", key=key)
 
     def models(self) -> list[str]:
         """The model ids the server serves (``GET /models``)."""

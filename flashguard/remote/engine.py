@@ -47,6 +47,7 @@ class RemoteEngine:
     def __init__(self, config: EngineConfig, model: str, source: loader.ModelSource | None = None):
         self.config, self.model_name = config, model
         self.source = source or loader.resolve_model(config.model_path, config.gguf_file)
+        self.label = f"{self.source.label} @ {config.base_url}"   # (engine_stats: apart from a local engine's)
         notice.say("flashguard: %s serves %s; loading its tokenizer (%s) here", config.base_url, model,
                    self.source.label)
         self.tokenizer, model_config = loader.load_tokenizer(self.source)
@@ -114,8 +115,10 @@ class RemoteEngine:
         ids = self._check_prompt(ids)
         max_new = min(params.max_tokens, self.context_length - len(ids))
         t0, first, parts, finish, usage = time.perf_counter(), None, [], "length", {}
+        timings: dict = {}
         for event in self.client.stream(self._body(ids, max_new, params), "the reply"):
             usage = event.get("usage") or usage
+            timings = event.get("timings") or timings
             for choice in event.get("choices") or []:
                 text = choice.get("text") or ""
                 if text:
@@ -127,7 +130,7 @@ class RemoteEngine:
         final = "".join(parts)
         out = self.tokenizer(final, add_special_tokens=False)["input_ids"] if final else []
         completion = int(usage.get("completion_tokens") or len(out))
-        reused = self._cached(usage, {})
+        reused = self._cached(usage, timings) or 0
         yield Delta("", finish, len(ids), completion)
         self.turns.append(Turn(tuple(ids), tuple(out), final))
         del self.turns[:-64]
@@ -144,8 +147,10 @@ class RemoteEngine:
                                   "verdict there (probe: off)", key="backend")
         ids = self._check_prompt(ids)
         t0 = time.perf_counter()
-        answer = self.client.complete(self._body(ids, 1, SamplingParams(max_tokens=1), logprobs=True),
-                                      f"the {task} question")
+        # temperature 1, top_p 1: the log-probabilities as the model gives them (a greedy or top-p request can come
+        # back renormalised after the sampler's cut, the other answer at -inf); the sampled token is not used
+        answer = self.client.complete(self._body(ids, 1, SamplingParams(max_tokens=1, temperature=1.0),
+                                                 logprobs=True), f"the {task} question")
         top = self._top_logprobs(answer)
         if not top:
             raise RemoteError(f"the server returned no logprobs for the {task} question: {str(answer)[:200]}")
@@ -154,8 +159,13 @@ class RemoteEngine:
         for token, lp in top.items():
             if 0 <= token < logprobs.numel():
                 logprobs[token] = lp
-        reused = self._cached(answer.get("usage") or {}, answer.get("timings") or {})
-        if not self._prefix_warned and len(ids) > 256 and reused < len(ids) // 2:
+        cached = self._cached(answer.get("usage") or {}, answer.get("timings") or {})
+        reused = cached or 0
+        # the output rail's request follows the turn the server just generated: a long one mostly cached, if the
+        # cache is on (a server that does not report it says nothing here; the input rail's first request of a
+        # conversation has nothing to reuse yet)
+        if not self._prefix_warned and task == "moderation" and cached is not None and len(ids) > 256 and \
+                reused < len(ids) // 2:
             self._prefix_warned = True
             log.warning("flashguard: the server at %s reused %d of a rail's %d prompt tokens: its prefix cache is not "
                         "being hit (llama-server: --cache-reuse / slots; vLLM: --enable-prefix-caching; SGLang: the "
@@ -189,12 +199,14 @@ class RemoteEngine:
         return out
 
     @staticmethod
-    def _cached(usage: dict, timings: dict) -> int:
+    def _cached(usage: dict, timings: dict) -> int | None:
+        """Prompt tokens the server took from its cache; None where it does not say (vLLM without
+        --enable-prompt-tokens-details, SGLang without --enable-cache-report)."""
         details = usage.get("prompt_tokens_details") or {}
         cached = details.get("cached_tokens")
         if cached is None:
             cached = timings.get("cache_n")
-        return int(cached or 0)
+        return None if cached is None else int(cached)
 
     # ---- state ---------------------------------------------------------------------------
     def reset_session(self) -> None:
