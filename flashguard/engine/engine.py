@@ -50,6 +50,30 @@ class Delta:
     completion_tokens: int = 0
 
 
+def checked_prompt(ids: Sequence[int], context: int, vocab: int) -> list[int]:
+    """``ids`` as ints, or a PromptError saying what to change: empty, not shorter than the model's ``context``, or a
+    token outside the ``vocab`` rows (a GPU lookup of a host table reads what it is given: no index check). The local
+    and the remote engine check prompts with it."""
+    ids = [int(i) for i in ids]
+    if not ids:
+        raise PromptError("the prompt is empty; send at least one message with text")
+    if len(ids) >= context:
+        raise PromptError(
+            f"the prompt is {len(ids)} tokens but the model's context is {context} tokens; "
+            "shorten the conversation or raise models[main].parameters.max_context "
+            "(up to the model's own limit)")
+    if min(ids) < 0 or max(ids) >= vocab:
+        bad = next(i for i in ids if not 0 <= i < vocab)
+        raise PromptError(f"token id {bad} is outside the model's vocabulary (0..{vocab - 1})")
+    return ids
+
+
+def context_length(model_config, max_context: int | None) -> int:
+    """The model's context (``max_position_embeddings``, 2048 where it has none), capped at ``max_context``."""
+    n = getattr(model_config, "max_position_embeddings", None) or 2048
+    return int(min(n, max_context) if max_context else n)
+
+
 def joined(deltas: Iterator[Delta]) -> Delta:
     """A stream's Deltas as one: the whole text, the last Delta's finish reason and token counts."""
     parts, last = [], None
@@ -479,19 +503,7 @@ class Engine:
 
     # ---- the session cache ---------------------------------------------------------------
     def _check_prompt(self, ids: Sequence[int]) -> list[int]:
-        ids = [int(i) for i in ids]
-        if not ids:
-            raise PromptError("the prompt is empty; send at least one message with text")
-        if len(ids) >= self.context_length:
-            raise PromptError(
-                f"the prompt is {len(ids)} tokens but the model's context is {self.context_length} tokens; "
-                "shorten the conversation or raise models[main].parameters.max_context "
-                "(up to the model's own limit)")
-        rows = self.model.get_input_embeddings().num_embeddings
-        if min(ids) < 0 or max(ids) >= rows:   # (a GPU lookup of a host table reads what it is given: no index check)
-            bad = next(i for i in ids if not 0 <= i < rows)
-            raise PromptError(f"token id {bad} is outside the model's vocabulary (0..{rows - 1})")
-        return ids
+        return checked_prompt(ids, self.context_length, self.model.get_input_embeddings().num_embeddings)
 
     def _fit_to_budget(self) -> None:
         """Size the tiers and the prefill chunk: within ``vram_budget`` on a GPU the pool (L1) is the largest the
@@ -923,11 +935,7 @@ class Engine:
 
     # ---- model facts ---------------------------------------------------------------------
     def _context_length(self) -> int:
-        cfg = self.model.config
-        n = getattr(cfg, "max_position_embeddings", None) or 2048
-        if self.config.max_context:
-            n = min(n, self.config.max_context)
-        return int(n)
+        return context_length(self.model.config, self.config.max_context)
 
     def _eos_ids(self) -> frozenset[int]:
         ids = set()

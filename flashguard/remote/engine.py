@@ -29,11 +29,11 @@ import torch
 from ..config import EngineConfig
 from ..engine import loader
 from ..engine.encoding import MessageEncoder
-from ..engine.engine import PLAIN_CHAT_TEMPLATE, Delta, Turn, joined
+from ..engine.engine import PLAIN_CHAT_TEMPLATE, Delta, Turn, checked_prompt, context_length, joined
 from ..engine.reading import Reading
 from ..engine.sampling import SamplingParams
 from ..engine.stats import EngineStats
-from ..errors import FlashguardError, PromptError
+from ..errors import FlashguardError
 from .. import notice
 from .client import Client, RemoteError
 
@@ -54,8 +54,7 @@ class RemoteEngine:
         if getattr(self.tokenizer, "chat_template", None) is None:
             self.tokenizer.chat_template = PLAIN_CHAT_TEMPLATE
         self.messages = MessageEncoder(self.tokenizer, config.system_prompt)
-        n = getattr(model_config, "max_position_embeddings", None) or 2048
-        self.context_length = int(min(n, config.max_context) if config.max_context else n)
+        self.context_length = context_length(model_config, config.max_context)
         self.eos_ids = frozenset(i for i in (self.tokenizer.eos_token_id,) if isinstance(i, int))
         self.lock = contextlib.nullcontext()
         self.stats = EngineStats()
@@ -87,13 +86,7 @@ class RemoteEngine:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
     def _check_prompt(self, ids: Sequence[int]) -> list[int]:
-        ids = [int(i) for i in ids]
-        if not ids:
-            raise PromptError("the prompt is empty; send at least one message with text")
-        if len(ids) >= self.context_length:
-            raise PromptError(f"the prompt is {len(ids)} tokens but the model's context is {self.context_length} "
-                              "tokens; shorten the conversation or raise models[main].parameters.max_context")
-        return ids
+        return checked_prompt(ids, self.context_length, len(self.tokenizer))
 
     def _body(self, ids: list[int], max_tokens: int, params: SamplingParams, logprobs: bool = False) -> dict:
         body = {"model": self.model_name, "prompt": ids, "max_tokens": max_tokens,
