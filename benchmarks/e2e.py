@@ -15,7 +15,8 @@ Each turn generates ``--max-tokens`` tokens. Per turn: wall seconds, time to the
 prefilled / reused by the generation and by the moderation call, L3 reads, peak reserved memory and the NVML
 figure for the process. Each row runs in its own process (the allocator cap is per process).
 
-Rows: ``l3-half`` (the default cache with ``kv.l2_tokens: 16384``: at 128K at least half the pages on disk; its new
+Rows: ``head-float`` (the default with a 16-bit lm_head, ``lm_head: float``), ``l3-half`` (the default cache with
+``kv.l2_tokens: 16384``: at 128K at least half the pages on disk; its new
 session starts with every page spilled to L3, columns ``L3 reads / step`` and ``l3_pages_at_start``), ``default`` (no
 cache key set, ``vram_budget: 4GiB``), ``6gib`` (the same at 6 GiB, where ``auto`` picks the
 int8 pool), ``int8-4gib`` (int8 pool forced at 4 GiB), ``chunk-512`` (the old prefill chunk), ``l3`` (the same with a smaller pool and L2, so most
@@ -36,6 +37,8 @@ from benchmarks import emit, save
 
 ROWS = {
     "default": {"vram_budget": "4GiB"},
+    # the default before lm_head: auto held an int4 model's output matrix as Q8_0 codes (quant/lm_head.py)
+    "head-float": {"vram_budget": "4GiB", "lm_head": "float"},
     # 6 GiB: a 16-bit pool would hold ~85K of the 135K-token context, so kv.l1_codec: auto picks int8, which holds
     # it all (at 4 GiB neither does, and auto keeps 16-bit); "int8-4gib" forces int8 under 4 GiB
     "6gib": {"vram_budget": "6GiB"},

@@ -261,12 +261,15 @@ def plan_weights(args, model: str, params: dict) -> tuple[str, str]:
 def cmd_plan(args) -> int:
     import dataclasses
 
-    from .config import CacheConfig, parse_bytes
+    from .config import CacheConfig, EngineConfig, parse_bytes
+    from .quant import lm_head
     from .vram import plan as planner
 
     model, where, params = plan_model(args)
-    shape = dataclasses.replace(planner.resolve_shape(model), lm_head=args.lm_head)   # an unknown model: one line
+    shape = planner.resolve_shape(model)   # an unknown model: one line
     args.weights, why = plan_weights(args, model, params)
+    head_key = args.lm_head or EngineConfig.from_parameters({"lm_head": params.get("lm_head", "auto")}).lm_head
+    shape = dataclasses.replace(shape, lm_head=lm_head.planned(head_key, args.weights))
     context_note = "--context"
     if args.context is None:
         args.context, context_note = shape.context or 131072, "the model's own; --context to change"
@@ -274,7 +277,7 @@ def cmd_plan(args) -> int:
         context_note = f"--context {args.context} is past the model's own {shape.context}, which the engine caps at"
         args.context = shape.context
     if not args.json:
-        print(f"model: {shape.name} ({where}); weights: {args.weights} ({why})")
+        print(f"model: {shape.name} ({where}); weights: {args.weights} ({why}); lm_head: {shape.lm_head}")
         print(f"planned for a GPU of {args.gpu_mem} (--gpu-mem: the process's share, CUDA context included) and a "
               f"context of {args.context} tokens ({context_note})")
         import torch
@@ -443,8 +446,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="the process's GPU memory (vram_budget), CUDA context included (default 4GiB)")
     p.add_argument("--context", type=int, default=None,
                    help="prompt + generation tokens (default: the model's own context length)")
-    p.add_argument("--lm-head", choices=("float", "int4"), default="float",
-                   help="int4: an lm_head held as int4 codes (a GGUF's Q4 output matrix); float: 16-bit")
+    p.add_argument("--lm-head", choices=("auto", "float", "int8", "int4"), default=None,
+                   help="the lm_head key (default: the config's): int8 = Q8_0 codes, auto = int8 with int4 weights; "
+                        "int4: a GGUF's own Q4 output matrix")
     p.add_argument("--weights", choices=("int4", "float", "fp16"), default=None,
                    help="the weights key's values (fp16: the old name of float); default: the config's, auto "
                         "resolved as on a GPU (int4 for a named shape)")

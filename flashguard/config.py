@@ -153,6 +153,10 @@ class EngineConfig:
                    (group size 64) and cached in the user cache folder; an AWQ checkpoint is always loaded in int4.
                    auto = int4 for such a GGUF on the CPU (the faster decode, nothing converted), else as stored
                    (engine/loader.py ``choose_weights``; the start-up line and ``engine_info()`` say which).
+    lm_head        "auto" (default), "float" (16-bit) or "int8": the output matrix, which every decoded token reads
+                   whole, as llama.cpp's Q8_0 codes (int8, a scale per 32; quant/lm_head.py): 0.6x the bytes of a 16-bit
+                   head. auto = int8 where the decoder is int4, else float; a head the file holds in 4 or 8 bits keeps
+                   its codes. The start-up log, ``engine_info()`` and ``flashguard smi`` say which.
     int4_kernel    "auto" (the fastest the device runs), "triton" (flashguard's Triton kernels, CUDA), "cuda"
                    (torch's tinygemm, compute capability >= 8.0), "cpu" (torch's CPU kernel) or "dequant" (any device).
     cuda_graphs    record one-token decode steps of Llama/Qwen2 models as CUDA graphs (engine/decode_step.py);
@@ -185,6 +189,7 @@ class EngineConfig:
     kv: CacheConfig = field(default_factory=CacheConfig)
     vram_budget: int | str | None = "auto"
     weights: str = "auto"
+    lm_head: str = "auto"
     int4_kernel: str = "auto"
     cuda_graphs: bool = True
     system_prompt: str | None = None
@@ -204,6 +209,7 @@ class EngineConfig:
         if isinstance(self.vram_budget, str) and self.vram_budget != "auto":
             object.__setattr__(self, "vram_budget", parse_bytes(self.vram_budget, key="vram_budget"))
         _check_choice(self.weights, ("auto", "float", "int4"), "weights")
+        _check_choice(self.lm_head, ("auto", "float", "int8"), "lm_head")
         _check_choice(self.int4_kernel, INT4_KERNELS, "int4_kernel")
         if not (self.device in ("auto", "cpu", "cuda") or str(self.device).startswith("cuda:")):
             raise ConfigError(f"must be auto, cpu, cuda or cuda:N, got {self.device!r}", key="device")

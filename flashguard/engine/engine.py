@@ -29,6 +29,7 @@ from ..config import EngineConfig
 from ..errors import ConfigError, GpuMemoryError, PromptError
 from .. import notice
 from ..kv import OUT_OF_MEMORY, peer
+from ..quant import lm_head
 from ..vram import host_heap
 from . import loader
 from .decode_step import DecodeStep
@@ -208,6 +209,11 @@ class Engine:
 
             self.adapter = lora.read_adapter(config.lora_path, self.model)
             lora.apply_adapter(self.model, self.adapter, self.dtype)
+        # lm_head: the output matrix as Q8_0 codes where the key says so (auto: an int4 decoder), quant/lm_head.py
+        self.lm_head_kind, self.lm_head_reason = lm_head.choose(config.lm_head, self.model, self.weights_kind)
+        if self.lm_head_kind == "int8" and lm_head.kind_of(self.model.get_output_embeddings()) == "float":
+            lm_head.quantize(self.model, self.device, config.int4_kernel)
+        log.info("flashguard: lm_head %s (%s)", self.lm_head_kind, self.lm_head_reason)
         self.lock = threading.RLock()
         self.messages = MessageEncoder(self.tokenizer, config.system_prompt)
         self.stats = EngineStats()
@@ -546,22 +552,20 @@ class Engine:
 
     # ---- where the weights live (issue 18) ---------------------------------------------------
     def _plan_shape(self):
-        """The planner's Shape of the loaded model; ``lm_head`` says whether it is held as int4 codes."""
+        """The planner's Shape of the loaded model; ``lm_head`` says how its output matrix is held."""
         import dataclasses
 
-        from ..quant.int4_linear import Int4Linear
         from ..vram import plan as planner
 
         shape = planner.Shape.from_config(self.model.config, self.source.label)
-        head = self.model.get_output_embeddings()
-        if isinstance(head, Int4Linear) or isinstance(getattr(head, "inner", None), Int4Linear):
-            shape = dataclasses.replace(shape, lm_head="int4")
-        return shape
+        return dataclasses.replace(shape, lm_head=lm_head.kind_of(self.model.get_output_embeddings()))
 
     def _load_target(self, config: EngineConfig, weights: str) -> tuple[torch.device, str]:
         """``(device, int4_kernel)`` for the loader: the engine's, or host RAM with the ``dequant`` int4 layout (the
         Triton kernels' bytes, ``layer_stream.place`` switches them) when the model's int4 decoder layers will not
         all fit ``vram_budget``: a 7B's would not fit the device to be moved off it after loading."""
+        import dataclasses
+
         from ..vram import plan as planner
 
         if self.vram_budget is None or self.device.type != "cuda" or weights != "int4":
@@ -572,6 +576,7 @@ class Engine:
             cfg = AutoConfig.from_pretrained(
                 loader.gguf_meta_folder(self.source) if self.source.gguf_file else self.source.folder)
             shape = planner.Shape.from_config(cfg, self.source.label)
+            shape = dataclasses.replace(shape, lm_head=lm_head.planned(config.lm_head, weights))
         except (ValueError, OSError, KeyError, AttributeError):   # the loader says what is wrong
             return self.device, config.int4_kernel
         context = min(getattr(cfg, "max_position_embeddings", None) or 2048, config.max_context or 1 << 62)
@@ -615,8 +620,8 @@ class Engine:
         n = self.model.config.num_hidden_layers
         stats = self.layer_stream.stats() if self.layer_stream is not None else None
         return {"embedding": "host" if self.embedding_on_host else str(self.device),
-                "lm_head": {"device": str(self.device), "weights": self._plan_shape().lm_head
-                            if self.weights_kind == "int4" else "float"},
+                "lm_head": {"device": str(self.device), "weights": self._plan_shape().lm_head,
+                            "why": self.lm_head_reason},
                 "layers_resident": list(range(n - self.streamed)),
                 "layers_streamed": list(range(n - self.streamed, n)),
                 "streamed_from": "pinned host RAM" if self.device.type == "cuda" and self.streamed else
@@ -647,10 +652,13 @@ class Engine:
     @property
     def weights_kind(self) -> str:
         """"int4" when the decoder's linears are int4, else "float": the ``weights`` key's values, which the
-        planner takes too."""
+        planner takes too. The lm_head's codes do not count (``lm_head_kind`` says how it is held)."""
         from ..quant.int4_linear import Int4Linear
 
-        return "int4" if any(isinstance(m, Int4Linear) for m in self.model.modules()) else "float"
+        out = self.model.get_output_embeddings()
+        in_head = {id(m) for m in out.modules()} if out is not None else set()
+        return "int4" if any(isinstance(m, Int4Linear) and id(m) not in in_head
+                             for m in self.model.modules()) else "float"
 
     def _int4_group(self) -> int:
         """The int4 group size the planner counts scales for: the smallest of the model's Int4Linear layers (a GGUF

@@ -21,7 +21,10 @@ Contract:
 - ``q8_0_codes(blocks, shape) -> (codes, zeros, scales)`` of shape ``[N, 2K]``: a Q8_0 matrix exactly as one int4
   matrix over the doubled input ``[x, x]`` (``Int4PairLinear``): with ``q + 128 = 16 hi + lo``,
   ``d q = 16d (hi - 8) + d lo``, so the first K columns hold ``hi`` (zero 8, scale 16d), the next K ``lo`` (zero 0,
-  scale d). One int4 kernel call reading ~1.1 bytes a weight instead of a float matrix's 2 or 4.
+  scale d). One int4 kernel call reading 1.25 bytes a weight (codes, fp16 scales and zeros) instead of a float
+  matrix's 2 or 4.
+- ``q8_0_quantize(weight) -> (codes, zeros, scales)``: the same for a float matrix quantized as Q8_0 (``lm_head:
+  int8``, quant/lm_head.py).
 - ``int4_tensors(path)`` yields ``(name, codes, zeros, scales)`` for every Q4_0 / Q4_1 / Q4_K matrix of a GGUF file.
 - ``file_key(path)``: a key of a file's content (size, a hash of its head and of samples spread over it), for a
   cache of converted models that survives moving the file or reinstalling the package that holds it.
@@ -93,17 +96,45 @@ def _q4_k_codes(blocks: np.ndarray, n: int, k: int):
 
 
 def q8_0_codes(blocks: np.ndarray, shape: tuple[int, int]):
-    """Codes uint8 [N, 2K], zeros float32 [N, 2K/32], scales float16 [N, 2K/32] of a Q8_0 matrix over ``[x, x]``."""
+    """Codes uint8 [N, 2K], zeros float16 [N, 2K/32], scales float16 [N, 2K/32] of a Q8_0 matrix over ``[x, x]``."""
     n, k = shape
     if k % GROUP_SIZE:
         raise ValueError(f"in_features {k} is not a multiple of the Q8_0 block size {GROUP_SIZE}")
     b = np.ascontiguousarray(blocks, dtype=np.uint8).reshape(n, k // GROUP_SIZE, 34)
-    d = b[..., 0:2].copy().view(np.float16)[..., 0]
-    u = (b[..., 2:].view(np.int8).astype(np.int16) + 128).reshape(n, k)   # 0..255
-    codes = np.concatenate([u >> 4, u & 0xF], axis=1).astype(np.uint8)
-    zeros = np.concatenate([np.full(d.shape, 8.0, np.float32), np.zeros(d.shape, np.float32)], axis=1)
-    scales = np.concatenate([d * np.float16(16), d], axis=1)
-    return torch.from_numpy(codes), torch.from_numpy(zeros), torch.from_numpy(scales)
+    d = torch.from_numpy(b[..., 0:2].copy().view(np.float16)[..., 0])
+    q = torch.from_numpy(b[..., 2:].copy().view(np.int8).reshape(n, k))
+    return _pair_codes(q, d)
+
+
+def q8_0_quantize(weight: torch.Tensor, rows: int = 4096):
+    """``q8_0_codes`` of a float matrix ``weight`` [N, K] quantized as llama.cpp's Q8_0 (``gguf.quants.quantize``):
+    a block of 32 weights along K keeps ``d = max|w| / 127`` (fp16) and ``round(w / d)`` in int8. Runs ``rows`` rows
+    at a time on the weight's device and returns host tensors, so a 16-bit lm_head of 150K rows needs a few MB
+    beside itself, not a float32 copy."""
+    n, k = weight.shape
+    if k % GROUP_SIZE:
+        raise ValueError(f"in_features {k} is not a multiple of the Q8_0 block size {GROUP_SIZE}")
+    qs, ds = [], []
+    for r0 in range(0, n, rows):
+        w = weight[r0:r0 + rows].float().view(-1, k // GROUP_SIZE, GROUP_SIZE)
+        d = w.abs().amax(-1) / 127
+        inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+        x = w * inv[..., None]
+        x = torch.sign(x) * torch.floor(x.abs() + 0.5)   # ggml's roundf (halves away from zero), as gguf-py
+        qs.append(x.to(torch.int8).view(-1, k).cpu())
+        ds.append(d.to(torch.float16).cpu())
+    return _pair_codes(torch.cat(qs), torch.cat(ds))
+
+
+def _pair_codes(q: torch.Tensor, d: torch.Tensor):
+    """int8 codes ``q`` [N, K] and fp16 block scales ``d`` [N, K/32] as one int4 matrix over ``[x, x]``: with
+    ``q + 128 = 16 hi + lo``, ``d q = 16 d (hi - 8) + d lo``. Zeros 8 and 0 are exact in fp16 (half the bytes of
+    float32 zeros a step reads)."""
+    u = q.to(torch.int16) + 128   # 0..255
+    codes = torch.cat([u >> 4, u & 0xF], dim=1).to(torch.uint8)
+    zeros = torch.cat([torch.full(d.shape, 8.0, dtype=torch.float16), torch.zeros(d.shape, dtype=torch.float16)], 1)
+    scales = torch.cat([d * 16, d], dim=1).to(torch.float16)
+    return codes, zeros, scales
 
 
 class Int4PairLinear(torch.nn.Module):

@@ -66,17 +66,18 @@ class Int4Linear(nn.Module):
                    bias: torch.Tensor | None, device: torch.device, backend: str = "auto") -> "Int4Linear":
         n, k = codes.shape
         backend = choose_backend(device, backend)
-        if backend in ("cuda", "cpu") and (_inner_k_tiles(k) == 0 or group_size not in (32, 64, 128, 256)):
+        tinygemm = _inner_k_tiles(k) and n % 16 == 0 and group_size in (32, 64, 128, 256)   # its kernels' shapes
+        if backend in ("cuda", "cpu") and not tinygemm:
             backend = "dequant"
         if backend == "triton" and (device.type != "cuda" or group_size not in (32, 64, 128, 256)):
             backend = "dequant"
         layer = cls(k, n, group_size, backend)
-        codes = codes.to(device)
-        if backend in _NIBBLES:
-            layer.register_buffer("packed", (codes[:, ::2] << 4 | codes[:, 1::2]).contiguous())
+        if backend in _NIBBLES:   # packed where the codes are, then moved: half the bytes cross
+            layer.register_buffer("packed", (codes[:, ::2] << 4 | codes[:, 1::2]).contiguous().to(device))
             layer.register_buffer("scales", scales.to(device, torch.float16).contiguous())
             layer.register_buffer("zeros", zeros.to(device).contiguous())
         else:
+            codes = codes.to(device)
             # The kernels compute (q - 8) * s + z_float; AWQ's (q - z) * s means z_float = (8 - z) * s.
             s = scales.float().to(device)
             zf = (8 - zeros.float().to(device)) * s

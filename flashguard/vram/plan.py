@@ -2,9 +2,11 @@
 
 All numbers are computed from the model shape and the flashguard config, the way the engine allocates:
 
-- weights      embeddings and lm_head in 16-bit; decoder linears in 16-bit or int4 (codes K*N/2 bytes plus a
-               bf16 scale and zero per group and output column); norms and biases in 16-bit. With int4 weights
-               the embedding table stays in host RAM (``engine/host_embedding.py``); an untied lm_head stays.
+- weights      embeddings in 16-bit; lm_head in 16-bit, Q8_0 codes (``Shape.lm_head`` int8, 1.25 bytes a weight
+               in the int4 kernels' pair form, quant/lm_head.py) or a GGUF's Q4 codes; decoder linears in 16-bit or
+               int4 (codes K*N/2 bytes plus a 16-bit scale and zero per group and output column); norms and biases
+               in 16-bit. With int4 weights the embedding table stays in host RAM (``engine/host_embedding.py``)
+               unless one 16-bit tensor is both table and head (tied); the lm_head stays.
 - kv           dynamic: every token, K and V, every layer, 16-bit. tiered: the pool (16-bit, or int8 codes and
                scales with one layer's 16-bit copy for prefill when ``kv.l1_codec`` is int8) (sinks + the largest adaptive
                window + one chunk; the whole context when it fits), the per-page Quest key summaries (min and
@@ -68,7 +70,7 @@ class Shape:
     vocab: int
     tied: bool
     qkv_bias: bool
-    lm_head: str = "float"   # "int4" where the loaded model's untied lm_head is an Int4Linear (a GGUF's Q4 codes)
+    lm_head: str = "float"   # how the output matrix is held: "float", "int8" (Q8_0 codes) or "int4" (a GGUF's Q4)
     context: int = 0         # the model's own context length (max_position_embeddings), 0 where unknown
 
     @classmethod
@@ -110,8 +112,8 @@ class Plan:
         g = 2**30
         lines = [f"plan: {self.shape.name}, {self.weights_kind} weights, cache {self.cache}, context {self.context}, "
                  f"prefill_chunk {self.prefill_chunk}, GPU {self.gpu_mem / g:.2f} GiB", "",
-                 f"placement: embedding {'host RAM' if self.weights_kind == 'int4' and not self.shape.tied else 'GPU'}"
-                 f", lm_head GPU ({self.shape.lm_head if self.weights_kind == 'int4' else 'float'}), decoder layers "
+                 f"placement: embedding {'host RAM' if table_on_host(self.shape, self.weights_kind) else 'GPU'}"
+                 f", lm_head GPU ({self.shape.lm_head}), decoder layers "
                  f"{self.shape.layers - self.streamed} resident"
                  + (f" + {self.streamed} streamed from pinned host RAM through 2 GPU slots" if self.streamed else ""),
                  "",
@@ -134,12 +136,26 @@ def weight_bytes(s: Shape, kind: str, group: int = AWQ_GROUP_SIZE) -> dict:
     linear = s.layers * (s.hidden * (s.heads * s.head_dim + 2 * kvd) + s.heads * s.head_dim * s.hidden
                          + 3 * s.hidden * s.intermediate)
     small = s.layers * (2 * s.hidden + ((s.heads * s.head_dim + 2 * kvd) if s.qkv_bias else 0)) + s.hidden
-    emb = s.vocab * s.hidden * (1 if s.tied else 2)
-    emb_bytes = emb * 2
-    if kind == "int4" and not s.tied:   # the embedding table lives in host RAM; lm_head stays
-        emb_bytes = s.vocab * s.hidden * 2 if s.lm_head != "int4" else int4_bytes(s.vocab * s.hidden, group)
+    if s.tied and s.lm_head == "float":   # one 16-bit tensor, table and head
+        emb_bytes = s.vocab * s.hidden * 2
+    else:
+        emb_bytes = head_bytes(s, group) + (0 if table_on_host(s, kind) else s.vocab * s.hidden * 2)
     lin_bytes = int4_bytes(linear, group) if kind == "int4" else linear * 2
     return {"embeddings + lm_head": emb_bytes, "decoder linears": lin_bytes, "norms + biases": small * 2}
+
+
+def table_on_host(s: Shape, kind: str) -> bool:
+    """The embedding table in host RAM (``engine/host_embedding.py``): int4 weights, unless the table is the head."""
+    return kind == "int4" and not (s.tied and s.lm_head == "float")
+
+
+def head_bytes(s: Shape, group: int = AWQ_GROUP_SIZE) -> int:
+    """The lm_head as held (``Shape.lm_head``): 16-bit; Q8_0 as an int4 pair over ``[x, x]`` (codes a byte a weight,
+    a 16-bit scale and zero per 32 of the doubled input: 1.25 bytes a weight); a GGUF's Q4 codes in ``group``."""
+    params = s.vocab * s.hidden
+    if s.lm_head == "int8":
+        return int4_bytes(2 * params, 32)
+    return int4_bytes(params, group) if s.lm_head == "int4" else params * 2
 
 
 def int4_bytes(params: int, group: int = AWQ_GROUP_SIZE) -> int:
@@ -229,14 +245,12 @@ LAPTOP_GB_S = 192
 
 def decode_bytes(shape: Shape, *, weights: str, context: int, kv, group: int = AWQ_GROUP_SIZE) -> dict:
     """GPU bytes one decoded token reads at ``context`` tokens with a sized ``kv`` (``sized_kv``): the decoder's
-    linears, the lm_head (16-bit, or int4 where the model's own is), and the K/V attended: every token while the
+    linears, the lm_head as held (``head_bytes``), and the K/V attended: every token while the
     pool holds the conversation (``policy: exact`` or a resident context), else the sinks, the window and the pages
     the sparse policy selects (``budget_tokens`` per KV head) in the pool's codec. Norms and the one embedding row
     are left out (a few KB)."""
     w = weight_bytes(shape, weights, group)
-    head = shape.vocab * shape.hidden
-    lm_head = int4_bytes(head, group) if weights == "int4" and shape.lm_head == "int4" else head * 2
-    out = {"decoder linears": w["decoder linears"], "lm_head": lm_head,
+    out = {"decoder linears": w["decoder linears"], "lm_head": head_bytes(shape, group),
            "kv attended": kv_read_bytes(shape, context=context, kv=kv)}
     out["total"] = sum(out.values())
     return out

@@ -37,15 +37,21 @@ def test_the_7b_distill_shape_by_name(no_network):
 
 
 def test_the_7b_plan(no_network, capsys):
-    # int4 decoder layers (3.4 GiB) and a 16-bit lm_head (1.0 GiB) do not all fit 4 GiB: the last layers stream
+    # int4 decoder layers (3.4 GiB) and a 16-bit lm_head (1.0 GiB; 0.6 GiB as Q8_0) do not all fit 4 GiB: the last layers stream
     # from pinned host RAM (issue 18, item 1), the rest stay resident; 8 GiB holds every layer
     assert cli.main(["plan", "--model", "deepseek-r1-distill-qwen-7b", "--context", "32768",
-                     "--vram-budget", "4GiB"]) == 0
+                     "--vram-budget", "4GiB", "--lm-head", "float"]) == 0
     out = capsys.readouterr().out
     assert "plan: deepseek-r1-distill-qwen-7b, int4 weights" in out and "fits" in out
     # (prefill_chunk auto: 512 where a smaller chunk keeps more layers resident)
     assert "placement: embedding host RAM, lm_head GPU (float), decoder layers 11 resident + 17 streamed" in out
     assert "streamed decoder layers (pinned RAM)" in out
+    # lm_head auto with int4 weights: Q8_0 codes (1.25 bytes a weight, not 2) leave room for 3 more resident layers
+    assert cli.main(["plan", "--model", "deepseek-r1-distill-qwen-7b", "--context", "32768",
+                     "--vram-budget", "4GiB"]) == 0
+    out = capsys.readouterr().out
+    assert "lm_head: int8" in out and "fits" in out
+    assert "placement: embedding host RAM, lm_head GPU (int8), decoder layers 14 resident + 14 streamed" in out
     assert cli.main(["plan", "--model", "deepseek-r1-distill-qwen-7b", "--context", "32768", "--gpu-mem", "8GiB"]) == 0
     out = capsys.readouterr().out
     assert "fits" in out and "every token resident" in out and "decoder layers 28 resident\n" in out

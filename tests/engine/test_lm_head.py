@@ -1,0 +1,84 @@
+"""The lm_head key (quant/lm_head.py): the output matrix as llama.cpp's Q8_0 codes, chosen at start."""
+
+import numpy as np
+import pytest
+import torch
+
+from tests import tiny
+from flashguard.config import EngineConfig
+from flashguard.errors import ConfigError
+from flashguard.quant import awq_format, lm_head
+from flashguard.quant.gguf_int4 import Int4PairLinear, q8_0_codes, q8_0_quantize
+from flashguard.quant.int4_linear import quantize_linears_rtn
+
+
+def test_q8_0_quantize_is_gguf_pys_q8_0_bit_for_bit():
+    from gguf import GGMLQuantizationType, quants
+
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(70, 96, generator=g) * 0.05
+    w[3, :32] = 0   # a block of zeros: scale 0, codes 0
+    w[5, 40] = 0.5  # a block whose largest weight is one outlier
+    got = q8_0_quantize(w, rows=16)   # several row chunks
+    want = q8_0_codes(quants.quantize(w.numpy(), GGMLQuantizationType.Q8_0), tuple(w.shape))
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    pair = awq_format.dequantize(*got, 32, torch.float32)
+    ref = quants.dequantize(quants.quantize(w.numpy(), GGMLQuantizationType.Q8_0), GGMLQuantizationType.Q8_0)
+    assert torch.equal(pair[:, :96] + pair[:, 96:], torch.from_numpy(np.asarray(ref).reshape(w.shape)))
+
+
+def _int4(arch="qwen2"):
+    net = tiny.model(arch)
+    quantize_linears_rtn(net, group_size=32, backend="auto")
+    return net
+
+
+def test_auto_holds_an_int4_models_head_as_q8_0(tmp_path):
+    net = _int4()
+    w = net.lm_head.weight.detach().clone()
+    engine = tiny.engine(tmp_path, net=net)
+    assert engine.lm_head_kind == "int8" and "auto" in engine.lm_head_reason
+    assert isinstance(engine.model.get_output_embeddings(), Int4PairLinear)
+    assert engine.weights_kind == "int4"   # the head's codes are not the decoder's
+    assert engine.placement()["lm_head"]["weights"] == "int8"
+    v, h = w.shape
+    assert engine.decode_bytes()["lm_head"] == v * h + (2 * h // 32) * v * 4   # codes + fp16 scale and zero a group
+    # the head computes the Q8_0 round trip of the 16-bit weights (the CPU kernel's bf16 rounding aside)
+    x = torch.randn(3, h)
+    want = x @ awq_format.dequantize(*q8_0_quantize(w), 32, torch.float32).view(v, 2, h).sum(1).T
+    assert torch.allclose(engine.model.lm_head(x), want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
+    # and generation runs on it, greedy and repeatable
+    ids = engine.encode_messages([{"role": "user", "content": tiny.text(40)}])
+    params = __import__("flashguard.engine.sampling", fromlist=["SamplingParams"]).SamplingParams(max_tokens=8)
+    assert engine.generate(ids, params).text == engine.generate(ids, params).text
+
+
+def test_float_key_and_float_decoders_keep_the_16_bit_head(tmp_path):
+    kept = tiny.engine(tmp_path / "a", net=_int4(), lm_head="float")
+    assert kept.lm_head_kind == "float" and isinstance(kept.model.lm_head, torch.nn.Linear)
+    assert kept.placement()["lm_head"]["weights"] == "float"
+    plain = tiny.engine(tmp_path / "b")   # a float decoder: auto keeps the head as it is
+    assert plain.lm_head_kind == "float" and isinstance(plain.model.lm_head, torch.nn.Linear)
+    chosen = tiny.engine(tmp_path / "c", lm_head="int8")   # the user's call on a float decoder
+    assert chosen.lm_head_kind == "int8" and chosen.weights_kind == "float"
+    assert isinstance(chosen.model.lm_head, Int4PairLinear)
+
+
+def test_a_tied_head_is_untied_and_the_table_kept(tmp_path):
+    net = tiny.model("llama")
+    net.lm_head.weight = net.get_input_embeddings().weight
+    net.config.tie_word_embeddings = True
+    table = net.get_input_embeddings().weight.detach().clone()
+    quantize_linears_rtn(net, group_size=32, backend="auto")
+    engine = tiny.engine(tmp_path, net=net)
+    assert engine.lm_head_kind == "int8"
+    assert torch.equal(engine.model.get_input_embeddings().weight, table)
+    assert engine._plan_shape().tied is False
+
+
+def test_planned_kinds_and_a_wrong_value_names_the_key():
+    assert lm_head.planned("auto", "int4") == "int8" and lm_head.planned("auto", "float") == "float"
+    assert lm_head.planned("float", "int4") == "float"
+    with pytest.raises(ConfigError, match="lm_head"):
+        EngineConfig.from_parameters({"lm_head": "int2"})
