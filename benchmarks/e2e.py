@@ -57,7 +57,7 @@ ROWS = {
 SPILL_BEFORE_NEW_SESSION = {"l3-half"}
 # contexts a row is limited to (the l3 row's prefill at 128K reads ~45K pages; the uncapped fp16 row is the 8K and
 # 32K second-turn reference, and at 128K it would only add a minute of device time to every call)
-ROW_CONTEXTS = {"l3": (32768,), "l3-half": (131072,), "6gib": (131072,), "int8-4gib": (8192, 32768),
+ROW_CONTEXTS = {"head-float": (8192, 32768), "l3": (32768,), "l3-half": (131072,), "6gib": (131072,), "int8-4gib": (8192, 32768),
                 "chunk-512": (32768,), "dynamic-fp16": (8192, 32768)}
 QUESTION_1 = "Summarise the text above in two sentences."
 QUESTION_2 = "Now list three topics it covers."

@@ -82,3 +82,28 @@ def test_planned_kinds_and_a_wrong_value_names_the_key():
     assert lm_head.planned("float", "int4") == "float"
     with pytest.raises(ConfigError, match="lm_head"):
         EngineConfig.from_parameters({"lm_head": "int2"})
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the Triton matrix-vector kernel)")
+def test_the_gpu_head_computes_the_q8_0_round_trip():
+    """A 1.5B-shape head (vocab 151,936 x 1,536) on the Triton kernel, one token and a prompt's rows."""
+    g = torch.Generator().manual_seed(0)
+    head = torch.nn.Linear(1536, 151936, bias=False)
+    head.weight.data = torch.randn(151936, 1536, generator=g) * 0.02
+    net = torch.nn.Module()
+    net.lm_head, net.config = head, type("Config", (), {})()
+    net.get_output_embeddings = lambda: net.lm_head
+    net.set_output_embeddings = lambda m: setattr(net, "lm_head", m)
+    want_w = q8_0_engine_weight(head.weight.detach())
+    lm_head.quantize(net, torch.device("cuda"))
+    assert isinstance(net.lm_head, Int4PairLinear) and net.lm_head.inner.backend == "triton"
+    for rows in (1, 5):
+        x = torch.randn(rows, 1536, generator=g).half()
+        got = net.lm_head(x.cuda()).float().cpu()
+        want = x.float() @ want_w.T
+        assert (got - want).abs().max() < 2e-3 * want.abs().max() + 1e-2
+
+
+def q8_0_engine_weight(w: torch.Tensor) -> torch.Tensor:
+    pair = awq_format.dequantize(*q8_0_quantize(w), 32, torch.float32)
+    return pair.view(w.shape[0], 2, w.shape[1]).sum(1)
