@@ -1,6 +1,7 @@
 """What a quantized lm_head costs in tokens: top-1 agreement and KL against the 16-bit head, on real models.
 
     python -m benchmarks.lm_head [--tokens 4096] [--out docs/benchmarks/lm_head.md]
+    python -m benchmarks.lm_head --speed [--out lm_head_speed.md]     # on a GPU: one token's head, 16-bit vs Q8_0
 
 For each real model on this machine (the embedded SmolLM2-135M-Instruct; Gemma 3 270M where its package is
 installed), the final hidden states of ``--tokens`` positions of held-apart text (Python's pydoc topics, from
@@ -14,6 +15,10 @@ that). To measure the rounding itself, the reference is also a 16-bit head *off*
 uniform noise of one Q8_0 step (each weight moved by up to half its block's scale either way), the distance a
 float checkpoint's weights sit from the grid; its Q8_0 round trip then carries a real rounding error. The
 coarser formats (int8 a scale per row, per 64; int4 per 32) are there for contrast.
+
+``--speed`` times one token through the head of the 1.5B and 7B shapes (random weights, fp16 activations) as
+``lm_head: auto`` does at start (``quant/lm_head._time_one_token``: median of 30 calls, synchronized), 16-bit
+(cuBLAS) against Q8_0 (the int4 kernel over ``[x, x]``), with the bytes each reads and the rate that makes.
 """
 
 from __future__ import annotations
@@ -100,12 +105,39 @@ def models():
         yield "Gemma 3 270M (base, Q8_0 head)", loader.resolve_model(str(path))
 
 
+def speed(out: str | None) -> int:
+    from flashguard.quant import lm_head
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.float16 if device.type == "cuda" else torch.float32
+    lines = [f"device: {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}", "",
+             "| head (vocab x hidden) | float ms | GB/s | Q8_0 ms | GB/s | Q8_0 / float time |", "|---|---|---|---|---|---|"]
+    for name, vocab, hidden in (("1.5B", 151936, 1536), ("7B", 152064, 3584)):
+        head = torch.nn.Linear(hidden, vocab, bias=False, device=device, dtype=dtype)
+        torch.nn.init.normal_(head.weight, std=0.02)
+        layer = lm_head._q8_0_layer(head, device, "auto")
+        t16, t8 = lm_head._time_one_token(head, layer, device)
+        b16 = head.weight.numel() * head.weight.element_size()
+        b8 = sum(t.numel() * t.element_size() for t in layer.buffers())
+        lines.append(f"| {name} ({vocab} x {hidden}) | {t16 * 1e3:.3f} | {b16 / t16 / 1e9:.0f} | {t8 * 1e3:.3f} | "
+                     f"{b8 / t8 / 1e9:.0f} | {t8 / t16:.2f} |")
+        del head, layer
+    table = "\n".join(lines)
+    print(table)
+    if out:
+        Path(out).write_text(table + "\n", encoding="utf-8")
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="write the table (markdown) and a JSON beside it")
+    p.add_argument("--speed", action="store_true", help="time one token's head instead (a GPU's numbers)")
     args = p.parse_args(argv)
+    if args.speed:
+        return speed(args.out)
     from flashguard.engine import loader
 
     torch.manual_seed(args.seed)

@@ -209,15 +209,14 @@ class Engine:
 
             self.adapter = lora.read_adapter(config.lora_path, self.model)
             lora.apply_adapter(self.model, self.adapter, self.dtype)
-        # lm_head: the output matrix as Q8_0 codes where the key says so (auto: an int4 decoder), quant/lm_head.py
-        self.lm_head_kind, self.lm_head_reason = lm_head.choose(config.lm_head, self.model, self.weights_kind)
-        if self.lm_head_kind == "int8" and lm_head.kind_of(self.model.get_output_embeddings()) == "float":
-            lm_head.quantize(self.model, self.device, config.int4_kernel)
-        log.info("flashguard: lm_head %s (%s)", self.lm_head_kind, self.lm_head_reason)
         self.lock = threading.RLock()
         self.messages = MessageEncoder(self.tokenizer, config.system_prompt)
         self.stats = EngineStats()
         self.context_length = self._context_length()
+        # lm_head: the output matrix in 16 bits or as Q8_0 codes (auto: measured, or the budget's call), quant/lm_head.py
+        self.lm_head_kind, self.lm_head_reason = lm_head.apply(
+            config.lm_head, self.model, self.weights_kind, self.device, config.int4_kernel, self._head_budget_wins())
+        log.info("flashguard: lm_head %s (%s)", self.lm_head_kind, self.lm_head_reason)
         self.eos_ids = self._eos_ids()
         self._cache_kwarg = cache_kwarg(self.model)
         self._use_causal_sdpa()
@@ -559,6 +558,30 @@ class Engine:
 
         shape = planner.Shape.from_config(self.model.config, self.source.label)
         return dataclasses.replace(shape, lm_head=lm_head.kind_of(self.model.get_output_embeddings()))
+
+    def _head_budget_wins(self) -> bool:
+        """Whether ``vram_budget`` calls for a Q8_0 lm_head: with the 16-bit head more int4 decoder layers would
+        stream from host RAM (or none of the placements would fit) than with the Q8_0 one."""
+        import dataclasses
+
+        from ..vram import plan as planner
+
+        if self.vram_budget is None or self.device.type != "cuda" or self.weights_kind != "int4" or \
+                lm_head.kind_of(self.model.get_output_embeddings()) != "float":
+            return False
+        streamed = []
+        for kind in ("float", "int8"):
+            try:
+                n, _ = planner.layer_placement(
+                    dataclasses.replace(self._plan_shape(), lm_head=kind), budget=self.vram_budget,
+                    context=self.context_length, weights="int4", cache=self.config.kv_cache,
+                    prefill_chunk=self.config.prefill_chunk or self.GPU_CHUNK, kv=self.config.kv,
+                    cuda_context=self.cuda_context, group=self._int4_group(),
+                    shrink_chunk=self.config.prefill_chunk is None)
+            except ConfigError:   # nothing fits: the placement after this raises it, naming vram_budget
+                n = 1 << 30
+            streamed.append(n)
+        return streamed[1] < streamed[0]
 
     def _load_target(self, config: EngineConfig, weights: str) -> tuple[torch.device, str]:
         """``(device, int4_kernel)`` for the loader: the engine's, or host RAM with the ``dequant`` int4 layout (the

@@ -9,6 +9,7 @@ from flashguard.config import EngineConfig
 from flashguard.errors import ConfigError
 from flashguard.quant import awq_format, lm_head
 from flashguard.quant.gguf_int4 import Int4PairLinear, q8_0_codes, q8_0_quantize
+from flashguard.engine.sampling import SamplingParams
 from flashguard.quant.int4_linear import quantize_linears_rtn
 
 
@@ -34,11 +35,26 @@ def _int4(arch="qwen2"):
     return net
 
 
-def test_auto_holds_an_int4_models_head_as_q8_0(tmp_path):
+def test_auto_times_both_heads_and_keeps_the_faster(tmp_path):
+    engine = tiny.engine(tmp_path, net=_int4())
+    assert engine.lm_head_kind in ("int8", "float") and engine.lm_head_reason.startswith("auto: ")
+    assert "ms as Q8_0" in engine.lm_head_reason and "in 16 bits here" in engine.lm_head_reason
+    held = lm_head.kind_of(engine.model.get_output_embeddings())
+    assert held == engine.lm_head_kind == engine.placement()["lm_head"]["weights"]
+
+
+def test_auto_takes_q8_0_when_the_budget_calls_for_it():
+    net = _int4()
+    kind, why = lm_head.apply("auto", net, "int4", torch.device("cpu"), budget_wins=True)
+    assert kind == "int8" and "decoder layers stay on the GPU" in why
+    assert isinstance(net.lm_head, Int4PairLinear)
+
+
+def test_an_int8_head_computes_the_q8_0_round_trip(tmp_path):
     net = _int4()
     w = net.lm_head.weight.detach().clone()
-    engine = tiny.engine(tmp_path, net=net)
-    assert engine.lm_head_kind == "int8" and "auto" in engine.lm_head_reason
+    engine = tiny.engine(tmp_path, net=net, lm_head="int8")
+    assert engine.lm_head_kind == "int8" and engine.lm_head_reason == "lm_head: int8"
     assert isinstance(engine.model.get_output_embeddings(), Int4PairLinear)
     assert engine.weights_kind == "int4"   # the head's codes are not the decoder's
     assert engine.placement()["lm_head"]["weights"] == "int8"
@@ -46,11 +62,11 @@ def test_auto_holds_an_int4_models_head_as_q8_0(tmp_path):
     assert engine.decode_bytes()["lm_head"] == v * h + (2 * h // 32) * v * 4   # codes + fp16 scale and zero a group
     # the head computes the Q8_0 round trip of the 16-bit weights (the CPU kernel's bf16 rounding aside)
     x = torch.randn(3, h)
-    want = x @ awq_format.dequantize(*q8_0_quantize(w), 32, torch.float32).view(v, 2, h).sum(1).T
+    want = x @ q8_0_engine_weight(w).T
     assert torch.allclose(engine.model.lm_head(x), want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
     # and generation runs on it, greedy and repeatable
     ids = engine.encode_messages([{"role": "user", "content": tiny.text(40)}])
-    params = __import__("flashguard.engine.sampling", fromlist=["SamplingParams"]).SamplingParams(max_tokens=8)
+    params = SamplingParams(max_tokens=8)
     assert engine.generate(ids, params).text == engine.generate(ids, params).text
 
 
@@ -71,7 +87,7 @@ def test_a_tied_head_is_untied_and_the_table_kept(tmp_path):
     net.config.tie_word_embeddings = True
     table = net.get_input_embeddings().weight.detach().clone()
     quantize_linears_rtn(net, group_size=32, backend="auto")
-    engine = tiny.engine(tmp_path, net=net)
+    engine = tiny.engine(tmp_path, net=net, lm_head="int8")
     assert engine.lm_head_kind == "int8"
     assert torch.equal(engine.model.get_input_embeddings().weight, table)
     assert engine._plan_shape().tied is False
