@@ -294,7 +294,7 @@ print(make_checkpoints(Path('$W'), '$TOK'))" 2>&1 | tail -3) && [ -f $W/ds15b-fp
         --json "$OUT/remote.json" > $T/remote.out 2> $T/remote.err)
       local rc=$?
       grep -v '^{' $T/remote.out | tail -20
-      [ $rc = 124 ] && echo "remote TIMED OUT after $t s (REMOTE_TIMEOUT / DEADLINE): remote.md/json keep the parts done"
+      [ $rc = 124 ] && echo "remote TIMED OUT after $t s (REMOTE_TIMEOUT / DEADLINE): remote.md/json keep what ended"
       [ $rc != 0 ] && { echo "remote exit $rc:"; grep -v -i warn $T/remote.err | tail -12
                          tail -5 $RG/work/llama-server.log 2>/dev/null; failed "remote(exit $rc)"; }
     fi

@@ -23,11 +23,13 @@ What runs (all through the product's code paths; nothing is simulated):
   does not end turns early: the rails' requests are the same, and blocked turns are counted; ``reasoning_tokens:
   0`` so that a reasoning model's reply is ``--reply`` tokens too). Three ways:
   ``reused``: the conversation so far is in the server's cache, as after the previous turn (one
-  ``max_tokens: 1`` request over it first, not timed); ``cache_prompt: false``: every request of the turn sent with
-  llama-server's ``cache_prompt: false`` (``Client.extra_body``), i.e. a server without a prefix cache;
+  ``max_tokens: 1`` request over it first, rendered as the turn's requests are, not timed);
+  ``cache_prompt: false``: every request of the turn sent with llama-server's ``cache_prompt: false``
+  (``Client.extra_body``), i.e. a server without a prefix cache;
   ``nemo``: NeMo Guardrails' own ``self check input`` / ``self check output`` flows (its example prompts, from
   ``nemoguardrails/examples/bots/abc/prompts.yml``) with ``engine: openai`` pointed at the same server (NeMo's
   OpenAI-compatible client, ``/v1/chat/completions``), the turn's times from NeMo's own log of its LLM calls.
+  NeMo's prompts hold the last user message or the reply, not the conversation: their cost does not grow with it.
   The rails' time is the time of the rails' own requests (flashguard: the engine's ``input_moderation`` and
   ``moderation`` seconds; NeMo: its ``self_check_*`` calls' durations); the turn's wall time is ``generate``'s.
 - **load** (part b), for each ``--concurrency`` C: C conversations of ``--load-context`` tokens, ``--load-turns``
@@ -217,8 +219,8 @@ def make_gguf(out: Path, tokenizer_dir: str, llama_cpp: str, layers: int | None 
 # ---- configs -----------------------------------------------------------------------------------------------------
 def flash_config(folder: Path, root: Path, url: str, alias: str, model_path: str | None, reply: int,
                  threshold: float, rails: bool = True) -> Path:
-    """A copy of ``root`` (configs/flash) with ``backend: openai`` on ``url``; thresholds at ``threshold``; no rails when
-    ``rails`` is False (the rails-off load)."""
+    """A copy of ``root`` (configs/flash) with ``backend: openai`` on ``url``; thresholds at ``threshold``; no rails
+    when ``rails`` is False (the rails-off load)."""
     import yaml
 
     if folder.exists():
@@ -321,13 +323,17 @@ def nemo_turn(rails, messages: list[dict], reply: int, fallback_reply: str) -> d
                                           for c in by.get(k, []))}
 
 
-def warm(server_root: str, engine, alias: str, history: list[dict]) -> None:
+def warm(server_root: str, engine, alias: str, history: list[dict], chat: bool = False) -> None:
     """The conversation so far into the server's cache, as the previous turn leaves it: one ``max_tokens: 1``
-    completions request over its ids (flashguard's rendering) and one chat request (the server's own, NeMo's)."""
-    engine.client.complete({"model": alias, "prompt": engine.encode_messages(history), "max_tokens": 1},
-                           "warming the cache")
-    httpx.post(server_root + "/v1/chat/completions", json={"model": alias, "messages": history, "max_tokens": 1},
-               timeout=900).raise_for_status()
+    request over it, rendered as the next turn's requests will be: flashguard's token ids (a completions request),
+    or with ``chat`` the server's own chat template (NeMo's ``/v1/chat/completions``). (Both at once would leave
+    the slot holding the second rendering, and the first's turn would prefill from where the two differ.)"""
+    if chat:
+        httpx.post(server_root + "/v1/chat/completions", json={"model": alias, "messages": history,
+                                                                "max_tokens": 1}, timeout=900).raise_for_status()
+    else:
+        engine.client.complete({"model": alias, "prompt": engine.encode_messages(history), "max_tokens": 1},
+                               "warming the cache")
 
 
 def per_turn(server: LlamaServer, flash_dir: Path, nemo_dir: Path, alias: str, contexts: list[int], reply: int,
@@ -351,7 +357,7 @@ def per_turn(server: LlamaServer, flash_dir: Path, nemo_dir: Path, alias: str, c
                 runs["no_cache"].append(flash_turn(flash, history + [question(100 + r)], reply))
             finally:
                 engine.client.extra_body = {}
-            warm(server.root, engine, alias, history)
+            warm(server.root, engine, alias, history, chat=True)
             runs["nemo"].append(nemo_turn(nemo, history + [question(200 + r)], reply,
                                           runs["reused"][-1]["reply"] or "I cannot say."))
             print(json.dumps({"context": ctx, "repeat": r, **{k: {kk: vv for kk, vv in v[-1].items() if kk != "reply"}
