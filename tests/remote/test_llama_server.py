@@ -90,6 +90,7 @@ def remote_yaml(url: str, model: str = "smollm2", extra: str = "", output_thresh
     out = out.replace("  flashguard_input_moderation:\n", "  flashguard_input_moderation:\n    threshold: 0.9\n", 1)
     if output_threshold is not None:
         out = out.replace("    probe: auto\n    question:", "    probe: off\n    question:", 1)
+        out = out.replace("    classifier: auto\n", "    classifier: off\n", 1)   # the single question decides
         out = out.replace("threshold: 0.64", f"threshold: {output_threshold}", 1)
     return out
 
