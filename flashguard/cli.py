@@ -495,6 +495,8 @@ def main(argv: list[str] | None = None) -> int:
                    "of the rail's)")
     p.add_argument("--keep-window-probe", default=None, metavar="FILE", help="--rail input: fit as usual, then keep "
                    "the window probe (long messages) of this input probe file instead (same model and weights)")
+    p.add_argument("--min-per-class", type=int, default=None, metavar="N", help="--backend openai: after the "
+                   "first --max-rows rows, add rows so that every source with both classes has N of each (default 30)")
     p.add_argument("--backend", choices=("openai",), default=None, help="fit the verdict a serving engine "
                    "(backend: openai) uses: a classifier over a few questions' Yes/No log-odds (needs --sources; "
                    "--max-rows default 1200; --features FILE keeps the log-odds). The log-odds are read by the "

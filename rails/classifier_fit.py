@@ -6,7 +6,9 @@
 Steps (``fit_sources``):
 
 1. Rows: ``guard_fit.source_rows`` (the pinned public sources of ``rails/data/SOURCES.md`` and the project's own rows),
-   the first ``--max-rows`` (default ``MAX_ROWS``) of its round-robin order, so every source keeps its share.
+   the first ``--max-rows`` (default ``MAX_ROWS``) of its round-robin order, so every source keeps its share, topped up
+   so that a source with both classes has at least ``--min-per-class`` (default ``MIN_PER_CLASS``) of each
+   (``chosen_rows``).
 2. Features: every candidate question's Yes/No log-odds for every row, read as the rail reads them
    (``classifier.collect``), by the config's engine: in process (the same numbers as a server's, ``classifier.top_view``;
    much faster on a CPU than a server) or, with ``backend: openai`` in the config, through the server.
@@ -36,6 +38,27 @@ from .guard_fit import _score, operating_points, rates, source_rows
 MAX_ROWS = 1200
 MIN_GAIN = 0.003
 MIN_QUESTIONS = 3
+# every source with both classes gets at least this many rows of each (``chosen_rows``)
+MIN_PER_CLASS = 30
+
+
+def chosen_rows(rows: Sequence[dict], limit: int, least: int = MIN_PER_CLASS) -> list[dict]:
+    """The first ``limit`` rows of ``source_rows``' round-robin order, then, for every source that has rows of both
+    classes, its next rows of a class it has fewer than ``least`` of so far, up to ``least`` (a source's rows keep
+    their own order in the round robin: the project's greetings and everyday messages come after its harmful ones,
+    so a prefix alone held none of them)."""
+    out = list(rows[:limit])
+    both = {s for s in {r["source"] for r in rows}
+            if len({r["block"] for r in rows if r["source"] == s}) == 2}
+    have: dict = {}
+    for r in out:
+        have[(r["source"], r["block"])] = have.get((r["source"], r["block"]), 0) + 1
+    for r in rows[limit:]:
+        key = (r["source"], r["block"])
+        if r["source"] in both and have.get(key, 0) < least:
+            have[key] = have.get(key, 0) + 1
+            out.append(r)
+    return out
 
 
 def loso_score(x: torch.Tensor, y: torch.Tensor, groups: Sequence[str], train: Sequence[bool]) -> tuple[float, torch.Tensor]:
@@ -150,7 +173,8 @@ def main(args, data: dict, params: dict, settings) -> int:
         raise SystemExit("--backend openai fits on the public sources: add --sources [FOLDER] (rails/data/SOURCES.md)")
     rail = settings.side
     rows = source_rows(rail, None if sources == "download" else Path(sources))
-    rows = rows[:args.max_rows or MAX_ROWS]
+    least = getattr(args, "min_per_class", None)
+    rows = chosen_rows(rows, args.max_rows or MAX_ROWS, MIN_PER_CLASS if least is None else least)
     model = next((m.get("model") for m in data.get("models") or [] if m.get("type") == "main"), None) or "flashguard"
     engine = get_engine(EngineConfig.from_parameters(params), model)
     features_by = "a server (backend: openai)" if not engine.reads_states else \
