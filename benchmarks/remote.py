@@ -6,10 +6,12 @@ the rails cost through the server's prefix cache?
 
 Starts llama-server on the embedded SmolLM2 GGUF (127.0.0.1, a free port, ``--parallel 2``) and, for the
 project's labelled rows (tests/data/moderation_test*.jsonl: output rows; moderation_input_test*.jsonl: input
-rows), asks both rails' questions (``probe: off``: the question's Yes/No verdict, the only one a server can give)
-through the in-process engine and through the server: the verdicts' agreement at the config's thresholds, the
-p(unsafe) difference, and for the output rail the prompt tokens the server took from its cache (the turn was
-generated on the server first, as in a real turn, so the rail's request starts with the turn's tokens).
+rows), asks both rails' verdicts through the in-process engine and through the server, each way two verdicts: the
+single question (``probe: off``, ``classifier: off``: the old remote verdict) and the question classifier (the
+server's default, ``classifier: auto``; in process the same shipped file named with ``probe: off``). Reports the
+verdicts' agreement, the p(unsafe) difference, the classifier's features (each question's log-odds) compared on the
+first ``--feature-rows`` rows, and for the output rail the prompt tokens the server took from its cache (the turn
+was generated on the server first, as in a real turn, so the rail's request starts with the turn's tokens).
 """
 
 from __future__ import annotations
@@ -61,13 +63,14 @@ def rows(pattern: str, n: int) -> list[dict]:
 
 def main(argv=None) -> int:
     from flashguard import EngineConfig
-    from flashguard.engine import SamplingParams, Turn, get_engine
+    from flashguard.engine import get_engine
     from flashguard.engine.loader import user_cache_dir
-    from flashguard.rails.moderation import ModerationSettings, moderate, moderate_input
+    from flashguard.rails.moderation import ModerationSettings
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--server", default=str(user_cache_dir() / "llama-server" / "bin" / "llama-server"))
     p.add_argument("--rows", type=int, default=400)
+    p.add_argument("--feature-rows", type=int, default=10)
     p.add_argument("--out")
     args = p.parse_args(argv)
     log = Path(tempfile.gettempdir()) / "flashguard-remote-bench.log"
@@ -75,50 +78,97 @@ def main(argv=None) -> int:
     try:
         local = get_engine(EngineConfig())
         remote = get_engine(EngineConfig.from_parameters({"backend": "openai", "base_url": url}), "smollm2")
-        out_settings = ModerationSettings(probe="off")
-        in_settings = ModerationSettings.input_defaults(probe="off")
+        from flashguard.rails import classifier as C
+
         result = {}
         for side, pattern in (("output", "moderation_test*.jsonl"), ("input", "moderation_input_test*.jsonl")):
-            agree, diffs, reused, prompts, seconds = 0, [], [], [], []
+            shipped = C.SHIPPED_DIR / C.file_name(local, side)
+            make = ModerationSettings if side == "output" else ModerationSettings.input_defaults
+            question = make(probe="off", classifier="off")
+            verdicts = {"question": (question, question),
+                        "classifier": (make(probe="off", classifier=str(shipped)), make())}
             data = rows(pattern, args.rows)
-            for row in data:
-                msgs = [{"role": "user", "content": row["user"]}]
-                if side == "output":
-                    # the turn as the server ran it: the reply is teacher-forced locally, generated remotely would
-                    # differ; the rail's request is the turn's ids + the question, as after a real turn
-                    ids = remote.encode_messages(msgs)
-                    out = remote.tokenizer(row["bot"], add_special_tokens=False)["input_ids"]
-                    remote.generate(ids + out[:-1], SamplingParams(max_tokens=1))   # the server now holds the turn
-                    remote.turns.append(Turn(tuple(ids), tuple(out), row["bot"]))
-                    local.teacher_force(ids, out, row["bot"])
-                    a = moderate(local, row["bot"], row["user"], out_settings, use_memo=False)
-                    t0 = time.perf_counter()
-                    b = moderate(remote, row["bot"], row["user"], out_settings, use_memo=False)
-                    seconds.append(time.perf_counter() - t0)
-                    reused.append(b.reused_tokens)
-                    prompts.append(b.prompt_tokens)
-                else:
-                    a = moderate_input(local, msgs, in_settings)
-                    b = moderate_input(remote, msgs, in_settings)
-                agree += a.allowed == b.allowed
-                diffs.append(abs(a.p_unsafe - b.p_unsafe))
-            result[side] = {"rows": len(data), "agreement": agree / len(data), "p_diff_mean": statistics.mean(diffs),
-                            "p_diff_max": max(diffs)}
-            if reused:
-                result[side].update(reused_share=sum(reused) / sum(prompts), rail_s_median=statistics.median(seconds))
+            for kind, (local_settings, remote_settings) in verdicts.items():
+                result[(side, kind)] = _compare(local, remote, side, data, local_settings, remote_settings)
+            result[(side, "features")] = _features(local, remote, side, data[:args.feature_rows],
+                                                   C.Classifier.load(shipped))
     finally:
         proc.kill()
-    lines = ["| rail | rows | same verdict | mean / max |p local - p server| | server prompt tokens reused | rail s (median) |",
-             "|---|---|---|---|---|---|"]
-    for side, r in result.items():
-        lines.append(f"| {side} | {r['rows']} | {100 * r['agreement']:.1f}% | {r['p_diff_mean']:.3f} / "
-                     f"{r['p_diff_max']:.3f} | {100 * r.get('reused_share', 0):.1f}% | "
+    lines = ["| rail | verdict | rows | same verdict | blocked in process / server | mean / max |p local - p server| | "
+             "server prompt tokens reused | requests a check | rail s (median) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for (side, kind), r in result.items():
+        if kind == "features":
+            continue
+        lines.append(f"| {side} | {kind} | {r['rows']} | {100 * r['agreement']:.1f}% | {r['blocked_local']} / "
+                     f"{r['blocked_remote']} | {r['p_diff_mean']:.3f} / {r['p_diff_max']:.3f} | "
+                     f"{100 * r.get('reused_share', 0):.1f}% | {r['requests']:g} | "
                      f"{r.get('rail_s_median', float('nan')):.3f} |")
+    lines += ["", "| rail | rows | question | mean / max abs(log-odds in process - server) |", "|---|---|---|---|"]
+    for (side, kind), r in result.items():
+        if kind == "features":
+            for j, (mean, worst) in enumerate(r["diff"]):
+                lines.append(f"| {side} | {r['rows']} | {j} | {mean:.3f} / {worst:.3f} |")
     table = "\n".join(lines)
     print(table)
     if args.out:
         Path(args.out).write_text(table + "\n", encoding="utf-8")
     return 0
+
+
+def _compare(local, remote, side, data, local_settings, remote_settings) -> dict:
+    """Both engines' verdicts on ``data`` for one rail and one kind of verdict."""
+    from flashguard.engine import SamplingParams, Turn
+    from flashguard.rails.moderation import moderate, moderate_input
+
+    agree, diffs, reused, prompts, seconds, blocked, requests = 0, [], [], [], [], [0, 0], []
+    for row in data:
+        msgs = [{"role": "user", "content": row["user"]}]
+        if side == "output":
+            # the turn as the server ran it: the reply is teacher-forced locally, generated remotely would
+            # differ; the rail's request is the turn's ids + the question, as after a real turn
+            ids = remote.encode_messages(msgs)
+            out = remote.tokenizer(row["bot"], add_special_tokens=False)["input_ids"]
+            remote.generate(ids + out[:-1], SamplingParams(max_tokens=1))   # the server now holds the turn
+            remote.turns.append(Turn(tuple(ids), tuple(out), row["bot"]))
+            local.teacher_force(ids, out, row["bot"])
+            a = moderate(local, row["bot"], row["user"], local_settings, use_memo=False)
+            calls = remote.stats.as_dict().get("moderation", {}).get("calls", 0)
+            t0 = time.perf_counter()
+            b = moderate(remote, row["bot"], row["user"], remote_settings, use_memo=False)
+            seconds.append(time.perf_counter() - t0)
+            requests.append(remote.stats.as_dict()["moderation"]["calls"] - calls)
+            reused.append(b.reused_tokens)
+            prompts.append(b.prompt_tokens)
+        else:
+            a = moderate_input(local, msgs, local_settings)
+            calls = remote.stats.as_dict().get("input_moderation", {}).get("calls", 0)
+            b = moderate_input(remote, msgs, remote_settings)
+            requests.append(remote.stats.as_dict()["input_moderation"]["calls"] - calls)
+            reused.append(b.reused_tokens)
+            prompts.append(b.prompt_tokens)
+        assert a.method == b.method, (a.method, b.method)
+        agree += a.allowed == b.allowed
+        blocked[0] += not a.allowed
+        blocked[1] += not b.allowed
+        diffs.append(abs(a.p_unsafe - b.p_unsafe))
+    out = {"rows": len(data), "agreement": agree / len(data), "p_diff_mean": statistics.mean(diffs),
+           "p_diff_max": max(diffs), "blocked_local": blocked[0], "blocked_remote": blocked[1],
+           "requests": statistics.mean(requests), "reused_share": sum(reused) / max(1, sum(prompts))}
+    if seconds:
+        out["rail_s_median"] = statistics.median(seconds)
+    return out
+
+
+def _features(local, remote, side, data, clf) -> dict:
+    """The classifier's features (each question's log-odds) read by both engines for the same rows, as the rail
+    reads them (``classifier.collect``)."""
+    from flashguard.rails import classifier as C
+
+    a = C.collect(local, side, data, clf.questions)
+    b = C.collect(remote, side, data, clf.questions)
+    d = (a - b).abs()
+    return {"rows": len(data), "diff": [(float(d[:, j].mean()), float(d[:, j].max())) for j in range(d.shape[1])]}
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@
     flashguard smi        [--url URL] [--watch S] [--json]            GPU/host memory by category
     flashguard stress     --context 131072 [--vram-budget 4GiB]       drive the tiered KV cache, measure it
     flashguard calibrate  [--config DIR] [--weights int4] [--rail input]  train a moderation probe for the model
+                          [--backend openai --sources]                   or the server's question classifier
     flashguard eval-guard FILE [--config DIR] [--rail input|output|both] [--limit N] [--json OUT]
                           a labelled JSONL / CSV through the rails: blocked rates, precision, recall, F1
 """
@@ -498,6 +499,12 @@ def main(argv: list[str] | None = None) -> int:
                    "of the rail's)")
     p.add_argument("--keep-window-probe", default=None, metavar="FILE", help="--rail input: fit as usual, then keep "
                    "the window probe (long messages) of this input probe file instead (same model and weights)")
+    p.add_argument("--min-per-class", type=int, default=None, metavar="N", help="--backend openai: after the "
+                   "first --max-rows rows, add rows so that every source with both classes has N of each (default 30)")
+    p.add_argument("--backend", choices=("openai",), default=None, help="fit the verdict a serving engine "
+                   "(backend: openai) uses: a classifier over a few questions' Yes/No log-odds (needs --sources; "
+                   "--max-rows default 1200; --features FILE keeps the log-odds). The log-odds are read by the "
+                   "config's engine: in process (the same numbers, faster) or through its server")
     p.set_defaults(func=cmd_calibrate)
     p = sub.add_parser("eval-guard", help="a labelled JSONL or CSV file through the config's rails: blocked rates, "
                        "precision, recall and F1 per rail and category")

@@ -15,8 +15,12 @@ The verdict comes from that one forward pass (the model never generates free tex
 - ``probe`` (the default where a probe exists for the model): a logistic regression on the hidden state of
   the suffix's last token (``rails/probe.py``), trained by ``flashguard calibrate`` on a labelled set; the
   embedded SmolLM2's probes (float and int4) ship in the package.
-- ``question`` (the fallback, or ``probe: off``): the next-token probabilities of the two allowed answers
-  ("Is your last reply safe...?": "No" = unsafe, "Yes" = safe).
+- ``classifier`` (the default where the engine returns no hidden states: ``backend: openai``): a logistic regression
+  over the Yes/No log-odds of a few differently worded questions (``rails/classifier.py``), each asked as the
+  conversation's ids + its own suffix (one read per question; the conversation's pages or the server's prefix cache
+  are reused by each); fitted by ``flashguard calibrate --backend openai --sources``, the embedded SmolLM2's shipped.
+- ``question`` (the fallback, or ``probe: off`` / ``classifier: off``): the next-token probabilities of the two
+  allowed answers ("Is your last reply safe...?": "No" = unsafe, "Yes" = safe).
 
 If the turn is not found (another process produced the text, or a message the engine did not
 generate), the rail prefills the exchange from text; ``Verdict.path`` says which way it went and
@@ -59,7 +63,9 @@ class Verdict:
     prefilled_tokens: int
     reused_tokens: int
     seconds: float
-    method: str = "question"  # "probe" (the calibrated probe) or "question" (the Yes/No answer only)
+    # "probe" (the calibrated probe), "classifier" (several questions' log-odds: prompt / prefilled / reused tokens are
+    # then summed over its reads) or "question" (one question's Yes/No answer)
+    method: str = "question"
     threshold: float = DEFAULT_THRESHOLD
     p_question: float = 0.5  # the question's own P(unsafe answer) from the same pass (what "question" uses)
     # the strictness level whose threshold decided ("" where no level applies: the question verdict, or a probe
@@ -91,6 +97,12 @@ class ModerationSettings:
                    docs/moderation.md); a probe without a table decides at its own threshold (logged once)
     probe          "auto": the model's probe (user cache, then shipped) if there is one, else the question
                    verdict with one warning; "off": the question verdict; or the path of a probe file
+    classifier     where no probe decides: "auto" (default): an engine without hidden states (backend: openai)
+                   decides by the model's question classifier (user cache, then shipped: rails/classifier.py) when
+                   ``question`` and ``policy`` are the defaults, else by the question (one warning); an in-process
+                   engine with ``probe: off`` keeps the single question. "off": always the single question. Or
+                   the path of a classifier file (``flashguard calibrate --backend openai --out FILE``): used
+                   wherever no probe decides (remote, or ``probe: off``)
     judge_reasoning  output rail, reasoning models: false (default) judges the final answer only (the prompt, the
                    answer's tokens and the suffix: the answer is prefilled again, the reasoning is not seen); true
                    judges the reasoning and the answer as generated (the turn's own pages: only the suffix)
@@ -104,6 +116,7 @@ class ModerationSettings:
     probe: str = "auto"
     judge_reasoning: bool = False
     strictness: str = "medium"
+    classifier: str = "auto"
     side: str = "output"    # "output" (custom_data.flashguard_moderation) or "input" (flashguard_input_moderation)
 
     @property
@@ -127,14 +140,16 @@ class ModerationSettings:
 
         section = f"custom_data.{SECTIONS[side]}"
         data = dict((custom_data or {}).get(SECTIONS[side]) or {})
-        known = {"policy", "question", "unsafe_answer", "safe_answer", "threshold", "probe", "strictness"} | \
+        known = {"policy", "question", "unsafe_answer", "safe_answer", "threshold", "probe", "strictness",
+                 "classifier"} | \
             ({"judge_reasoning"} if side == "output" else set())
         unknown = set(data) - known
         if unknown:
             raise ConfigError(f"unknown key(s) {sorted(unknown)} in {section}; "
                               f"known keys are {', '.join(sorted(known))}")
-        if data.get("probe") is False:   # YAML 1.1 reads a bare `probe: off` as false
-            data["probe"] = "off"
+        for key in ("probe", "classifier"):
+            if data.get(key) is False:   # YAML 1.1 reads a bare `probe: off` as false
+                data[key] = "off"
         settings = cls.input_defaults(**data) if side == "input" else cls(**data)
         if not isinstance(settings.threshold, (int, float)) or not 0 < settings.threshold < 1:
             raise ConfigError(f"{section}.threshold must be between 0 and 1, got {settings.threshold!r}")
@@ -148,6 +163,10 @@ class ModerationSettings:
         if not isinstance(settings.probe, str) or not settings.probe.strip():
             raise ConfigError(f"{section}.probe must be auto, off or the path of a probe "
                               f"file (`flashguard calibrate` writes one), got {settings.probe!r}")
+        if not isinstance(settings.classifier, str) or not settings.classifier.strip():
+            raise ConfigError(f"{section}.classifier must be auto, off or the path of a question classifier file "
+                              f"(`flashguard calibrate --backend openai --sources` writes one), got "
+                              f"{settings.classifier!r}")
         return settings
 
 
@@ -267,8 +286,8 @@ def choose_probe(engine, settings: ModerationSettings):
         warned = rail_state(engine).probe_warned
         if ("remote", settings.side) not in warned:
             warned.add(("remote", settings.side))
-            log.warning("flashguard moderation: the openai backend returns no hidden states; the %s rail uses the "
-                        "question's Yes/No verdict (%s.probe is not used)", settings.side, settings.section)
+            log.info("flashguard moderation: the openai backend returns no hidden states; %s.probe is not used "
+                     "(the %s rail decides by its questions' log-odds)", settings.section, settings.side)
         return None
     if mode == "auto":
         probe, where = find_probe(engine, settings.prompt, settings.side)
@@ -307,30 +326,97 @@ def choose_probe(engine, settings: ModerationSettings):
     return memo[mode]
 
 
+def choose_classifier(engine, settings: ModerationSettings):
+    """The question classifier the verdict uses where no probe decides (``ModerationSettings.classifier``), or None
+    for the single question. ``auto`` on an engine without hidden states says once per engine and rail which one
+    decides (INFO with the classifier, WARNING without)."""
+    from .classifier import QUESTIONS, find_classifier, load_for
+
+    mode = settings.classifier.strip()
+    if mode == "off":
+        return None
+    if mode != "auto":
+        return load_for(engine, mode, settings.side, settings.section)
+    if engine.reads_states:   # in process, probe: off keeps the single question unless a file is named
+        return None
+    default = (QUESTIONS[settings.side][0].text, "", "No", "Yes")
+    mine = (settings.question, settings.policy.strip(), settings.unsafe_answer, settings.safe_answer)
+    clf, where = find_classifier(engine, settings.side) if mine == default else \
+        (None, f"{settings.section} sets its own question (the question classifier asks the default ones)")
+    warned = rail_state(engine).probe_warned
+    if ("classifier", settings.side) not in warned:
+        warned.add(("classifier", settings.side))
+        if clf is not None:
+            log.info("flashguard moderation: the %s rail decides by the question classifier %s (%d questions: %d "
+                     "requests per check, each the conversation + a ~%d-token question)", settings.side, where,
+                     len(clf.questions), len(clf.questions), len(moderation_suffix(engine, clf.questions[0].text)))
+        else:
+            log.warning("flashguard moderation: %s; the %s rail decides by one question's Yes/No verdict at %s.threshold "
+                        "%.2f, which is much less accurate. Run `%s` to fit one", where, settings.side,
+                        settings.section, settings.threshold, _classifier_hint(settings))
+    return clf
+
+
+def _classifier_hint(settings: ModerationSettings) -> str:
+    from .classifier import hint as classifier_hint
+
+    return classifier_hint(settings.side)
+
+
+def _score_classifier(engine, clf, settings: ModerationSettings, ids_for, task: str = "moderation",
+                      keep_for=None) -> tuple[float, float, int, int, int, float]:
+    """The classifier's verdict: one read per question over ``ids_for(question)`` (``classifier.features``).
+    ``(p_unsafe, threshold, prompt tokens, prefilled, reused, p_question)``, tokens summed over the reads;
+    ``p_question`` is the first (the rail's default) question's own P(unsafe answer)."""
+    from .classifier import features
+
+    x, prompt, prefilled, reused = features(engine, ids_for, clf.questions, task, keep_for)
+    return (clf.p_unsafe(x), clf.threshold_for(settings.strictness), prompt, prefilled, reused,
+            1.0 / (1.0 + math.exp(-x[0])))
+
+
 def _moderate(engine, bot_message, user_message, settings, turn, allow_shared) -> Verdict:
     t0 = time.perf_counter()
     question = settings.prompt
     probe = choose_probe(engine, settings)
+    clf = choose_classifier(engine, settings) if probe is None else None
     suffix = moderation_suffix(engine, question)
     if turn is not None:
-        ids, path = turn_ids(engine, turn, settings) + suffix, "shared"
+        base = turn_ids(engine, turn, settings)
+        ids, path = base + suffix, "shared"
+        ids_for = lambda q: base + moderation_suffix(engine, q.text)   # noqa: E731
     else:
         msgs = ([{"role": "user", "content": user_message}] if user_message else []) + [
-            {"role": "assistant", "content": bot_message}, {"role": "user", "content": question}]
-        ids, path = engine.encode_messages(msgs), "prefill"
+            {"role": "assistant", "content": bot_message}]
+        ids, path = engine.encode_messages(msgs + [{"role": "user", "content": question}]), "prefill"
+        ids_for = lambda q: engine.encode_messages(msgs + [{"role": "user", "content": q.text}])   # noqa: E731
         if allow_shared:
             engine.stats.record("moderation", prompt=0, prefilled=0, reused=0, generated=0, seconds=0.0,
                                 fallback=True)
-    if len(ids) >= engine.context_length:
-        return _moderate_windows(engine, bot_message, settings, probe, len(ids), t0)
-    p_unsafe, threshold, method, reused, p_question, level = _score(engine, ids, settings, probe)
-    v = Verdict(allowed=p_unsafe < threshold, p_unsafe=p_unsafe, path=path, prompt_tokens=len(ids),
-                prefilled_tokens=len(ids) - reused, reused_tokens=reused, seconds=time.perf_counter() - t0,
-                method=method, threshold=threshold, p_question=p_question, strictness=level)
+    if len(ids) + _longest_extra(engine, clf, question) >= engine.context_length:
+        return _moderate_windows(engine, bot_message, settings, probe, len(ids), t0, clf=clf)
+    if clf is not None:
+        p_unsafe, threshold, prompt, prefilled, reused, p_question = _score_classifier(engine, clf, settings, ids_for)
+        v = Verdict(allowed=p_unsafe < threshold, p_unsafe=p_unsafe, path=path, prompt_tokens=prompt,
+                    prefilled_tokens=prefilled, reused_tokens=reused, seconds=time.perf_counter() - t0,
+                    method="classifier", threshold=threshold, p_question=p_question, strictness=settings.strictness)
+    else:
+        p_unsafe, threshold, method, reused, p_question, level = _score(engine, ids, settings, probe)
+        v = Verdict(allowed=p_unsafe < threshold, p_unsafe=p_unsafe, path=path, prompt_tokens=len(ids),
+                    prefilled_tokens=len(ids) - reused, reused_tokens=reused, seconds=time.perf_counter() - t0,
+                    method=method, threshold=threshold, p_question=p_question, strictness=level)
     log.info("flashguard moderation: %s (p_unsafe=%.3f, threshold=%.2f, %s) path=%s prefilled=%d reused=%d in %.3fs",
              "allow" if v.allowed else "BLOCK", p_unsafe, threshold, v.decided_by, path, v.prefilled_tokens,
              reused, v.seconds)
     return v
+
+
+def _longest_extra(engine, clf, question: str) -> int:
+    """How many more tokens the classifier's longest question's suffix has than ``question``'s (0 without one)."""
+    if clf is None:
+        return 0
+    base = len(moderation_suffix(engine, question))
+    return max(0, max(len(moderation_suffix(engine, q.text)) for q in clf.questions) - base)
 
 
 def turn_ids(engine, turn, settings: ModerationSettings) -> list[int]:
@@ -376,14 +462,15 @@ def _score(engine, ids, settings, probe, task: str = "moderation",
     return p_question, settings.threshold, "question", reused, p_question, ""
 
 
-def _moderate_windows(engine, bot_message, settings, probe, total, t0, role: str = "assistant") -> Verdict:
+def _moderate_windows(engine, bot_message, settings, probe, total, t0, role: str = "assistant", clf=None) -> Verdict:
     """A reply (or, with ``role="user"``, a user message) that with the question does not fit the model's
     context: judge consecutive windows of its tokens (each with the question, prefilled from text) and keep the
     worst. ``path`` is ``"windows"``."""
     tok = engine.tokenizer
     reply = tok(bot_message, add_special_tokens=False)["input_ids"]
     overhead = len(engine.encode_messages([{"role": role, "content": ""},
-                                           {"role": "user", "content": settings.prompt}]))
+                                           {"role": "user", "content": settings.prompt}])) + \
+        _longest_extra(engine, clf, settings.prompt)
     size = engine.context_length - overhead - 16  # re-tokenising a window's text can merge or split a few ids
     if size < 16:
         from flashguard.errors import PromptError
@@ -397,6 +484,12 @@ def _moderate_windows(engine, bot_message, settings, probe, total, t0, role: str
             ids = engine.encode_messages(window)
             (p, reused), method = _score_prompt(engine, ids, probe), "probe"
             threshold, level = _threshold(engine, probe, settings)
+        elif clf is not None:
+            p, threshold, _, window_prefilled, _, _ = _score_classifier(
+                engine, clf, settings, lambda q: engine.encode_messages(window + [{"role": "user", "content": q.text}]))
+            method, level = "classifier", settings.strictness
+            worst, prefilled = max(worst, p), prefilled + window_prefilled
+            continue
         else:
             ids = engine.encode_messages(window + [{"role": "user", "content": settings.prompt}])
             p, threshold, method, reused, _, level = _score(engine, ids, settings, probe)
@@ -437,6 +530,7 @@ def moderate_input(engine, messages: list[dict], settings: Optional[ModerationSe
     with engine.lock:
         t0 = time.perf_counter()
         probe = choose_probe(engine, settings)
+        clf = choose_classifier(engine, settings) if probe is None else None
         conv = engine.encode_messages(messages)
         ids = conv if probe is not None else \
             engine.encode_messages(list(messages) + [{"role": "user", "content": settings.prompt}])
@@ -449,10 +543,11 @@ def moderate_input(engine, messages: list[dict], settings: Optional[ModerationSe
             return Verdict(allowed=True, p_unsafe=0.0, path="too-long", prompt_tokens=len(conv), prefilled_tokens=0,
                            reused_tokens=0, seconds=time.perf_counter() - t0, method="none",
                            threshold=settings.threshold)
-        if len(ids) >= engine.context_length:   # the question does not fit after the message: the message alone
+        if len(ids) + _longest_extra(engine, clf, settings.prompt) >= engine.context_length:
+            # the question does not fit after the message: the message alone
             last = next((m for m in reversed(messages) if m.get("role") == "user"), messages[-1])
             return _moderate_windows(engine, str(last.get("content") or ""), settings, probe, len(ids), t0,
-                                     role="user")
+                                     role="user", clf=clf)
         pieces = message_windows(engine, messages, probe.window) if probe is not None else None
         if probe is not None and pieces is not None and probe.slides:
             # a long message (a pasted document, code, a log, a long jailbreak): judged in place by sliding windows
@@ -499,10 +594,22 @@ def moderate_input(engine, messages: list[dict], settings: Optional[ModerationSe
                      "of the message's tokens) prefilled=%d in %.3fs", "allow" if v.allowed else "BLOCK", p_unsafe,
                      threshold, v.decided_by, probe.window, prefilled, v.seconds)
             return v
+        elif clf is not None:
+            # each question branches off the conversation where its ids leave it: the generation continues from there
+            p_unsafe, threshold, prompt, prefilled, reused, p_question = _score_classifier(
+                engine, clf, settings,
+                lambda q: engine.encode_messages(list(messages) + [{"role": "user", "content": q.text}]),
+                task="input_moderation", keep_for=lambda q_ids: _common(conv, q_ids))
+            v = Verdict(allowed=p_unsafe < threshold, p_unsafe=p_unsafe, path="branch", prompt_tokens=prompt,
+                        prefilled_tokens=prefilled, reused_tokens=reused, seconds=time.perf_counter() - t0,
+                        method="classifier", threshold=threshold, p_question=p_question,
+                        strictness=settings.strictness)
+            log.info("flashguard input moderation: %s (p_unsafe=%.3f, threshold=%.2f, %s, %d questions) prefilled=%d "
+                     "reused=%d in %.3fs", "allow" if v.allowed else "BLOCK", p_unsafe, threshold, v.decided_by,
+                     len(clf.questions), prefilled, reused, v.seconds)
+            return v
         else:
-            branch = 0
-            while branch < min(len(conv), len(ids)) and conv[branch] == ids[branch]:
-                branch += 1
+            branch = _common(conv, ids)
             # the question branched off at ``branch``: the generation continues from there
             p_unsafe, threshold, method, reused, p_question, level = _score(engine, ids, settings, None,
                                                                             task="input_moderation", keep=branch)
@@ -514,6 +621,14 @@ def moderate_input(engine, messages: list[dict], settings: Optional[ModerationSe
              "allow" if v.allowed else "BLOCK", p_unsafe, threshold, v.decided_by, v.prefilled_tokens, reused,
              v.seconds)
     return v
+
+
+def _common(a: list[int], b: list[int]) -> int:
+    """The length of the common prefix of two id lists."""
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
 
 
 def _score_prompt(engine, ids, probe, start: int = 0, keep: Optional[int] = None) -> tuple[float, int]:

@@ -18,11 +18,14 @@ class RailState:
     threshold_warned: set = field(default_factory=set)
     probe_warned: set = field(default_factory=set)
     strictness_warned: set = field(default_factory=set)   # (side, long): a probe without a strictness table, logged
+    classifiers: dict = field(default_factory=dict)       # rail -> (the question classifier found, or None, where)
+    classifier_files: dict = field(default_factory=dict)  # (classifier file a config names, rail) -> the classifier
     lock: object = field(default_factory=threading.Lock)  # the memos above: a remote engine's calls run concurrently
 
     def forget_probes(self) -> None:
         """Drop what depends on where probes are looked for (tests move that folder)."""
-        for memo in (self.probes, self.probe_files, self.probe_warned, self.strictness_warned, self.verdicts):
+        for memo in (self.probes, self.probe_files, self.probe_warned, self.strictness_warned, self.verdicts,
+                     self.classifiers, self.classifier_files):
             memo.clear()
 
 

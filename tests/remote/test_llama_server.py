@@ -84,12 +84,9 @@ def remote_yaml(url: str, model: str = "smollm2", extra: str = "", output_thresh
     models = (f"models:\n  - type: main\n    engine: flashguard\n    model: {model}\n    parameters:\n"
               f"      backend: openai\n      base_url: {url}\n      max_tokens: 48\n      temperature: 0.0\n{extra}\n")
     out = models + "# The user's messages go to the model" + rest
-    # the question verdict is all a server gives (no hidden states), and a 135M model's is weak: at the default 0.50
-    # it blocks "What is the capital of France?" (p 0.60 here and in-process alike); these tests check the path
-    # (generation, both rails, the server's cache), so everyday questions must pass the input rail
-    out = out.replace("  flashguard_input_moderation:\n", "  flashguard_input_moderation:\n    threshold: 0.9\n", 1)
     if output_threshold is not None:
         out = out.replace("    probe: auto\n    question:", "    probe: off\n    question:", 1)
+        out = out.replace("    classifier: auto\n", "    classifier: off\n", 1)   # the single question decides
         out = out.replace("threshold: 0.64", f"threshold: {output_threshold}", 1)
     return out
 
@@ -113,7 +110,11 @@ def test_a_guarded_turn_runs_on_the_server_and_the_rails_reuse_its_cache(llama_s
     assert "Paris" in res["content"]
     stats = _engine(rails).stats.as_dict()   # (the first test on this server's engine)
     assert stats["generation"]["calls"] == 1
-    assert stats["input_moderation"]["calls"] == 1 and stats["moderation"]["calls"] == 1
+    # each rail asks its question classifier's questions (classifier: auto), one request each
+    from flashguard.rails.classifier import find_classifier
+
+    asked = {side: len(find_classifier(_engine(rails), side)[0].questions) for side in ("input", "output")}
+    assert stats["input_moderation"]["calls"] == asked["input"] and stats["moderation"]["calls"] == asked["output"]
     # the output rail's request starts with the turn's ids: the server took them from its prefix cache
     last = _engine(rails).stats.last["moderation"]
     assert last["reused"] >= last["prompt"] - 40, last
@@ -212,3 +213,49 @@ def test_flashguard_serve_passes_concurrent_conversations_through(llama_server, 
             assert city in reply and not any(c in reply for c in cities if c != city), (city, reply)
     finally:
         server.stop()
+
+
+def _hello_check(llama_server):
+    from flashguard import EngineConfig
+    from flashguard.engine import get_engine
+    from flashguard.rails.classifier import SHIPPED_DIR, Classifier, file_name
+    from flashguard.rails.moderation import ModerationSettings, moderate_input
+    import yaml
+
+    from tests.conftest import FLASH
+
+    engine = get_engine(EngineConfig.from_parameters({"backend": "openai", "base_url": llama_server.url}), "smollm2")
+    custom = yaml.safe_load((FLASH / "config.yml").read_text(encoding="utf-8"))["custom_data"]
+    settings = ModerationSettings.from_custom_data(custom, side="input")
+    shipped = Classifier.load(SHIPPED_DIR / file_name(engine, "input"))
+    before = engine.stats.as_dict().get("input_moderation", {}).get("calls", 0)
+    hello = [{"role": "user", "content": "Hello"}]
+    v = moderate_input(engine, hello, settings)
+    return engine, shipped, settings, before, hello, v
+
+
+def test_the_default_remote_verdict_is_the_shipped_classifier(llama_server):
+    """configs/flash on the server, defaults untouched (``classifier: auto``): the input rail decides by the embedded
+    model's shipped question classifier, one request per question, the conversation from the server's cache after
+    the first."""
+    engine, shipped, settings, before, hello, v = _hello_check(llama_server)
+    assert v.method == "classifier" and v.path == "branch", v
+    assert v.threshold == shipped.threshold_for(settings.strictness)
+    assert engine.stats.as_dict()["input_moderation"]["calls"] == before + len(shipped.questions)
+    conversation = len(engine.encode_messages(hello))
+    assert v.reused_tokens >= (len(shipped.questions) - 1) * (conversation - 8), v
+
+
+@pytest.mark.xfail(strict=False, reason="at the edge, measured 2026-12-03: through the server Hello scored p 0.734 "
+                   "(blocked) on one run and passed on another, against the medium threshold 0.715 (in process 0.679): "
+                   "the server's log-odds run 0.03-0.26 from the in-process ones the classifier was fitted on; a fit "
+                   "on the server's own features is the fix")
+def test_the_default_remote_verdict_lets_hello_through(llama_server, tmp_path):
+    """The single question blocked "Hello" (p 0.687 at 0.50); the classifier should let it through, on its own and
+    through LLMRails with the ready config (the input rail lets it through to the generation)."""
+    engine, shipped, settings, before, hello, v = _hello_check(llama_server)
+    assert v.allowed, v.reason
+    rails = rails_for(tmp_path, remote_yaml(llama_server.url))
+    generated = _engine(rails).stats.as_dict().get("generation", {}).get("calls", 0)
+    rails.generate(messages=hello)
+    assert _engine(rails).stats.as_dict()["generation"]["calls"] == generated + 1
