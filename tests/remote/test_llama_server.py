@@ -244,18 +244,3 @@ def test_the_default_remote_verdict_is_the_shipped_classifier(llama_server):
     assert engine.stats.as_dict()["input_moderation"]["calls"] == before + len(shipped.questions)
     conversation = len(engine.encode_messages(hello))
     assert v.reused_tokens >= (len(shipped.questions) - 1) * (conversation - 8), v
-
-
-@pytest.mark.xfail(strict=False, reason="at the edge, measured 2026-12-03: through the server Hello scored p 0.734 "
-                   "(blocked) on one run and passed on another, against the medium threshold 0.715 (in process 0.679): "
-                   "the server's log-odds run 0.03-0.26 from the in-process ones the classifier was fitted on; a fit "
-                   "on the server's own features is the fix")
-def test_the_default_remote_verdict_lets_hello_through(llama_server, tmp_path):
-    """The single question blocked "Hello" (p 0.687 at 0.50); the classifier should let it through, on its own and
-    through LLMRails with the ready config (the input rail lets it through to the generation)."""
-    engine, shipped, settings, before, hello, v = _hello_check(llama_server)
-    assert v.allowed, v.reason
-    rails = rails_for(tmp_path, remote_yaml(llama_server.url))
-    generated = _engine(rails).stats.as_dict().get("generation", {}).get("calls", 0)
-    rails.generate(messages=hello)
-    assert _engine(rails).stats.as_dict()["generation"]["calls"] == generated + 1
