@@ -109,7 +109,8 @@ def main(argv=None) -> int:
         real = 1e3 / statistics.median(r[1] for r in got["int4"])
         forward = Int4Linear.forward
         Int4Linear.forward = lambda self, x: x.new_zeros(*x.shape[:-1], self.out_features)
-        cpu = getattr(engines["int4"]._step, "cpu", None)   # engine/cpu_step.py calls the kernel itself
+        step = engines["int4"].decode_step   # its CpuStep (engine/cpu_step.py) calls the kernel itself
+        cpu = step.cpu if step is not None else None
         if cpu is not None:   # the cpu backend's packed codes are [N, K / 2]
             cpu.mm = lambda x, packed, group, scale_zeros: x.new_zeros(x.shape[0], packed.shape[0])
         try:
