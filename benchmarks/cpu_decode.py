@@ -38,12 +38,10 @@ def measure(engine, prompt_ids, story_ids, decode: int) -> tuple[float, float, i
     """(prefill tok/s of ``prompt_ids`` from nothing, decode tok/s after ``story_ids``, tokens decoded)."""
     from flashguard.engine.sampling import SamplingParams
 
-    engine.reset_session()
-    engine.store = None   # nothing of an earlier run may be adopted
+    engine.reset_session(keep_pages=False)   # nothing of an earlier run may be adopted
     engine.generate(prompt_ids, SamplingParams(max_tokens=1))
     prefill = len(prompt_ids) / engine.stats.last["generation"]["first_token_s"]
-    engine.reset_session()
-    engine.store = None
+    engine.reset_session(keep_pages=False)
     engine.generate(story_ids, SamplingParams(max_tokens=decode + 1))
     last = engine.stats.last["generation"]
     steps = max(1, last["generated"] - 1)

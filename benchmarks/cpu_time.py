@@ -61,7 +61,7 @@ def main(argv=None) -> int:
     cpu_step = step.cpu if step is not None else None
 
     def ours(n: int) -> float:
-        engine.reset_session(keep_pages=False)   # nothing kept: each round prefills the story anew
+        engine.reset_session(keep_pages=False)   # nothing of an earlier round may be adopted
         stream = engine.stream(story, SamplingParams(max_tokens=n + 1))
         next(stream)   # prefill and the first token
         t0 = time.thread_time()

@@ -449,10 +449,13 @@ class Engine:
         return self.weights_placement.decode_bytes(context or self.context_length)
 
     def reset_session(self, keep_pages: bool = True) -> None:
-        """Drop the cached conversation (the next call prefills from scratch, adopting stored pages; with
-        ``keep_pages`` False the session's resident pages are not stored for it)."""
+        """Drop the cached conversation (the next call prefills from scratch, adopting stored pages). With
+        ``keep_pages`` False no page is kept: not the session's, nor any in the store (a new, empty store at the next
+        prompt), so the next call prefills every token (benchmarks of prefill)."""
         with self.lock:
             self.sessions.drop(keep_pages=keep_pages)
+            if not keep_pages:
+                self.sessions.forget_store()
 
     def info(self) -> dict:
         """What ``flashguard.engine_info()`` shows for this engine (sizes as configured after start-up sizing; bytes

@@ -89,6 +89,13 @@ class SessionRunner:
             if self.step is not None:
                 self.step.forget_steps(keep=self.pool.ptrs() if self.pool is not None else None)
 
+    def forget_store(self) -> None:
+        """Every stored page goes with the store (closed: its workers and L3 files); the next prompt makes a new,
+        empty one. Only without a session (``drop`` first)."""
+        if self.store is not None:
+            self.store.close()
+            self.store = None
+
     def forget_pool(self) -> None:
         """The kept pool buffers and the step graphs recorded over them go (a new plan sizes the pool again)."""
         if self.pool is not None:

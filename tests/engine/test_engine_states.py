@@ -98,6 +98,8 @@ def test_public_prefill_and_step_give_generates_greedy_tokens(tmp_path, llama, c
         engine.prefill([])
     if cache == "tiered":
         engine.session.cache.check_integrity()
+    engine.reset_session(keep_pages=False)   # no page kept anywhere: every token prefilled again
+    assert engine.store is None and engine.prefill(ids)[1] == 0
 
 
 # ---- prefix reuse and crop ------------------------------------------------------------------------------------
