@@ -8,14 +8,14 @@ The model is made in int4 directly, never in 16-bit (a 15 GB checkpoint would ta
 codes (``make_model``: one random draw per projection shape, each layer XOR-ed with its own byte), a fixed scale and
 zero 8, group 128, in host RAM with the ``dequant`` int4 backend, whose bytes are the Triton kernels' format; the
 lm_head is int4 as well (``--lm-head float`` keeps it 16-bit), the embedding table 16-bit (the engine keeps it in
-host RAM). The engine then places it as it places a loaded model (``Engine._place_layers``): under ``vram_budget``
+host RAM). The engine then places it as it places a loaded model (``engine/placement.py``): under ``vram_budget``
 the planner keeps as many decoder layers resident as fit beside the smallest KV window and streams the rest from
 pinned host RAM (``engine/layer_stream.py``), and the KV pool takes what is left.
 
 Per prefill-chunk variant (``--chunks``, one engine each; ``auto`` is the engine's 2048 on a GPU), after a short
 warm-up conversation (kernel compilation, graph capture), per context: the prompt (the real tokenizer on prose, a
-different first page per row so nothing is reused) is prefilled through ``Engine._prefill`` (TTFT: to the first
-token's logits on the host), then ``--steps`` greedy decode steps through ``Engine._forward`` (the engine's decode
+different first page per row so nothing is reused) is prefilled through ``Engine.prefill`` (TTFT: to the first
+token's logits on the host), then ``--steps`` greedy decode steps through ``Engine.step`` (the engine's decode
 path: DecodeStep's graphs, the tiered cache), timed after ``--warmup-steps``. Memory: torch's peak reserved and the
 process's peak NVML figure (sampled every 20 ms) per row. An out-of-memory or any other error in a row is reported
 in that row; the rest still run.
@@ -179,14 +179,14 @@ def run_context(engine, tok, context: int, steps: int, warmup_steps: int) -> dic
     with (sampler or _Null()), engine.lock:
         _sync(device)
         t0 = time.perf_counter()
-        logits, reused = engine._prefill(ids)
+        logits, reused = engine.prefill(ids)
         token = int(logits.argmax())
         row["ttft_s"] = round(time.perf_counter() - t0, 3)
         row["reused"] = reused
         times = []
         for _ in range(steps):
             t = time.perf_counter()
-            token = int(engine._forward([token]).argmax())   # the argmax reads the logits: a sync
+            token = int(engine.step(token).argmax())   # the argmax reads the logits: a sync
             times.append(time.perf_counter() - t)
     timed = times[warmup_steps:] or times
     row["decode_tok_s"] = round(len(timed) / sum(timed), 2)
@@ -279,14 +279,9 @@ def build_engine(args, cfg, tok, chunk: str, workdir: str):
     config = EngineConfig.from_parameters(params)
     source = ModelSource(folder=workdir, gguf_file=None, label="DeepSeek-R1-Distill-Qwen-7B shape (random int4)"
                          if not args.tiny else "tiny Qwen2 (random int4)")
-    forced = args.force_streamed
-
-    class BenchEngine(Engine):
-        def _streamed_count(self):   # --force-streamed: a placement of our choosing (CPU runs, experiments)
-            return forced if forced is not None else super()._streamed_count()
-
     t0 = time.perf_counter()
-    engine = BenchEngine(config, source, model=model, tokenizer=tok)
+    # --force-streamed: a placement of our choosing (CPU runs, experiments); None: the planner's
+    engine = Engine(config, source, model=model, tokenizer=tok, streamed_layers=args.force_streamed)
     engine.eos_ids = frozenset()   # random weights: decode the full count
     return engine, made, time.perf_counter() - t0
 
@@ -340,7 +335,7 @@ def render(result: dict) -> str:
     lines = [f"# DeepSeek-R1-Distill-Qwen-7B shape in {a['budget']} ({result['device']})", "",
              f"random int4 weights (group {GROUP}, lm_head {a['lm_head']}), real tokenizer, torch {result['torch']}, "
              f"{a['steps']} greedy decode steps per row (the first {a['warmup_steps']} untimed), engine path "
-             "(`Engine._prefill` / `Engine._forward`: DecodeStep graphs, tiered cache, streamed layers)", "",
+             "(`Engine.prefill` / `Engine.step`: DecodeStep graphs, tiered cache, streamed layers)", "",
              "command: `python -m benchmarks.big " + " ".join(result["argv"]) + "`", "",
              "| chunk | layers resident / streamed | context | prompt | TTFT s | decode tok/s | step ms (median) "
              "| peak reserved GiB | peak NVML GiB | pool tokens |", "|---|---|---|---|---|---|---|---|---|---|"]

@@ -18,8 +18,7 @@ def measure(engine, ids, decode: int) -> tuple[float, float]:
     """(prefill tok/s, decode tok/s) of one generation from a fresh session and an empty store."""
     from flashguard.engine.sampling import SamplingParams
 
-    engine.reset_session()
-    engine.store = None    # no page of an earlier repeat may be adopted: every row prefills every token
+    engine.reset_session(keep_pages=False)   # no page of an earlier repeat may be adopted: every row prefills every token
     engine.generate(ids, SamplingParams(max_tokens=decode))
     last = engine.stats.last["generation"]
     decode_s = last["seconds"] - last["first_token_s"]

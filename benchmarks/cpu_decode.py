@@ -38,12 +38,10 @@ def measure(engine, prompt_ids, story_ids, decode: int) -> tuple[float, float, i
     """(prefill tok/s of ``prompt_ids`` from nothing, decode tok/s after ``story_ids``, tokens decoded)."""
     from flashguard.engine.sampling import SamplingParams
 
-    engine.reset_session()
-    engine.store = None   # nothing of an earlier run may be adopted
+    engine.reset_session(keep_pages=False)   # nothing of an earlier run may be adopted
     engine.generate(prompt_ids, SamplingParams(max_tokens=1))
     prefill = len(prompt_ids) / engine.stats.last["generation"]["first_token_s"]
-    engine.reset_session()
-    engine.store = None
+    engine.reset_session(keep_pages=False)
     engine.generate(story_ids, SamplingParams(max_tokens=decode + 1))
     last = engine.stats.last["generation"]
     steps = max(1, last["generated"] - 1)
@@ -109,7 +107,8 @@ def main(argv=None) -> int:
         real = 1e3 / statistics.median(r[1] for r in got["int4"])
         forward = Int4Linear.forward
         Int4Linear.forward = lambda self, x: x.new_zeros(*x.shape[:-1], self.out_features)
-        cpu = getattr(engines["int4"]._step, "cpu", None)   # engine/cpu_step.py calls the kernel itself
+        step = engines["int4"].decode_step   # its CpuStep (engine/cpu_step.py) calls the kernel itself
+        cpu = step.cpu if step is not None else None
         if cpu is not None:   # the cpu backend's packed codes are [N, K / 2]
             cpu.mm = lambda x, packed, group, scale_zeros: x.new_zeros(x.shape[0], packed.shape[0])
         try:

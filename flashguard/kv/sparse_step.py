@@ -112,7 +112,7 @@ class SparseKV:
             rows = uva.gather_rows(arena.data[i], at, q.device)
         else:
             rows = arena.data[i].index_select(0, at)
-        kp, vp = layer._as_kv(*codecs.decode(arena.fields_of(rows), layer.dtype))
+        kp, vp = layer.as_kv(*codecs.decode(arena.fields_of(rows), layer.dtype))
         if self.masked:   # a page of this sequence is only on disk: what was not in L2 weighs nothing
             visible = (slots >= 0).repeat_interleave(cache.page_size).unsqueeze(0)
             part = attention.partial_attention(qg, kp, vp, scale, visible)

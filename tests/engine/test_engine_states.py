@@ -75,6 +75,33 @@ def test_pages_outside_the_pool_give_the_same_tokens(tmp_path, llama, cache):
         engine.session.cache.check_integrity()
 
 
+@pytest.mark.parametrize("cache", CACHES)
+def test_public_prefill_and_step_give_generates_greedy_tokens(tmp_path, llama, cache):
+    """``Engine.prefill`` / ``Engine.step`` (the benchmarks' entry points) run the decode loop's own path: their
+    greedy tokens are ``generate``'s, the session then holds the prompt and the stepped tokens, and a second
+    prefill of the same prompt reuses all of it but the last token."""
+    engine = tiny.engine(tmp_path, net=llama, kv_cache=cache, kv=SMALL_KV, prefill_chunk=32)
+    engine.eos_ids = frozenset()   # a random model: decode the full count on both paths
+    ids = ask(engine, tiny.text(200, seed=3))
+    expected = output_ids(engine, ids, 16)
+    engine.reset_session()
+    with engine.lock:
+        logits, reused = engine.prefill(ids)
+        got = [int(logits.argmax())]
+        for _ in range(15):
+            got.append(int(engine.step(got[-1]).argmax()))
+    assert got == expected
+    assert engine.session_ids == ids + got[:-1]
+    assert engine.prefill(ids)[1] == len(ids) - 1
+    assert engine.step_graphs == 0   # (no CUDA graphs on the CPU)
+    with pytest.raises(PromptError):
+        engine.prefill([])
+    if cache == "tiered":
+        engine.session.cache.check_integrity()
+    engine.reset_session(keep_pages=False)   # no page kept anywhere: every token prefilled again
+    assert engine.store is None and engine.prefill(ids)[1] == 0
+
+
 # ---- prefix reuse and crop ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("cache", CACHES)
 def test_the_same_prompt_again_prefills_one_token(tmp_path, llama, cache):

@@ -372,15 +372,15 @@ def test_int4_engine_decodes_what_the_models_forward_predicts(cache, tmp_path):
     if cache == "tiered":
         assert engine.session.cache.layers[0].win_start > 64   # pages had left the window
     if cache in ("default", "int8-pool"):   # every token resident, the whole step one CUDA graph
-        assert engine.session.cache.layers[0].resident and engine._step.step_graphs
+        assert engine.session.cache.layers[0].resident and engine.decode_step.step_graphs
     if cache == "int8-pool":
         assert engine.session.cache.layers[0].l1_k.dtype == torch.int8
     if cache in ("default", "int8-pool"):   # a new session runs on the same pool buffers and replays the same step graphs
-        graphs = dict(engine._step.step_graphs)
+        graphs = dict(engine.decode_step.step_graphs)
         ptrs = [layer.l1_k.data_ptr() for layer in engine.session.cache.layers]
         engine.reset_session()
         engine.generate(prompt, SamplingParams(max_tokens=40))
         assert list(engine.turns[-1].output_ids) == out
         assert [layer.l1_k.data_ptr() for layer in engine.session.cache.layers] == ptrs
-        assert graphs and set(engine._step.step_graphs) == set(graphs)   # nothing recorded anew
-        assert all(engine._step.step_graphs[key] is entry for key, entry in graphs.items())
+        assert graphs and set(engine.decode_step.step_graphs) == set(graphs)   # nothing recorded anew
+        assert all(engine.decode_step.step_graphs[key] is entry for key, entry in graphs.items())

@@ -78,7 +78,7 @@ def test_engine_decode_steps_equal_the_resident_engine(tmp_path, arch):
     net = tiny.model(arch, layers=4)
     LayerStream(net, [1, 2, 3], torch.device("cpu"))
     streamed = tiny.engine(tmp_path / "b", arch, net=net)
-    assert streamed._step is not None   # the decode step runs the streamed layers
+    assert streamed.decode_step is not None   # the decode step runs the streamed layers
     ids = resident.encode_messages([{"role": "user", "content": tiny.text(80)}])
     out = []
     for engine in (resident, streamed):
@@ -117,14 +117,14 @@ def test_which_layers_a_budget_streams():
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_the_engine_places_streamed_layers(tmp_path, monkeypatch, arch):
-    """The engine's placement path (``Engine._place_layers`` -> ``layer_stream.place``) with the planner's decision
+    """The engine's placement path (``Placement.place`` -> ``layer_stream.place``) with the planner's decision
     forced (on the CPU there is no vram_budget): the last layers stream through two slots from host copies, the
     engine's generations, its prefix reuse and a second conversation equal the resident engine's, and
     ``engine_info()``'s placement says where each part lives."""
-    from flashguard.engine.engine import Engine
+    from flashguard.engine.placement import Placement
 
     resident = tiny.engine(tmp_path / "a", arch, net=tiny.model(arch, layers=4))
-    monkeypatch.setattr(Engine, "_streamed_count", lambda self: 3)
+    monkeypatch.setattr(Placement, "streamed_count", lambda self, context: 3)
     streamed = tiny.engine(tmp_path / "b", arch, net=tiny.model(arch, layers=4))
     place = streamed.info()["placement"]
     assert place["layers_resident"] == [0] and place["layers_streamed"] == [1, 2, 3]

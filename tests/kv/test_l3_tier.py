@@ -211,7 +211,7 @@ def test_a_long_prompts_pages_get_room_in_l2_in_one_allocation(tmp_path):
           "l3_dir": str(tmp_path / "l3")}
     e = tiny.engine(tmp_path / "model", kv=kv, prefill_chunk=32)
     ids = e.tokenizer(tiny.text(3000, seed=5))["input_ids"][:1800]   # 113 pages: doubling went 64, then 128
-    arena = e._page_store().arena
+    arena = e.sessions.page_store().arena
     grown = []
     grow = arena._grow
     arena._grow = lambda enc: (grown.append(arena.capacity), grow(enc))
@@ -236,7 +236,7 @@ def test_a_prompt_that_fits_the_pool_announces_no_l2_room(tmp_path, monkeypatch)
           "l3_dir": str(tmp_path / "l3")}
     e = tiny.engine(tmp_path / "model", kv=kv, prefill_chunk=256)
     ids = e.tokenizer(tiny.text(3000, seed=5))["input_ids"][:1800]
-    arena = e._page_store().arena
+    arena = e.sessions.page_store().arena
     arena.pin = True   # (a CPU build pins nothing: the request falls back to pageable memory, the same path)
     announced = []
     expect = arena.expect
@@ -266,7 +266,7 @@ def test_a_long_prompts_pinned_l2_block_is_allocated_on_a_thread(tmp_path, monke
     for ahead in (False, True):
         e = tiny.engine(tmp_path / "model", kv=dict(kv, l3_dir=str(tmp_path / f"l3-{ahead}")), prefill_chunk=32)
         ids = ids or e.tokenizer(tiny.text(3000, seed=5))["input_ids"][:1800]
-        arena = e._page_store().arena
+        arena = e.sessions.page_store().arena
         if ahead:
             arena.pin = True
             monkeypatch.setattr(store_mod.L2Arena, "AHEAD_BYTES", 0)
@@ -275,7 +275,7 @@ def test_a_long_prompts_pinned_l2_block_is_allocated_on_a_thread(tmp_path, monke
                 real(shape, dtype, pin))[1])
         outs.append(e.generate(ids, SamplingParams(max_tokens=4)).text)
         e.session.cache.check_integrity()
-        e._page_store().check_integrity()
+        e.sessions.page_store().check_integrity()
     grows = [n[:2] for n in names if n[2] != "gather"]           # (not the gathers' buffers)
     assert grows[0] == ("flashguard-l2-grow", grows[0][1]) and 114 <= grows[0][1] <= 128, names
     assert grows[1:] == [("MainThread", 64)], names              # the first page's small block, meanwhile

@@ -1,0 +1,194 @@
+"""The GPU memory budget: ``vram_budget`` in bytes, the allocator capped at it, the cache's tiers and the prefill
+chunk planned within it, and memory given back after each task.
+
+Contract:
+- ``Budget(config, device)`` measures the CUDA context (only under a ``vram_budget``), resolves ``vram_budget``
+  (``auto``: the GPU's free memory at start less ``VRAM_MARGIN``) and caps torch's allocator at it less the
+  context, which the allocator does not hold. Off CUDA or without a budget nothing is capped (``vram_budget`` None).
+- ``kv`` (the cache's settings as sized), ``prefill_chunk`` and ``plan`` belong to the Budget. ``fit`` sets them;
+  besides it only ``Placement.streamed_count`` (choosing the layers that stream) and the retry policy (after an
+  out-of-memory, for good) lower ``prefill_chunk``.
+- ``fit`` raises the ConfigError naming ``vram_budget`` when the smallest plan does not fit.
+- ``settle`` after the GPU warm-up: where the CUDA context grew past the start's estimate, the cap and the plan are
+  made again, or the old ones kept with a warning when the new plan does not fit.
+- ``give_back`` after every task (the CPU heap's free pages, the GPU allocator's cached blocks past a threshold).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Callable
+
+import torch
+
+from ..config import EngineConfig
+from ..errors import ConfigError
+from ..vram import host_heap
+
+log = logging.getLogger("flashguard")
+
+VRAM_MARGIN = 512 * 2**20   # vram_budget auto: the GPU's free memory at start less this (other programs, the desktop)
+
+
+KERNEL_MODULES = 192 * 2**20   # CUDA context growth after start, as kernels load lazily (flash, cuBLAS, Triton)
+
+
+def measure_cuda_context(device: torch.device, margin: int = KERNEL_MODULES) -> int:
+    """The GPU memory this process holds outside torch's allocator (the CUDA context), measured through NVML plus
+    ``margin`` for kernels that load later; ``vram/plan.py``'s ``CUDA_CONTEXT`` where NVML cannot say.
+    (An H200 process measured 0.68 GiB at the end of a run, where the planner assumed 0.39.)"""
+    from ..vram.accounting import nvml_process_bytes
+    from ..vram.plan import CUDA_CONTEXT
+
+    if device.type != "cuda":
+        return 0
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    torch.cuda.mem_get_info(index)   # creates the context
+    held = nvml_process_bytes(index, os.getpid())
+    if held is None:
+        return CUDA_CONTEXT
+    return max(CUDA_CONTEXT, held - torch.cuda.memory_reserved(index) + margin)
+
+
+def resolve_vram_budget(budget: int | str | None, device: torch.device, context: int | None = None) -> int | None:
+    """``vram_budget`` in bytes: the process's whole GPU memory, CUDA context included (what NVML and the task
+    manager show). ``auto`` = the GPU's free memory at start (with this process's CUDA context, ``context``,
+    counted back in) less ``VRAM_MARGIN``; None off CUDA or uncapped."""
+    from ..vram.plan import CUDA_CONTEXT
+
+    if budget is None or device.type != "cuda":
+        return None
+    if budget == "auto":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        free, _ = torch.cuda.mem_get_info(index)   # creates the context: it is no longer free
+        return max(0, free + (CUDA_CONTEXT if context is None else context) - VRAM_MARGIN)
+    return int(budget)
+
+
+def apply_vram_budget(budget: int | None, device: torch.device) -> float | None:
+    """Cap this process's CUDA allocator at ``budget`` bytes (``vram_budget`` less the CUDA context, which the
+    allocator does not hold); returns the fraction set."""
+    if budget is None or device.type != "cuda":
+        return None
+    import warnings
+
+    try:  # grow segments in place instead of caching whole blocks: less reserved-but-unused memory
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+    except (AttributeError, RuntimeError):  # older torch, or a platform without expandable segments
+        pass
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    total = torch.cuda.get_device_properties(index).total_memory
+    fraction = min(1.0, budget / total)
+    torch.cuda.set_per_process_memory_fraction(fraction, index)
+    log.info("flashguard: GPU allocator capped at %.2f GiB (vram_budget) of %.2f GiB", budget / 2**30, total / 2**30)
+    return fraction
+
+
+class Budget:
+    """``vram_budget`` and what is planned within it (see the module docstring)."""
+
+    # prefill_chunk auto: larger chunks on a GPU (fewer launches; measured in docs/benchmarks/e2e_h200.md)
+    GPU_CHUNK, CPU_CHUNK = 2048, 512
+    CACHED_KEEP = 128 * 2**20   # cached, unused GPU memory an engine keeps between tasks
+    KERNEL_MARGIN_AFTER_WARM_UP = 64 * 2**20   # kernels still to load after the warm-up (a rail's, a rare path's)
+
+    def __init__(self, config: EngineConfig, device: torch.device):
+        self.config, self.device = config, device
+        # the CUDA context is measured, not assumed (it differs by GPU and driver), and left out of the allocator's cap
+        self.cuda_context = measure_cuda_context(device) if config.vram_budget is not None else 0
+        self.vram_budget = resolve_vram_budget(config.vram_budget, device, self.cuda_context)   # bytes, or None
+        self.fraction = apply_vram_budget(
+            None if self.vram_budget is None else max(0, self.vram_budget - self.cuda_context), device)
+        self.kv = config.kv   # the tiered cache's settings, sized by fit
+        self.prefill_chunk = config.prefill_chunk or (self.GPU_CHUNK if device.type == "cuda" else self.CPU_CHUNK)
+        self.plan = None
+        self._reserved_after_release = 0   # give_back: the allocator's reserved bytes after its last release
+
+    def fit(self, placement, context: int) -> None:
+        """Size the tiers and the prefill chunk: within ``vram_budget`` on a GPU the pool (L1) is the largest the
+        plan for the full ``context`` fits (the whole context when it fits: every page stays resident); without a
+        budget (the CPU) the pool is the whole context. L2 takes what host RAM holds (``kv.policy``). A budget
+        that cannot hold the weights and the smallest pool is a ConfigError naming ``vram_budget``.
+        ``placement``: the loaded model's ``Placement`` (its shape, weights and streamed layers)."""
+        from ..kv import policy
+        from ..vram import plan as planner
+
+        shape = placement.shape()
+        l2_per_token = shape.layers * 2 * shape.kv_heads * shape.head_dim * (1 if self.kv.l2_codec == "int8" else 2)
+        if self.vram_budget is None:
+            if self.config.kv_cache == "tiered" and not self.kv.sized:
+                self.kv = policy.size_tiers(self.kv, context=context, pool_tokens=context,
+                                            l2_bytes_per_token=l2_per_token, host_available=policy.host_available(),
+                                            kv_heads=shape.kv_heads)
+            return
+        self.kv, self.prefill_chunk, self.plan, notes = planner.fit_to_budget(
+            shape, budget=self.vram_budget, context=context, weights=placement.weights_kind,
+            cache=self.config.kv_cache, prefill_chunk=self.prefill_chunk, kv=self.kv, cuda_context=self.cuda_context,
+            host_available=policy.host_available(), l2_bytes_per_token=l2_per_token, group=placement.int4_group(),
+            streamed=placement.streamed)
+        gib = self.vram_budget / 2**30
+        if not self.plan.fits:
+            need = self.plan.peak_reserved / 2**30
+            raise ConfigError(
+                f"{gib:.2f} GiB cannot hold this model with a {context}-token context: the smallest plan "
+                f"needs {need:.2f} GiB (weights {self.plan.parts['weights'] / 2**30:.2f} GiB). Raise vram_budget, "
+                "set weights: int4, or lower max_context (`flashguard plan` shows the categories)", key="vram_budget")
+        for note in notes:
+            log.warning("flashguard: vram_budget %.2f GiB: %s", gib, note)
+        log.info("flashguard: vram_budget %.2f GiB: pool %d tokens on the GPU (L1) of a %d-token context, L2 %d tokens",
+                 gib, self.kv.l1_max_tokens or 0, context, self.kv.l2_tokens or 0)
+        if self.config.kv_cache == "tiered" and self.kv.l1_codec == "int8" and \
+                (self.kv.l1_max_tokens or 0) < context:
+            log.warning("flashguard: kv.l1_codec int8 with a pool (%d tokens) shorter than the context (%d): decode "
+                        "steps past the pool dequantize the pool in every layer (slow); kv.l1_codec: auto keeps a "
+                        "16-bit pool here", self.kv.l1_max_tokens or 0, context)
+
+    def settle(self, placement, context: int, forget_pool: Callable[[], None]) -> None:
+        """After the warm-up, with its kernels loaded: the CUDA context measured again. Where it grew past the
+        start's estimate (context + ``KERNEL_MODULES``), the allocator's cap and the plan are made again from the
+        larger one, before any session holds memory (``forget_pool``: the warm-up's buffers were sized by the old
+        plan): on the H200 the 128K conversations' process reached 4.17 GiB of NVML within a 4 GiB budget, ~0.2 GiB
+        of context past the estimate. A plan that no longer fits keeps the old one, with a warning; a failure to
+        measure changes nothing."""
+        if self.vram_budget is None:
+            return
+        measured = measure_cuda_context(self.device, margin=self.KERNEL_MARGIN_AFTER_WARM_UP)
+        if measured <= self.cuda_context:
+            return
+        old = (self.cuda_context, self.kv, self.prefill_chunk, self.plan, self.fraction)
+        log.info("flashguard: the CUDA context is %.2f GiB after the warm-up (%.2f GiB estimated at start): the pool "
+                 "is planned again", measured / 2**30, self.cuda_context / 2**30)
+        self.cuda_context = measured
+        forget_pool()
+        self.kv = self.config.kv
+        self.prefill_chunk = self.config.prefill_chunk or self.GPU_CHUNK
+        self.fraction = apply_vram_budget(max(0, self.vram_budget - measured), self.device)
+        try:
+            self.fit(placement, context)
+        except ConfigError as exc:
+            log.warning("flashguard: %s; keeping the plan made at start (the process may pass vram_budget by %.2f "
+                        "GiB)", exc, (measured - old[0]) / 2**30)
+            self.cuda_context, self.kv, self.prefill_chunk, self.plan, _ = old
+            self.fraction = apply_vram_budget(max(0, self.vram_budget - old[0]), self.device)
+
+    def give_back(self) -> None:
+        """After a task. On the CPU the heap's free pages go back to the OS (``vram/host_heap.py``): without it a
+        server's resident set grows for minutes under load. On a GPU the allocator's cached blocks go back to the
+        device when they pass ``CACHED_KEEP``: a task's transient buffers (a long prompt's chunks, a rail's windows)
+        stayed reserved after it, and the process's GPU memory grew from turn to turn (a 128K conversation under a
+        4 GiB budget: 3.59 GiB of NVML after its first turn, 3.90 after its second, with 0.46 GiB cached unused).
+        Below it they stay, so consecutive tasks do not map and unmap the same activation memory."""
+        if self.device.type == "cpu":
+            host_heap.trim()
+        elif self.device.type == "cuda":
+            # (free blocks inside the step graphs' own pools count as cached but stay: released again only once
+            # the reserved memory grew past what the last release left)
+            index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+            reserved = torch.cuda.memory_reserved(index)
+            if reserved - torch.cuda.memory_allocated(index) > self.CACHED_KEEP and \
+                    reserved > self._reserved_after_release + self.CACHED_KEEP:
+                torch.cuda.empty_cache()
+                self._reserved_after_release = torch.cuda.memory_reserved(index)

@@ -1,0 +1,202 @@
+"""Where the model's weights live: the device the loader loads onto, the embedding table and the decoder layers
+that stay in host RAM under ``vram_budget``, and what that placement costs a decoded token.
+
+Contract:
+- ``load_target`` runs before the model exists (from its config alone): host RAM with the ``dequant`` int4 layout
+  when the int4 decoder layers will not all fit ``vram_budget``, else the engine's device and ``int4_kernel``.
+- ``Placement(model, ...)`` describes the loaded model (``shape``, ``weights_kind``, ``int4_group``).
+  ``hold_lm_head(context)`` holds the output matrix as the ``lm_head`` key says (``quant/lm_head.py``), once, before
+  ``place``; ``lm_head_kind`` and ``lm_head_reason`` say how and why. ``place()``
+  puts the embedding table in host RAM (int4 on CUDA) and the last ``streamed`` decoder layers in pinned host RAM
+  (``layer_stream.place``), the rest on the device. It runs once, before the decode step is built (the step must
+  see the streamed layers). ``streamed`` is the planner's choice (``planner.layer_placement``), or the count the
+  engine was given (``streamed_layers``: experiments on a placement of their choosing).
+- ``info()`` and ``decode_bytes()`` only read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+
+from ..config import EngineConfig
+from ..errors import ConfigError
+from ..quant import lm_head
+from . import loader
+
+log = logging.getLogger("flashguard")
+
+
+def load_target(config: EngineConfig, source: loader.ModelSource, device: torch.device, budget,
+                weights: str) -> tuple[torch.device, str]:
+    """``(device, int4_kernel)`` for the loader: the engine's, or host RAM with the ``dequant`` int4 layout (the
+    Triton kernels' bytes, ``layer_stream.place`` switches them) when the model's int4 decoder layers will not
+    all fit ``vram_budget`` (``budget``: the engine's Budget): a 7B's would not fit the device to be moved off it
+    after loading."""
+    from ..vram import plan as planner
+
+    if budget.vram_budget is None or device.type != "cuda" or weights != "int4":
+        return device, config.int4_kernel
+    try:
+        from transformers import AutoConfig
+
+        cfg = AutoConfig.from_pretrained(loader.gguf_meta_folder(source) if source.gguf_file else source.folder)
+        shape = planner.Shape.from_config(cfg, source.label)
+        shape = dataclasses.replace(shape, lm_head=lm_head.planned(config.lm_head, weights))
+    except (ValueError, OSError, KeyError, AttributeError):   # the loader says what is wrong
+        return device, config.int4_kernel
+    context = min(getattr(cfg, "max_position_embeddings", None) or 2048, config.max_context or 1 << 62)
+    streamed, _ = planner.layer_placement(
+        shape, budget=budget.vram_budget, context=context, weights="int4", cache=config.kv_cache,
+        prefill_chunk=config.prefill_chunk or budget.GPU_CHUNK, kv=config.kv, cuda_context=budget.cuda_context)
+    return (torch.device("cpu"), "dequant") if streamed else (device, config.int4_kernel)
+
+
+class Placement:
+    """The loaded model's weights and where they live (see the module docstring)."""
+
+    def __init__(self, model, config: EngineConfig, device: torch.device, dtype: torch.dtype, label: str, budget,
+                 streamed_layers: int | None = None):
+        self.model, self.config, self.device, self.dtype, self.label = model, config, device, dtype, label
+        self.budget = budget
+        self.forced = streamed_layers
+        self.streamed = 0   # decoder layers in host RAM (the last ones)
+        self.layer_stream = None   # layer_stream.LayerStream, or None (every layer resident)
+        self.embedding_on_host = False
+        self.lm_head_kind = self.lm_head_reason = None   # hold_lm_head
+
+    def hold_lm_head(self, context: int) -> None:
+        """The output matrix in 16 bits or as Q8_0 codes as the ``lm_head`` key says (auto: measured, or the
+        budget's call: ``head_budget_wins``), quant/lm_head.py."""
+        self.lm_head_kind, self.lm_head_reason = lm_head.apply(
+            self.config.lm_head, self.model, self.weights_kind, self.device, self.config.int4_kernel,
+            self.head_budget_wins(context))
+        log.info("flashguard: lm_head %s (%s)", self.lm_head_kind, self.lm_head_reason)
+
+    def head_budget_wins(self, context: int) -> bool:
+        """Whether ``vram_budget`` calls for a Q8_0 lm_head: with the 16-bit head more int4 decoder layers would
+        stream from host RAM (or none of the placements would fit) than with the Q8_0 one."""
+        from ..vram import plan as planner
+
+        budget = self.budget
+        if budget.vram_budget is None or self.device.type != "cuda" or self.weights_kind != "int4" or \
+                lm_head.kind_of(self.model.get_output_embeddings()) != "float":
+            return False
+        streamed = []
+        for kind in ("float", "int8"):
+            try:
+                n, _ = planner.layer_placement(
+                    dataclasses.replace(self.shape(), lm_head=kind), budget=budget.vram_budget,
+                    context=context, weights="int4", cache=self.config.kv_cache,
+                    prefill_chunk=self.config.prefill_chunk or budget.GPU_CHUNK, kv=self.config.kv,
+                    cuda_context=budget.cuda_context, group=self.int4_group(),
+                    shrink_chunk=self.config.prefill_chunk is None)
+            except ConfigError:   # nothing fits: the placement after this raises it, naming vram_budget
+                n = 1 << 30
+            streamed.append(n)
+        return streamed[1] < streamed[0]
+
+    def place(self, context: int) -> None:
+        """The embedding table and the streamed layers off the device (see the module docstring); once."""
+        if self.device.type == "cuda" and self.weights_kind == "int4":
+            # the GPU needs one row of the table per token; its 16-bit copy would take a quarter of an int4
+            # model's GPU memory (vram/plan.py's weight_bytes leaves it out of the GPU's weights)
+            from .host_embedding import install
+
+            self.embedding_on_host = install(self.model, self.device) > 0
+        self.layer_stream = self._place_layers(context)
+
+    def streamed_count(self, context: int) -> int:
+        """How many decoder layers stream (``planner.layer_placement``: the fewest that let the int4 layers and the
+        smallest KV window fit ``vram_budget`` on CUDA; it may halve the Budget's prefill chunk, and raises the
+        ConfigError naming ``vram_budget`` and the smallest budget that works)."""
+        from ..vram import plan as planner
+
+        if self.forced is not None:
+            return self.forced
+        budget = self.budget
+        if budget.vram_budget is None or self.device.type != "cuda" or self.weights_kind != "int4":
+            return 0
+        streamed, budget.prefill_chunk = planner.layer_placement(
+            self.shape(), budget=budget.vram_budget, context=context, weights="int4",
+            cache=self.config.kv_cache, prefill_chunk=budget.prefill_chunk, kv=budget.kv,
+            cuda_context=budget.cuda_context, group=self.int4_group(), shrink_chunk=self.config.prefill_chunk is None)
+        return streamed
+
+    def _place_layers(self, context: int):
+        """The last ``streamed_count()`` decoder layers in pinned host RAM, copied to the device one layer ahead of
+        use (``layer_stream.place``; DecodeStep's graphs hold the copies, see layer_stream's contract), the rest of
+        the model on the device. Returns the LayerStream, or None (every layer resident)."""
+        from .layer_stream import place
+
+        self.streamed = self.streamed_count(context)
+        n = self.model.config.num_hidden_layers
+        on_device = all(t.device.type == self.device.type for t in [*self.model.parameters(), *self.model.buffers()])
+        if not self.streamed and on_device:
+            return None
+        if self.streamed:
+            log.info("flashguard: vram_budget %.2f GiB: decoder layers %d-%d stream from pinned host RAM, %d resident",
+                     (self.budget.vram_budget or 0) / 2**30, n - self.streamed, n - 1, n - self.streamed)
+        return place(self.model, self.device, list(range(n - self.streamed, n)), self.config.int4_kernel)
+
+    # ---- what was placed -----------------------------------------------------------------------------------
+    def shape(self):
+        """The planner's Shape of the loaded model; ``lm_head`` says how its output matrix is held."""
+        from ..vram import plan as planner
+
+        shape = planner.Shape.from_config(self.model.config, self.label)
+        return dataclasses.replace(shape, lm_head=lm_head.kind_of(self.model.get_output_embeddings()))
+
+    @property
+    def weights_kind(self) -> str:
+        """"int4" when the decoder's linears are int4, else "float": the ``weights`` key's values, which the
+        planner takes too. The lm_head's codes do not count (``lm_head_kind`` says how it is held)."""
+        from ..quant.int4_linear import Int4Linear
+
+        out = self.model.get_output_embeddings()
+        in_head = {id(m) for m in out.modules()} if out is not None else set()
+        return "int4" if any(isinstance(m, Int4Linear) and id(m) not in in_head
+                             for m in self.model.modules()) else "float"
+
+    def int4_group(self) -> int:
+        """The int4 group size the planner counts scales for: the smallest of the model's Int4Linear layers (a GGUF
+        keeps 32, ``flashguard quantize`` writes 64), or the quantizer's for a float model."""
+        from ..quant import AWQ_GROUP_SIZE
+        from ..quant.int4_linear import Int4Linear
+
+        return min((m.group_size for m in self.model.modules() if isinstance(m, Int4Linear)), default=AWQ_GROUP_SIZE)
+
+    def info(self) -> dict:
+        """Where each part of the model lives: the embedding table, lm_head, the resident and streamed layers."""
+        n = self.model.config.num_hidden_layers
+        stats = self.layer_stream.stats() if self.layer_stream is not None else None
+        return {"embedding": "host" if self.embedding_on_host else str(self.device),
+                "lm_head": {"device": str(self.device), "weights": self.shape().lm_head,
+                            "why": self.lm_head_reason},
+                "layers_resident": list(range(n - self.streamed)),
+                "layers_streamed": list(range(n - self.streamed, n)),
+                "streamed_from": "pinned host RAM" if self.device.type == "cuda" and self.streamed else
+                ("host RAM" if self.streamed else None),
+                "streamed_layer_bytes": stats["layer_bytes"] if stats else 0,
+                "slot_bytes": stats["slot_bytes"] if stats else 0,
+                "layer_copies": stats["copies"] if stats else 0}
+
+    def decode_bytes(self, context: int) -> dict:
+        """Bytes one decoded token reads at ``context``, from the loaded tensors: the decoder layers' linears and
+        the lm_head as they are held (int4 codes, 16-bit, an int4 pair), and the K/V the cache as sized attends
+        (``vram.plan.kv_read_bytes``)."""
+        from ..vram import plan as planner
+
+        def held(module) -> int:
+            return sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()])
+
+        linears = sum(held(m) for layer in self.model.model.layers
+                      for name, m in layer.named_modules() if name.endswith("_proj"))
+        head = self.model.get_output_embeddings()
+        out = {"decoder linears": linears, "lm_head": held(head),
+               "kv attended": planner.kv_read_bytes(self.shape(), context=context, kv=self.budget.kv,
+                                                    value_bytes=self.dtype.itemsize)}
+        out["total"] = sum(out.values())
+        return out
