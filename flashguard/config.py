@@ -31,6 +31,7 @@ POLICIES = ("exact", "sparse")
 KV_CACHES = ("tiered", "dynamic")
 _AUTO_SIZES = ("l1_tokens", "l2_tokens", "l1_max_tokens")   # kv keys that take ``auto``
 INT4_KERNELS = ("auto", "triton", "cuda", "cpu", "dequant")   # "auto" + Int4Linear's backends
+LM_HEADS = ("auto", "float", "int8")   # the lm_head key (quant/lm_head.py)
 L1_CODECS = ("auto", "fp16", "int8")
 L2_CODECS = ("int8", "fp16")
 L3_CODECS = ("int4-zstd", "int8-zstd", "fp16-zstd")
@@ -209,7 +210,7 @@ class EngineConfig:
         if isinstance(self.vram_budget, str) and self.vram_budget != "auto":
             object.__setattr__(self, "vram_budget", parse_bytes(self.vram_budget, key="vram_budget"))
         _check_choice(self.weights, ("auto", "float", "int4"), "weights")
-        _check_choice(self.lm_head, ("auto", "float", "int8"), "lm_head")
+        _check_choice(self.lm_head, LM_HEADS, "lm_head")
         _check_choice(self.int4_kernel, INT4_KERNELS, "int4_kernel")
         if not (self.device in ("auto", "cpu", "cuda") or str(self.device).startswith("cuda:")):
             raise ConfigError(f"must be auto, cpu, cuda or cuda:N, got {self.device!r}", key="device")

@@ -233,10 +233,6 @@ class Engine:
         return self.budget.cuda_context
 
     @property
-    def budget_fraction(self) -> float | None:
-        return self.budget.fraction
-
-    @property
     def oom_retries(self) -> int:
         """Out-of-memory errors met in forwards (each was retried or raised: retry.py)."""
         return self.sessions.retry.oom_retries
@@ -437,9 +433,6 @@ class Engine:
     def placement(self) -> dict:
         """Where each part of the model lives: the embedding table, lm_head, the resident and streamed layers."""
         return self.weights_placement.info()
-
-    def _plan_shape(self):   # (tests read it; Placement.shape is the one)
-        return self.weights_placement.shape()
 
     def decode_bytes(self, context: int | None = None) -> dict:
         """Bytes one decoded token reads at ``context`` (default: the engine's context length), from the loaded

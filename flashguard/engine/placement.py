@@ -65,38 +65,47 @@ class Placement:
         self.streamed = 0   # decoder layers in host RAM (the last ones)
         self.layer_stream = None   # layer_stream.LayerStream, or None (every layer resident)
         self.embedding_on_host = False
-        self.lm_head_kind = self.lm_head_reason = None   # hold_lm_head
+        self.lm_head_reason = None   # hold_lm_head
 
     def hold_lm_head(self, context: int) -> None:
         """The output matrix in 16 bits or as Q8_0 codes as the ``lm_head`` key says (auto: measured, or the
         budget's call: ``head_budget_wins``), quant/lm_head.py."""
-        self.lm_head_kind, self.lm_head_reason = lm_head.apply(
+        kind, self.lm_head_reason = lm_head.apply(
             self.config.lm_head, self.model, self.weights_kind, self.device, self.config.int4_kernel,
             self.head_budget_wins(context))
-        log.info("flashguard: lm_head %s (%s)", self.lm_head_kind, self.lm_head_reason)
+        log.info("flashguard: lm_head %s (%s)", kind, self.lm_head_reason)
+
+    @property
+    def lm_head_kind(self) -> str:
+        """How the output matrix is held: "float", "int8" (Q8_0 codes) or "int4" (``lm_head.kind_of``)."""
+        return lm_head.kind_of(self.model.get_output_embeddings())
 
     def head_budget_wins(self, context: int) -> bool:
         """Whether ``vram_budget`` calls for a Q8_0 lm_head: with the 16-bit head more int4 decoder layers would
         stream from host RAM (or none of the placements would fit) than with the Q8_0 one."""
-        from ..vram import plan as planner
-
-        budget = self.budget
-        if budget.vram_budget is None or self.device.type != "cuda" or self.weights_kind != "int4" or \
-                lm_head.kind_of(self.model.get_output_embeddings()) != "float":
+        if not self._budgeted() or lm_head.kind_of(self.model.get_output_embeddings()) != "float":
             return False
         streamed = []
         for kind in ("float", "int8"):
             try:
-                n, _ = planner.layer_placement(
-                    dataclasses.replace(self.shape(), lm_head=kind), budget=budget.vram_budget,
-                    context=context, weights="int4", cache=self.config.kv_cache,
-                    prefill_chunk=self.config.prefill_chunk or budget.GPU_CHUNK, kv=self.config.kv,
-                    cuda_context=budget.cuda_context, group=self.int4_group(),
-                    shrink_chunk=self.config.prefill_chunk is None)
+                streamed.append(self._layer_placement(dataclasses.replace(self.shape(), lm_head=kind), context)[0])
             except ConfigError:   # nothing fits: the placement after this raises it, naming vram_budget
-                n = 1 << 30
-            streamed.append(n)
+                streamed.append(1 << 30)
         return streamed[1] < streamed[0]
+
+    def _budgeted(self) -> bool:
+        """int4 decoder layers on CUDA under a ``vram_budget``: the case the planner places layers for."""
+        return self.budget.vram_budget is not None and self.device.type == "cuda" and self.weights_kind == "int4"
+
+    def _layer_placement(self, shape, context: int) -> tuple[int, int]:
+        """``planner.layer_placement`` of ``shape`` under the Budget as it stands: (layers streamed, chunk)."""
+        from ..vram import plan as planner
+
+        budget = self.budget
+        return planner.layer_placement(
+            shape, budget=budget.vram_budget, context=context, weights="int4", cache=self.config.kv_cache,
+            prefill_chunk=budget.prefill_chunk, kv=budget.kv, cuda_context=budget.cuda_context,
+            group=self.int4_group(), shrink_chunk=self.config.prefill_chunk is None)
 
     def place(self, context: int) -> None:
         """The embedding table and the streamed layers off the device (see the module docstring); once."""
@@ -112,17 +121,11 @@ class Placement:
         """How many decoder layers stream (``planner.layer_placement``: the fewest that let the int4 layers and the
         smallest KV window fit ``vram_budget`` on CUDA; it may halve the Budget's prefill chunk, and raises the
         ConfigError naming ``vram_budget`` and the smallest budget that works)."""
-        from ..vram import plan as planner
-
         if self.forced is not None:
             return self.forced
-        budget = self.budget
-        if budget.vram_budget is None or self.device.type != "cuda" or self.weights_kind != "int4":
+        if not self._budgeted():
             return 0
-        streamed, budget.prefill_chunk = planner.layer_placement(
-            self.shape(), budget=budget.vram_budget, context=context, weights="int4",
-            cache=self.config.kv_cache, prefill_chunk=budget.prefill_chunk, kv=budget.kv,
-            cuda_context=budget.cuda_context, group=self.int4_group(), shrink_chunk=self.config.prefill_chunk is None)
+        streamed, self.budget.prefill_chunk = self._layer_placement(self.shape(), context)
         return streamed
 
     def _place_layers(self, context: int):
@@ -147,7 +150,7 @@ class Placement:
         from ..vram import plan as planner
 
         shape = planner.Shape.from_config(self.model.config, self.label)
-        return dataclasses.replace(shape, lm_head=lm_head.kind_of(self.model.get_output_embeddings()))
+        return dataclasses.replace(shape, lm_head=self.lm_head_kind)
 
     @property
     def weights_kind(self) -> str:
@@ -173,7 +176,7 @@ class Placement:
         n = self.model.config.num_hidden_layers
         stats = self.layer_stream.stats() if self.layer_stream is not None else None
         return {"embedding": "host" if self.embedding_on_host else str(self.device),
-                "lm_head": {"device": str(self.device), "weights": self.shape().lm_head,
+                "lm_head": {"device": str(self.device), "weights": self.lm_head_kind,
                             "why": self.lm_head_reason},
                 "layers_resident": list(range(n - self.streamed)),
                 "layers_streamed": list(range(n - self.streamed, n)),

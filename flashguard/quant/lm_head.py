@@ -30,8 +30,6 @@ import torch
 from . import gguf_int4
 from .int4_linear import Int4Linear
 
-KINDS = ("auto", "float", "int8")
-
 
 def kind_of(module) -> str:
     if isinstance(module, gguf_int4.Int4PairLinear):

@@ -90,7 +90,7 @@ def test_a_tied_head_is_untied_and_the_table_kept(tmp_path):
     engine = tiny.engine(tmp_path, net=net, lm_head="int8")
     assert engine.lm_head_kind == "int8"
     assert torch.equal(engine.model.get_input_embeddings().weight, table)
-    assert engine._plan_shape().tied is False
+    assert engine.weights_placement.shape().tied is False
 
 
 def test_planned_kinds_and_a_wrong_value_names_the_key():
