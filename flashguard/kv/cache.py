@@ -41,7 +41,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..config import CacheConfig
-from . import FETCH_BLOCK_TOKENS, FETCH_BLOCK_TOKENS_CPU, attention, codecs, int8_pool, uva
+from . import FETCH_BLOCK_TOKENS, FETCH_BLOCK_TOKENS_CPU, attention, codecs, int8_pool, quest, uva
 from .disk import PageLost  # the engine catches it from here
 from .peer import PeerLostError
 from .static import GraphKey, StaticKV
@@ -488,21 +488,15 @@ class TieredLayer(CacheLayerMixin):
             yield self.as_kv(*codecs.decode(enc, self.dtype))
 
     def _pick(self, qg: torch.Tensor, first: int, last: int) -> torch.Tensor | None:
-        """Quest over the off-window pages [first, last): a device index (relative to ``first``) of the pages one
-        query attends, or None for all of them. Each KV head's top ``budget`` pages by the upper bound
-        ``sum_d max(q_d max_d, q_d min_d)`` (for a short chunk, the highest bound any of its queries gives a page);
-        their union comes first and is topped up with the pages of highest bound to ``kv_heads * budget`` pages,
-        a fixed count, so the GPU can pick and read without the host."""
+        """Quest over the off-window pages [first, last) (``kv/quest.py``): a device index (relative to ``first``)
+        of the ``kv_heads * budget`` pages one query attends (for a short chunk, the highest bound any of its
+        queries gives a page), or None for all of them."""
         n, kvh = last - first, qg.shape[0]
         budget = max(1, self.owner.config.budget_tokens // self.owner.page_size)
         if n <= kvh * budget:
             return None
         q = qg.reshape(kvh, -1, qg.shape[-1])                        # [kvh, g * Lq, D]: every query of a chunk
-        bound = torch.bmm(torch.cat([q.clamp(min=0), q.clamp(max=0)], dim=-1),   # one matmul against [max; min]
-                          self.bounds[:, :, first:last]).amax(dim=1).float()     # [kvh, n]
-        top = bound.topk(budget, dim=-1).indices                     # [kvh, budget]
-        score = bound.amax(dim=0).scatter(0, top.flatten(), float("inf"))
-        return score.topk(kvh * budget).indices
+        return quest.select(quest.bound(q, self.bounds[:, :, first:last]), budget)
 
     def _sparse(self, qg: torch.Tensor, first: int, last: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V of the pages one decoding query attends (``_pick``): read straight from pinned host RAM on the

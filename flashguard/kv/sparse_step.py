@@ -6,11 +6,11 @@ The layer-by-layer sparse path (``TieredLayer._sparse``) decides on the host, pe
 ~290). Here every decision is a device tensor: the new token's K/V go to L1 at ``l1_pos``; L1 (sinks + window) is
 attended up to ``used`` keys (flash's variable-length kernel, with its log-sum-exp); the off-window pages
 [``first``, ``last``) are ranked by their Quest bound against the whole ``bounds`` buffer with the others masked,
-each KV head's top ``budget`` pages plus the best of the rest make a fixed ``kv_heads x budget`` selection (as
-``TieredLayer._pick``), their L2 slots come from a device slot table, their rows are read straight from pinned
-host RAM (``uva.gather_rows``; a host ``index_select`` on a CPU), decoded and attended, and the two parts merged.
-The host fills five scalars before each replay (``TieredCache.sparse_view``) and does the page bookkeeping
-after it (``TieredCache.advance``), as for a resident step.
+each KV head's top ``budget`` pages plus the best of the rest make a fixed ``kv_heads x budget`` selection
+(``kv/quest.py``, as ``TieredLayer._pick``), their L2 slots come from a device slot table, their rows are read
+straight from pinned host RAM (``uva.gather_rows``; a host ``index_select`` on a CPU), decoded and attended, and the
+two parts merged. The host fills five scalars before each replay (``TieredCache.sparse_view``) and does the page
+bookkeeping after it (``TieredCache.advance``), as for a resident step.
 
 A picked page whose only copy is on disk (L3) has slot -1: the step attends the others (the page kernel skips it,
 the torch kernels mask it) and notes it in ``missed``, with the ``ahead`` pages ranked just after the selection
@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from . import attention, codecs, step_kernels, uva
+from . import attention, codecs, quest, step_kernels, uva
 
 
 class SparseState:
@@ -85,15 +85,11 @@ class SparseKV:
         if k is None:   # the step kernels (k, v written by them): one launch
             bound = step_kernels.page_bounds(q, layer.bounds, st.first, st.last)
         else:
-            cols = layer.bounds.shape[2]
-            qq = qg[:, :, 0]
-            bound = torch.bmm(torch.cat([qq.clamp(min=0), qq.clamp(max=0)], dim=-1), layer.bounds).amax(dim=1)
-            page = torch.arange(cols, device=q.device)
-            bound = bound.float().masked_fill((page < st.first) | (page >= st.last), float("-inf"))
-        top = bound.topk(self.budget_pages, dim=-1).indices                    # [kvh, budget]
-        score = bound.amax(dim=0).scatter(0, top.flatten(), float("inf"))
+            page = torch.arange(layer.bounds.shape[2], device=q.device)
+            bound = quest.bound(qg[:, :, 0], layer.bounds).masked_fill((page < st.first) | (page >= st.last),
+                                                                        float("-inf"))
         n = kvh * self.budget_pages
-        ranked = score.topk(n + self.ahead).indices   # the selection (absolute page indices), then the next best
+        ranked = quest.select(bound, self.budget_pages, self.ahead)   # the selection, then the next best
         # -1: a page only in L3, attended without (masked) and fetched for the next steps (TieredCache.step_slots)
         slots = cache.step_slots(i, ranked, n)
         pages = ranked[:n]
