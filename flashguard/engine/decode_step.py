@@ -218,8 +218,20 @@ class DecodeStep:
                 c, s = int8_pool.quantize(x)
                 codes.index_copy_(1, self.position[0], c)
                 scales.index_copy_(1, self.position[0], s)
-            out = int8_pool.decode_attention(q[0, :, 0], kv.keys[i], ks, kv.values[i], vs, self.used, self.scaling)
+            if self.split_kernel:   # step_kernels' split-K attention reads the codes
+                out = step_kernels.decode_attention(q[0, :, 0], kv.keys[i], kv.values[i], self.used, self.scaling,
+                                                    ks, vs)
+            else:
+                out = int8_pool.decode_attention(q[0, :, 0], kv.keys[i], ks, kv.values[i], vs, self.used,
+                                                 self.scaling)
         self.attn_out[i].copy_(out.reshape(1, 1, -1))
+
+    @functools.cached_property
+    def split_kernel(self) -> bool:
+        """An int8 pool attended outside the step kernels (a model they do not compute, an int8 head they do not
+        rotate) still reads its codes with their split-K attention, on a GPU where it passes its self-check."""
+        return self.device.type == "cuda" and step_kernels.supported(self.head_dim) and \
+            step_kernels.available(self.device)
 
     def _kernel_layers(self, kv) -> torch.Tensor:
         """The whole step over ``kv`` (a StaticKV or SparseKV) with ``step_kernels``: per layer qkv (norm folded
@@ -268,11 +280,11 @@ class DecodeStep:
         """A step kernel that does not build or run on this GPU (a Triton compilation or launch error): torch's
         kernels from now on, said once. True when that is what happened (the caller runs the step again); False
         for an error the step kernels did not cause (they were off)."""
-        if not self.kernels:
+        if not self.kernels and not self.split_kernel:
             return False
         log.warning("flashguard: the decode step's Triton kernels failed here (%s: %s); decoding on torch's "
                     "kernels instead", type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
-        self.kernels = False
+        self.kernels = self.split_kernel = False
         return True
 
     def _layers(self, attend, cache) -> torch.Tensor:

@@ -260,9 +260,10 @@ def test_static_kv_one_graph_step_matches_the_models_forward():
 
 @pytest.mark.parametrize("kvh,g", [(2, 6), (4, 7)])
 def test_int8_pool_decode_kernel_reads_only_the_used_codes(kvh, g):
-    """The Triton split-K kernel over int8 codes + group scales = exact attention over the dequantized prefix;
-    garbage past ``used`` changes nothing; inside a CUDA graph with ``used`` changed between replays too."""
-    from flashguard.kv import int8_pool
+    """The Triton split-K kernel (step_kernels) over int8 codes + group scales = exact attention over the
+    dequantized prefix; garbage past ``used`` changes nothing; inside a CUDA graph with ``used`` changed between
+    replays too."""
+    from flashguard.kv import int8_pool, step_kernels
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     k = torch.randn(kvh, 33000, 128, device="cuda", generator=gen, dtype=torch.float16)
@@ -272,10 +273,10 @@ def test_int8_pool_decode_kernel_reads_only_the_used_codes(kvh, g):
     kd, vd = int8_pool.dequantize(kc, ks, torch.float32), int8_pool.dequantize(vc, vs, torch.float32)
     q = torch.randn(kvh * g, 128, device="cuda", generator=gen, dtype=torch.float16)
     used = torch.tensor([1], dtype=torch.int32, device="cuda")
-    int8_pool.decode_attention(q, kc, ks, vc, vs, used, 128 ** -0.5)   # compile outside the capture
+    step_kernels.decode_attention(q, kc, vc, used, 128 ** -0.5, ks, vs)   # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = int8_pool.decode_attention(q, kc, ks, vc, vs, used, 128 ** -0.5)
+        out = step_kernels.decode_attention(q, kc, vc, used, 128 ** -0.5, ks, vs)
     for n in (1, 700, 32769):
         used.fill_(n)
         graph.replay()
