@@ -107,7 +107,7 @@ def main(argv=None) -> int:
         real = 1e3 / statistics.median(r[1] for r in got["int4"])
         forward = Int4Linear.forward
         Int4Linear.forward = lambda self, x: x.new_zeros(*x.shape[:-1], self.out_features)
-        step = engines["int4"].decode_step   # its CpuStep (engine/cpu_step.py) calls the kernel itself
+        step = engines["int4"].decode_step   # its CpuOps (engine/step_ops.py) call the kernel themselves
         cpu = step.cpu if step is not None else None
         if cpu is not None:   # the cpu backend's packed codes are [N, K / 2]
             cpu.mm = lambda x, packed, group, scale_zeros: x.new_zeros(x.shape[0], packed.shape[0])

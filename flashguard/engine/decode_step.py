@@ -8,6 +8,10 @@ projections, MLP, ``lm_head``) but records everything *between two attention cal
 step by step, which pages to bring, which a replayed graph cannot do. On a CPU, or when capture fails, the same
 parts run eagerly (the tests compare them with the model's forward).
 
+The layer is written once (``_before``: norm, q/k/v, rotary; ``_after``: o_proj, residual, norm, gated MLP,
+residual) and runs on one of three kernel sets (``step_ops.py``): torch's (``TorchOps``: the eager step and the
+per-part graphs), the Triton step kernels (``KernelOps``: the one-graph step) or the CPU's int4 calls (``CpuOps``).
+
 Contract:
 - ``DecodeStep.supports(model)``: a plain causal Llama / Qwen2 decoder (``attention.plain_causal``) whose modules
   have the standard names; anything else keeps the model's forward.
@@ -22,8 +26,8 @@ Contract:
   start; a kernel that fails to build or run turns them off once (``kernels_failed``) and the step runs on torch's
   kernels. Other caches (a DynamicCache, a cache in the middle of paging) keep the per-part graphs.
 - Batch size 1. The graphs hold a few MB of activations; they are made at the first step.
-- ``cpu``: the CPU's eager step for int4 models (``cpu_step.CpuStep``), or None. Setting it to None runs the
-  eager per-part layers instead (the same logits; benchmarks/cpu_time.py compares the two); ``step_graphs``: the
+- ``cpu``: the CPU's kernels for int4 models (``step_ops.CpuOps``), or None. Setting it to None runs the step on
+  torch's kernels instead (the same logits; benchmarks/cpu_time.py compares the two); ``step_graphs``: the
   one-graph steps recorded, read-only outside this class (``Engine.step_graphs`` counts them).
 """
 
@@ -39,8 +43,8 @@ from ..kv import step_kernels
 from ..kv.cache import TieredCache
 from ..kv.sparse_step import SparseKV
 from ..kv.static import StaticKV
-from . import cpu_step
 from .host_embedding import HostEmbedding
+from .step_ops import RMS_NORMS, CpuOps, KernelOps, TorchOps, rms_norm
 
 log = logging.getLogger("flashguard")
 
@@ -65,8 +69,6 @@ class DecodeStep:
         self.host_embed = isinstance(self.embed, HostEmbedding) and not self.embed.zero_copy
         self.use_graphs = self.device.type == "cuda" if graphs is None else graphs
         self.whole_step = self.use_graphs if whole_step is None else whole_step
-        half = self.head_dim // 2   # rotate_half(x) = roll(x, D/2) * sign: the sign goes into sin once a step
-        self.sign = torch.cat([-torch.ones(half), torch.ones(half)]).to(self.device, self.dtype)
         n = len(self.layers)
         hq = model.config.num_attention_heads
         self.token = torch.zeros((1, 1), dtype=torch.long, device=self.device)
@@ -87,7 +89,8 @@ class DecodeStep:
         # int4 q/k/v and gate/up as one kernel call each: on the CPU, where each call costs host time, and in the
         # step kernels' one-graph step, where each launch costs GPU time
         self.fused = [_fuse(layer) for layer in self.layers] if self.kernels or not self.use_graphs else [None] * n
-        self.cpu = cpu_step.CpuStep.make(self)   # the CPU's eager step for int4 models (cpu_step.py), else None
+        self.torch_ops, self.kernel_ops = TorchOps(self), KernelOps(self)
+        self.cpu = CpuOps.make(self)   # the CPU's kernels for int4 models (step_ops.py), else None
 
     @torch.inference_mode()
     def warm_up(self, page_size: int | None = None, pages: int = 0, int8: bool = False) -> None:
@@ -152,41 +155,47 @@ class DecodeStep:
         return all(hasattr(layer.self_attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")) and not \
             hasattr(layer.self_attn, "q_norm")
 
-    # ---- the parts between attention calls (a "segment" is a span of K/V in kv/attention.py) ----
+    # ---- the layer, once: ``ops`` (step_ops.py) are the device's kernels ---------------------
+    def _before(self, ops, i: int, h: torch.Tensor, rot) -> tuple:
+        """Layer ``i`` up to its attention: this token's (q, k, v), rotated where ``ops`` rotates them."""
+        layer, fused = self.layers[i], self.fused[i]
+        if fused is not None:
+            q, k, v = ops.linear(fused[0], h, norm=layer.input_layernorm).split(fused[1], dim=-1)
+        else:
+            attn, x = layer.self_attn, ops.norm(layer.input_layernorm, h)
+            q, k, v = ops.linear(attn.q_proj, x), ops.linear(attn.k_proj, x), ops.linear(attn.v_proj, x)
+        return ops.rope(q, k, v, rot)
+
+    def _after(self, ops, i: int, h: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """Layer ``i`` from its attention's output ``out``: o_proj and the residual, the MLP and the residual."""
+        layer, fused = self.layers[i], self.fused[i]
+        h = ops.linear(layer.self_attn.o_proj, out, residual=h)
+        if fused is None:
+            return h + layer.mlp(ops.norm(layer.post_attention_layernorm, h))
+        gate_up = ops.linear(fused[2], h, norm=layer.post_attention_layernorm)
+        return ops.linear(layer.mlp.down_proj, gate_up, residual=h, act=layer.mlp.act_fn)
+
+    def _run(self, ops, attend) -> torch.Tensor:
+        """The whole step eagerly: ``attend(i, q, k, v, rot) -> out`` between the halves of each layer."""
+        h, rot = ops.start()
+        for i in range(len(self.layers)):
+            q, k, v = self._before(ops, i, h, rot)
+            h = self._after(ops, i, h, attend(i, q, k, v, rot))
+        return ops.finish(h)
+
     def _between(self, i: int, inputs: tuple) -> tuple:
-        """Work between attention ``i - 1`` and attention ``i``. Part 0 embeds the token and computes the
-        rotary angles; the last one (``i == layers``) ends with the final norm and ``lm_head``."""
+        """The per-part graphs' part ``i`` (torch's kernels): the work between attention ``i - 1`` and attention
+        ``i``, ``(h, rot, q, k, v)``; part 0 embeds the token, the last one ends with the logits ``(logits,)``.
+        The same calls as ``_run(self.torch_ops, ...)``."""
+        ops = self.torch_ops
         if i == 0:
-            h = self.embedded.clone() if self.host_embed else self.embed(self.token)
-            cos, sin = self.rotary(h, self.position)
-            cos, sin = cos.unsqueeze(1), (sin * self.sign).unsqueeze(1)   # [1, 1, 1, D]
+            h, rot = ops.start()
         else:
-            h, cos, sin = inputs
-            prev = self.layers[i - 1]
-            h = h + prev.self_attn.o_proj(self.attn_out[i - 1])
-            x = _rms_norm(prev.post_attention_layernorm, h)
-            fused = self.fused[i - 1]
-            if fused is None:
-                h = h + prev.mlp(x)
-            else:
-                gate, up = fused[2](x).chunk(2, dim=-1)
-                h = h + prev.mlp.down_proj(prev.mlp.act_fn(gate) * up)
+            h, rot = inputs
+            h = self._after(ops, i - 1, h, self.attn_out[i - 1])
         if i == len(self.layers):
-            return (self.lm_head(_rms_norm(self.norm, h))[0, -1],)
-        attn = self.layers[i].self_attn
-        x = _rms_norm(self.layers[i].input_layernorm, h)
-        if self.fused[i] is None:
-            q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
-        else:
-            q, k, v = self.fused[i][0](x).split(self.fused[i][1], dim=-1)
-        q = q.view(1, 1, -1, self.head_dim).transpose(1, 2)
-        k = k.view(1, 1, -1, self.head_dim).transpose(1, 2)
-        v = v.view(1, 1, -1, self.head_dim).transpose(1, 2)
-        # Rotary embedding of q and k in one pass (4 kernels instead of transformers' 10): x*cos + rotate_half(x)*sin
-        qk = torch.cat([q, k], 1)
-        qk = torch.addcmul(qk * cos, qk.roll(self.head_dim // 2, -1), sin)
-        q, k = qk[:, :q.shape[1]], qk[:, q.shape[1]:]
-        return h, cos, sin, q, k, v
+            return (ops.finish(h),)
+        return (h, rot, *self._before(ops, i, h, rot))
 
     def _attend(self, i: int, cache, q, k, v) -> None:
         tiered = isinstance(cache, TieredCache)
@@ -234,39 +243,10 @@ class DecodeStep:
             step_kernels.available(self.device)
 
     def _kernel_layers(self, kv) -> torch.Tensor:
-        """The whole step over ``kv`` (a StaticKV or SparseKV) with ``step_kernels``: per layer qkv (norm folded
-        in), rotary + pool write, attention (two launches), o_proj (+ residual), gate_up (norm folded in), down
-        (gating in, + residual); the same result as ``_layers(self._attend_static, kv)`` to rounding."""
-        h = (self.embedded.clone() if self.host_embed else self.embed(self.token)).view(1, -1)
-        cos, sin = self.rotary(h.view(1, 1, -1), self.position)
-        cos, sin = cos.reshape(-1), sin.reshape(-1)
-        self.used = (self.position[0] + 1).to(torch.int32)
-        sparse = isinstance(kv, SparseKV)
-        for i, layer in enumerate(self.layers):
-            attn, mlp, fused = layer.self_attn, layer.mlp, self.fused[i]
-            if fused is not None:
-                q, k, v = _linear(fused[0], h, norm=layer.input_layernorm).view(-1).split(fused[1])
-            else:
-                x = _rms_norm(layer.input_layernorm, h)
-                q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
-            if sparse:   # the new token goes to L1 at the sparse state's position
-                keys, values = kv.cache.layers[i].l1_k, kv.cache.layers[i].l1_v
-                pos, ks, vs = kv.cache.sparse_state.l1_pos, None, None
-            else:
-                keys, values, pos = kv.keys[i], kv.values[i], self.position[0]
-                ks, vs = (None, None) if kv.scales is None else (kv.scales[0][i], kv.scales[1][i])
-            q = step_kernels.rope_write(q, k, v, cos, sin, pos, keys, values, ks, vs)
-            if sparse:
-                out = kv.attend(i, q, None, None, self.scaling)
-            else:
-                out = step_kernels.decode_attention(q, keys, values, self.used, self.scaling, ks, vs)
-            h = _linear(attn.o_proj, out.view(1, -1), residual=h)
-            if fused is not None:
-                h = _linear(mlp.down_proj, _linear(fused[2], h, norm=layer.post_attention_layernorm), residual=h,
-                            gated=True)
-            else:
-                h = h + mlp(_rms_norm(layer.post_attention_layernorm, h))
-        return self.lm_head(_rms_norm(self.norm, h.view(1, 1, -1)))[0, -1]
+        """The whole step over ``kv`` (a StaticKV or SparseKV) on ``step_kernels`` (``KernelOps``): per layer qkv
+        (norm folded in), rotary + pool write, attention (two launches), o_proj (+ residual), gate_up (norm folded
+        in), down (gating in, + residual); the same result as ``_layers(self._attend_static, kv)`` to rounding."""
+        return self._run(self.kernel_ops, functools.partial(self.kernel_ops.attend, kv))
 
     def _static_layers(self, kv) -> torch.Tensor:
         """The whole step over ``kv``: the step kernels where they run (an int8 pool: where its head size splits
@@ -288,13 +268,13 @@ class DecodeStep:
         return True
 
     def _layers(self, attend, cache) -> torch.Tensor:
-        """Every part with ``attend(i, cache, q, k, v)`` between them: the eager step, or (with
-        ``_attend_static``) the one-graph step's kernels."""
-        out = self._between(0, ())
-        for i in range(len(self.layers)):
-            attend(i, cache, *out[3:])
-            out = self._between(i + 1, out[:3])
-        return out[0]
+        """The step on torch's kernels with ``attend(i, cache, q, k, v)`` (which fills ``attn_out[i]``): the eager
+        step, or (with ``_attend_static``) the one-graph step without the step kernels."""
+        def attend_into(i, q, k, v, rot):
+            attend(i, cache, q, k, v)
+            return self.attn_out[i]
+
+        return self._run(self.torch_ops, attend_into)
 
     # ---- running -------------------------------------------------------------------------
     @torch.inference_mode()
@@ -323,12 +303,17 @@ class DecodeStep:
             return logits
         if self.use_graphs and self.graphs is None:
             self._capture()
+        if self.graphs is None and self.cpu is not None:   # the CPU's kernels
+            self.cpu.begin(cache)
+            logits = self._run(self.cpu, self.cpu.attend)
+            self.cpu.end()
+            return logits
         if self.graphs is None:  # eager: the same parts
-            return self.cpu.run(cache) if self.cpu is not None else self._layers(self._attend, cache)
+            return self._layers(self._attend, cache)
         n = len(self.layers)
         for i in range(n):
             self.graphs[i].replay()
-            self._attend(i, cache, *self.outputs[i][3:])
+            self._attend(i, cache, *self.outputs[i][2:])
         self.graphs[n].replay()
         return self.outputs[n][0].clone()  # the graph's own output changes at the next replay
 
@@ -417,7 +402,7 @@ class DecodeStep:
         def warm_up():
             out = self._between(0, ())
             for i in range(1, len(self.layers) + 1):
-                out = self._between(i, out[:3])
+                out = self._between(i, out[:2])
 
         def record():
             pool = torch.cuda.graph_pool_handle()
@@ -428,7 +413,7 @@ class DecodeStep:
                     out = self._between(i, prev)
                 graphs.append(g)
                 outputs.append(out)
-                prev = out[:3]
+                prev = out[:2]
             return graphs, outputs
 
         self.graphs, self.outputs = self._record(warm_up, record) or (None, None)
@@ -457,44 +442,19 @@ def _kernels_take(model, head_dim: int) -> bool:
     """``step_kernels`` compute this model's layers: RMSNorms, a SiLU-gated MLP, a head size the kernels take."""
     layer = model.model.layers[0]
     return step_kernels.supported(head_dim) and getattr(model.config, "hidden_act", None) == "silu" and \
-        all(type(m).__name__ in cpu_step.RMS_NORMS for m in (layer.input_layernorm, layer.post_attention_layernorm))
-
-
-def _linear(module, x: torch.Tensor, residual: torch.Tensor | None = None, norm=None,
-            gated: bool = False) -> torch.Tensor:
-    """``residual + module(f(x))`` for one token, f = the RMSNorm ``norm`` and / or silu gating (x = [gate, up]):
-    one launch for a Triton-backend Int4Linear (``Int4Linear.fused_gemv``), torch ops for any other module."""
-    from ..quant.int4_linear import Int4Linear
-
-    if isinstance(module, Int4Linear) and module.backend == "triton":
-        return module.fused_gemv(x, residual, None if norm is None else (norm.weight, norm.variance_epsilon), gated)
-    if norm is not None:
-        x = _rms_norm(norm, x)
-    if gated:
-        gate, up = x.chunk(2, dim=-1)
-        x = torch.nn.functional.silu(gate) * up
-    out = module(x)
-    return out if residual is None else residual + out
-
-
-def _rms_norm(module, x: torch.Tensor) -> torch.Tensor:
-    """``module(x)`` for the RMSNorms of Llama / Qwen2 as one ``F.rms_norm`` call (one fused kernel on a GPU, where
-    transformers' module launches eight); any other norm module runs as it is."""
-    if type(module).__name__ in cpu_step.RMS_NORMS:
-        return torch.nn.functional.rms_norm(x, module.weight.shape, module.weight, module.variance_epsilon)
-    return module(x)
+        all(type(m).__name__ in RMS_NORMS for m in (layer.input_layernorm, layer.post_attention_layernorm))
 
 
 def fuse_norms(model) -> int:
-    """Every Llama / Qwen2 RMSNorm of ``model`` runs as ``_rms_norm`` (one fused kernel on a GPU) in the model's own
+    """Every Llama / Qwen2 RMSNorm of ``model`` runs as ``step_ops.rms_norm`` (one fused kernel on a GPU) in the model's own
     forward too, so a prompt's chunks launch what the decode step launches: transformers' module launches eight
     kernels, 57 times a chunk for the 28-layer 1.5B shape, a quarter of a 2048-token chunk's launches on the H200
     (where a chunk's host time is about its GPU time). The modules are changed in place (a model the caller passed
     to the engine too). Returns how many modules were changed."""
     n = 0
     for module in model.modules():
-        if type(module).__name__ in cpu_step.RMS_NORMS and "forward" not in vars(module):
-            module.forward = functools.partial(_rms_norm, module)
+        if type(module).__name__ in RMS_NORMS and "forward" not in vars(module):
+            module.forward = functools.partial(rms_norm, module)
             n += 1
     return n
 

@@ -38,7 +38,7 @@ def test_the_fused_int4_decode_step_is_the_models_forward(tmp_path, arch):
     model = gguf_load.load_int4(str(tmp_path / "tiny.gguf"), config, torch.device("cpu"), torch.float32, "cpu")
     step = DecodeStep(model)
     assert all(f is not None for f in step.fused)
-    assert step.cpu is not None   # the CPU's own step (engine/cpu_step.py) runs it
+    assert step.cpu is not None   # the CPU's kernels (step_ops.CpuOps) run it
     q_proj = model.model.layers[0].self_attn.q_proj
     assert q_proj.packed.data_ptr() == step.fused[0][0].packed.data_ptr()   # a view, not a copy
     assert DecodeStep(model).fused[0] is step.fused[0]
@@ -55,7 +55,7 @@ def test_the_fused_int4_decode_step_is_the_models_forward(tmp_path, arch):
 
 
 def test_the_cpu_step_over_a_tiered_cache_is_the_models_forward(tmp_path):
-    """``CpuStep`` writes a resident TieredCache's L1 itself and attends the keys in use (``static_view`` /
+    """``CpuOps`` writes a resident TieredCache's L1 itself and attends the keys in use (``static_view`` /
     ``advance``), and goes through the cache's own update and attention once pages leave the window: the logits
     are the model's forward's all along, and the cache stays whole."""
     from transformers import AutoConfig, DynamicCache
