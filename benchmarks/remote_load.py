@@ -102,6 +102,15 @@ def wait_http(url: str, proc: subprocess.Popen, log: Path, what: str, seconds: f
     raise RuntimeError(f"{what} did not answer {url} in {seconds:g} s: {log.read_text(errors='replace')[-2500:]}")
 
 
+def stop_process(proc: subprocess.Popen, seconds: float = 20) -> None:
+    """Ask a server child process to end (SIGTERM; on Windows TerminateProcess), then kill it after ``seconds``."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=seconds)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
 class LlamaServer:
     """A llama-server child process on 127.0.0.1 (see the module docstring for its flags)."""
 
@@ -388,11 +397,7 @@ class Serve:
         return self
 
     def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
+        stop_process(self.proc)
 
 
 def _rail_seconds(stats: dict) -> tuple[float, float]:

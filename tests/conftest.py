@@ -128,11 +128,9 @@ class Server:
         return self.log_path.read_text()
 
     def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
+        from benchmarks.remote_load import stop_process
+
+        stop_process(self.proc)
         self._log.close()
 
 
