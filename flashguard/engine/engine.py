@@ -221,10 +221,6 @@ class Engine:
         return self.budget.prefill_chunk
 
     @property
-    def plan(self):
-        return self.budget.plan
-
-    @property
     def vram_budget(self) -> int | None:
         return self.budget.vram_budget
 
@@ -245,10 +241,6 @@ class Engine:
     @property
     def lm_head_reason(self) -> str:
         return self.weights_placement.lm_head_reason
-
-    @property
-    def streamed(self) -> int:
-        return self.weights_placement.streamed
 
     @property
     def layer_stream(self):
