@@ -58,7 +58,7 @@ def main(argv=None) -> int:
                         "SmolLM2-135M-Instruct.Q4_1.gguf")
     story = engine.encode_messages([{"role": "user", "content": PROMPT}])
     step = engine.decode_step   # its ``cpu``: the CpuOps, or None for torch's kernels
-    cpu_step = step.cpu if step is not None else None
+    cpu_ops = step.cpu if step is not None else None
 
     def ours(n: int) -> float:
         engine.reset_session(keep_pages=False)   # nothing of an earlier round may be adopted
@@ -71,7 +71,7 @@ def main(argv=None) -> int:
         return (time.thread_time() - t0) / steps * 1e3
 
     ours(args.decode)   # warm-up: a first run is slower (allocations, caches)
-    rows = {"flashguard int4 (CpuOps)": cpu_step}
+    rows = {"flashguard int4 (CpuOps)": cpu_ops}
     if args.before:
         rows["flashguard int4, torch's kernels (TorchOps)"] = None
     got: dict = {name: [] for name in rows}
@@ -87,7 +87,7 @@ def main(argv=None) -> int:
         print(f"round {r}: load {os.getloadavg()[0]:.1f}, " + ", ".join(f"{k} {v[-1]:.2f}" for k, v in got.items()),
               flush=True)
     if step is not None:
-        step.cpu = cpu_step
+        step.cpu = cpu_ops
     ref = statistics.median(got["llama.cpp (llama-bench tg)"]) if args.llama_bench else None
     print("\n| one thread | CPU ms a token (median) | best | 1000 / median | / llama.cpp |\n|---|---|---|---|---|")
     for name, runs in got.items():

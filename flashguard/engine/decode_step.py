@@ -238,8 +238,11 @@ class DecodeStep:
     @functools.cached_property
     def split_kernel(self) -> bool:
         """An int8 pool attended outside the step kernels (a model they do not compute, an int8 head they do not
-        rotate) still reads its codes with their split-K attention, on a GPU where it passes its self-check."""
-        return self.device.type == "cuda" and step_kernels.supported(self.head_dim) and \
+        rotate) still reads its codes with their split-K attention, on a GPU where it passes its self-check, for a
+        16-bit model (fp32 dots would run in tf32). A failure of it is raised, as for any kernel the step kernels
+        did not launch (``kernels_failed``)."""
+        return self.device.type == "cuda" and self.dtype in (torch.float16, torch.bfloat16) and \
+            step_kernels.supported(self.head_dim) and \
             step_kernels.available(self.device)
 
     def _kernel_layers(self, kv) -> torch.Tensor:
@@ -260,11 +263,11 @@ class DecodeStep:
         """A step kernel that does not build or run on this GPU (a Triton compilation or launch error): torch's
         kernels from now on, said once. True when that is what happened (the caller runs the step again); False
         for an error the step kernels did not cause (they were off)."""
-        if not self.kernels and not self.split_kernel:
+        if not self.kernels:
             return False
         log.warning("flashguard: the decode step's Triton kernels failed here (%s: %s); decoding on torch's "
                     "kernels instead", type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
-        self.kernels = self.split_kernel = False
+        self.kernels = False
         return True
 
     def _layers(self, attend, cache) -> torch.Tensor:
@@ -303,10 +306,11 @@ class DecodeStep:
             return logits
         if self.use_graphs and self.graphs is None:
             self._capture()
-        if self.graphs is None and self.cpu is not None:   # the CPU's kernels
-            self.cpu.begin(cache)
-            logits = self._run(self.cpu, self.cpu.attend)
-            self.cpu.end()
+        if self.graphs is None and self.cpu is not None:   # the CPU's int4 calls
+            view = self.cpu.resident(cache)
+            logits = self._run(self.cpu, functools.partial(self.cpu.attend, cache, view))
+            if view is not None:
+                cache.advance(1)
             return logits
         if self.graphs is None:  # eager: the same parts
             return self._layers(self._attend, cache)
@@ -446,11 +450,11 @@ def _kernels_take(model, head_dim: int) -> bool:
 
 
 def fuse_norms(model) -> int:
-    """Every Llama / Qwen2 RMSNorm of ``model`` runs as ``step_ops.rms_norm`` (one fused kernel on a GPU) in the model's own
-    forward too, so a prompt's chunks launch what the decode step launches: transformers' module launches eight
-    kernels, 57 times a chunk for the 28-layer 1.5B shape, a quarter of a 2048-token chunk's launches on the H200
-    (where a chunk's host time is about its GPU time). The modules are changed in place (a model the caller passed
-    to the engine too). Returns how many modules were changed."""
+    """Every Llama / Qwen2 RMSNorm of ``model`` runs as ``step_ops.rms_norm`` (one fused kernel on a GPU) in the
+    model's own forward too, so a prompt's chunks launch what the decode step launches: transformers' module
+    launches eight kernels, 57 times a chunk for the 28-layer 1.5B shape, a quarter of a 2048-token chunk's launches
+    on the H200 (where a chunk's host time is about its GPU time). The modules are changed in place (a model the
+    caller passed to the engine too). Returns how many modules were changed."""
     n = 0
     for module in model.modules():
         if type(module).__name__ in RMS_NORMS and "forward" not in vars(module):

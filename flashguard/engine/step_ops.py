@@ -9,16 +9,19 @@ the pool write (``kv/step_kernels.py``). On a CPU an int4 step is bound by the h
 fewest PyTorch calls a layer (SmolLM2-135M's 30 layers ran ~60 aten calls each through the model's modules, ~7 ms
 of a 16 ms step on 2 cores, docs/benchmarks/cpu_decode.md).
 
-Each set has the same methods:
+Each set has the same five methods:
 - ``start() -> (h, rot)``: this token's embedding (``step.token`` at ``step.position``) and its rotary angles in the
-  form the set's ``rope`` takes;
+  form the set's ``rope`` takes (``KernelOps`` also sets ``step.used``, the key count its attention reads);
 - ``norm(module, h)``: an RMSNorm (or any norm module);
 - ``linear(module, x, residual=None, norm=None, act=None) -> residual + module(f(x))``, ``f`` the RMSNorm ``norm``
   and / or the MLP's gating ``act(gate) * up`` (x = [gate, up]);
 - ``rope(q, k, v, rot) -> (q, k, v)`` in the layout the set's attention takes (``KernelOps``: unchanged, its
   ``rope_write`` rotates as it writes the pool);
 - ``finish(h) -> logits [vocab]``: the final norm and the lm_head.
-The attention itself is the caller's ``attend(i, q, k, v, rot) -> out``: the cache decides it (``DecodeStep``).
+The attention is ``attend(i, q, k, v, rot) -> out`` given to ``DecodeStep._run`` beside the set: it depends on what
+the step runs over, so it is bound to it by the caller (``KernelOps.attend(kv, ...)`` over a StaticKV or SparseKV,
+``CpuOps.attend(cache, view, ...)``; torch's kernels use ``DecodeStep._attend`` / ``_attend_static``). No set keeps
+state between steps but preallocated buffers.
 
 - ``TorchOps``: the model's modules, ``F.rms_norm`` for its RMSNorms (one kernel on a GPU where transformers'
   module launches eight), rotary in one pass over q and k; shapes ``[1, 1, H]``.
@@ -155,8 +158,8 @@ class CpuOps:
     mm = torch.ops.aten._weight_int4pack_mm_for_cpu.default
     norm = staticmethod(rms_norm)
 
-    def __init__(self, step, kernels: dict, norms: dict):
-        self.step, self.kernels, self.norms = step, kernels, norms
+    def __init__(self, step, int4: dict, norms: dict):
+        self.step, self.int4, self.norms = step, int4, norms
         self.final_norm = _norm(step.norm)
         self.buffers: dict = {}   # bf16 inputs of the int4 kernels (RMSNorm's output, the MLP's activation)
         self.zero = torch.zeros(())
@@ -164,27 +167,26 @@ class CpuOps:
         self.rotate_half = torch.zeros(d, d)   # x @ rotate_half = cat(-x[half:], x[:half])
         self.rotate_half[torch.arange(half, d), torch.arange(half)] = -1
         self.rotate_half[torch.arange(half), torch.arange(half, d)] = 1
-        self.cache = self.view = None
 
     @classmethod
     def make(cls, step) -> "CpuOps | None":
         if step.use_graphs or step.host_embed or step.device.type != "cpu" or step.dtype != torch.float32 or \
                 type(step.norm).__name__ not in RMS_NORMS:
             return None
-        kernels, norms = {}, {}
+        int4, norms = {}, {}   # id(module) -> its int4 call's arguments / its RMSNorm's (weight * sqrt(H), eps H)
         for layer, fused in zip(step.layers, step.fused):
             attn, mlp = layer.self_attn, layer.mlp
             if fused is None or fused[0].backend != "cpu" or type(mlp.act_fn).__name__ not in _SILUS:
                 return None
             for module in (fused[0], attn.o_proj, fused[2], mlp.down_proj):
-                kernels[id(module)] = _kernel(module)
-                if kernels[id(module)] is None:
+                int4[id(module)] = _int4_args(module)
+                if int4[id(module)] is None:
                     return None
             for n in (layer.input_layernorm, layer.post_attention_layernorm):
                 if type(n).__name__ not in RMS_NORMS:
                     return None
                 norms[id(n)] = _norm(n)
-        return cls(step, kernels, norms)
+        return cls(step, int4, norms)
 
     def _buffer(self, name: str, n: int) -> torch.Tensor:
         buf = self.buffers.get(name)
@@ -202,7 +204,7 @@ class CpuOps:
 
     def linear(self, module, x: torch.Tensor, residual: torch.Tensor | None = None, norm=None,
                act=None) -> torch.Tensor:
-        packed, group, scale_zeros, bias, pair = self.kernels[id(module)]
+        packed, group, scale_zeros, bias, pair = self.int4[id(module)]
         if norm is not None:
             x = self._rms(x, self.norms[id(norm)], self._buffer("x", x.shape[1]))
         if act is not None:
@@ -215,16 +217,13 @@ class CpuOps:
             out = torch.add(bias, out)   # as Int4Linear: the bias in the model's dtype
         return out.to(torch.float32) if residual is None else residual + out
 
-    def begin(self, cache) -> None:
-        """Before a step over ``cache``: a resident TieredCache's L1 is written and attended here."""
+    @staticmethod
+    def resident(cache):
+        """``cache``'s L1 as a StaticKV when every token is there in 16 bits (``static_view``): ``attend`` writes and
+        attends it itself, and the caller advances the cache after the step; else None (the cache's own update and
+        attention; an int8 pool too)."""
         view = cache.static_view() if isinstance(cache, TieredCache) else None
-        self.cache = cache
-        self.view = None if view is not None and view.scales is not None else view   # an int8 pool: its own
-
-    def end(self) -> None:
-        if self.view is not None:
-            self.cache.advance(1)
-        self.cache = self.view = None
+        return None if view is not None and view.scales is not None else view
 
     def start(self) -> tuple:
         s = self.step
@@ -235,13 +234,19 @@ class CpuOps:
         return h, torch.diag_embed(cos.view(d)).addcmul_(self.rotate_half, sin.view(1, d))
 
     def rope(self, q, k, v, rot) -> tuple:
+        """[heads, D] each; q and k side by side in one output (the fused q/k/v's): rotated by one matmul."""
         d = self.step.head_dim
-        return torch.mm(q.view(-1, d), rot), torch.mm(k.view(-1, d), rot), v      # [heads, D]
+        if q.untyped_storage().data_ptr() == k.untyped_storage().data_ptr() and q.is_contiguous() and \
+                k.data_ptr() == q.data_ptr() + q.numel() * q.element_size():
+            qk = torch.mm(torch.as_strided(q, ((q.numel() + k.numel()) // d, d), (d, 1)), rot)
+            return qk[:q.numel() // d], qk[q.numel() // d:], v
+        return torch.mm(q.view(-1, d), rot), torch.mm(k.view(-1, d), rot), v
 
-    def attend(self, i: int, q, k, v, rot) -> torch.Tensor:
-        s, view, d = self.step, self.view, self.step.head_dim
+    def attend(self, cache, view, i: int, q, k, v, rot) -> torch.Tensor:
+        """Layer ``i``'s attention over ``cache``; ``view``: its ``resident`` StaticKV, or None."""
+        s, d = self.step, self.step.head_dim
         if view is None:
-            s._attend(i, self.cache, q.view(1, -1, 1, d), k.view(1, -1, 1, d), v.view(1, -1, 1, d))
+            s._attend(i, cache, q.view(1, -1, 1, d), k.view(1, -1, 1, d), v.view(1, -1, 1, d))
             return s.attn_out[i].view(1, -1)
         pos = view.length   # resident: this token's k, v into L1, attention over the keys in use
         keys, values = view.keys[i], view.values[i]                      # [kvh, capacity, D]
@@ -263,7 +268,7 @@ def _norm(module) -> tuple:
     return module.weight.float() * math.sqrt(h), module.variance_epsilon * h
 
 
-def _kernel(layer) -> tuple | None:
+def _int4_args(layer) -> tuple | None:
     """``(packed, group size, scales and zeros, bias, pair)`` of an Int4Linear on the ``cpu`` backend, or of an
     Int4PairLinear around one (a GGUF's Q8_0 matrix as two int4 halves over ``[x, x]``); else None."""
     from ..quant.gguf_int4 import Int4PairLinear

@@ -14,7 +14,8 @@ Contract:
 - ``bound(q [kvh, rows, D], bounds [kvh, 2D, cols]) -> [kvh, cols]`` fp32: each KV head's highest bound over its
   rows (a KV head's query heads, and for a short chunk every query of it).
 - ``select(bound [kvh, cols], budget, extra=0) -> [kvh * budget + extra]``: page indices (columns of ``bound``),
-  the selection first, then ``extra`` pages ranked just after it. Masked columns (-inf) are picked last.
+  the selection first, then ``extra`` pages ranked just after it. Masked columns (-inf) are picked last; each
+  head needs ``budget`` unmasked columns (the callers select only when there are more than ``kvh * budget``).
 """
 
 from __future__ import annotations

@@ -258,6 +258,39 @@ def test_static_kv_one_graph_step_matches_the_models_forward():
     torch.testing.assert_close(torch.stack(ours), torch.stack(theirs), atol=2e-2, rtol=2e-2)
 
 
+def test_an_int8_pool_without_the_step_kernels_reads_its_codes_with_the_split_kernel():
+    """Step kernels off (``kernels=False``: a model they do not compute): the one-graph step over an int8 StaticKV
+    attends the codes with step_kernels' split-K attention (``DecodeStep.split_kernel``), recorded as a graph, and
+    predicts what the model's forward over the 16-bit cache predicts, to int8 rounding."""
+    from transformers import DynamicCache
+
+    from flashguard.engine.decode_step import DecodeStep, StaticKV
+    from flashguard.kv import int8_pool
+
+    cfg, model = small_qwen2(4)
+    ids = torch.randint(0, 1000, (1, 700), device="cuda", generator=torch.Generator("cuda").manual_seed(2))
+    cache = DynamicCache(config=cfg)
+    with torch.inference_mode():
+        token = int(model(input_ids=ids, past_key_values=cache).logits[0, -1].argmax())
+    pool = StaticKV.from_cache(cache, 768)
+    codes = [int8_pool.quantize(pool.keys[i]) for i in range(pool.keys.shape[0])]
+    vcodes = [int8_pool.quantize(pool.values[i]) for i in range(pool.values.shape[0])]
+    kv = StaticKV([c for c, _ in codes], [c for c, _ in vcodes], pool.length,
+                  scales=([s for _, s in codes], [s for _, s in vcodes]))
+    step = DecodeStep(model, kernels=False)
+    assert not step.kernels and step.split_kernel
+    ours, theirs = [], []
+    for _ in range(12):
+        ours.append(step.step(token, kv).float())
+        with torch.inference_mode():
+            theirs.append(model(input_ids=torch.tensor([[token]], device="cuda"), past_key_values=cache).logits[0, -1]
+                          .float())
+        token = int(theirs[-1].argmax())
+    assert step.step_graphs and kv.length == 712
+    ours, theirs = torch.stack(ours), torch.stack(theirs)
+    assert ((ours - theirs).abs().amax(1) <= 0.15 * theirs.std(1)).all()
+
+
 @pytest.mark.parametrize("kvh,g", [(2, 6), (4, 7)])
 def test_int8_pool_decode_kernel_reads_only_the_used_codes(kvh, g):
     """The Triton split-K kernel (step_kernels) over int8 codes + group scales = exact attention over the
