@@ -102,9 +102,13 @@ class RequestBounds:
         if not isinstance(body, dict):
             return "the request body must be a JSON object with a 'messages' list", None
         messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            return ("messages is empty; send at least one message, e.g. [{\"role\": \"user\", \"content\": \"hi\"}]",
-                    "messages")
+        example = 'e.g. [{"role": "user", "content": "hi"}]'
+        if messages is None:
+            return f"messages is missing; send a list of messages, {example}", "messages"
+        if not isinstance(messages, list):
+            return f"messages must be a list of messages, not {type(messages).__name__}; {example}", "messages"
+        if not messages:
+            return f"messages is empty; send at least one message, {example}", "messages"
         if len(messages) > self.limits.max_messages:
             return f"{len(messages)} messages is over the limit of {self.limits.max_messages}; send fewer", "messages"
         for i, m in enumerate(messages):

@@ -49,7 +49,8 @@ def test_prompt_longer_than_context_is_a_4xx(server):
 
 @pytest.mark.parametrize("body,needle", [
     ({"model": "flashguard", "messages": []}, "messages is empty"),
-    ({"model": "flashguard"}, "messages is empty"),
+    ({"model": "flashguard"}, "messages is missing"),
+    ({"model": "flashguard", "messages": "hi"}, "messages must be a list of messages, not str"),
     ({"model": "flashguard", "messages": [{"content": "hi"}]}, "messages[0]"),
     ({"model": "flashguard", "messages": Q["messages"], "max_tokens": -3}, "max_tokens"),
 ])
