@@ -8,7 +8,10 @@ user-defined, 5 = unused padding), the merges, the special ids, the pre-tokenize
 Contract: ``read_header(path)`` returns ``{key: value}`` (token arrays as lists) without reading tensor data;
 ``tokenizer_from_header(header)`` returns a ``PreTrainedTokenizerFast`` whose ids equal the GGUF's for every token,
 for the GPT-2 style BPE vocabularies of the Qwen2 family (``tokenizer.ggml.pre`` in ``QWEN2_PRES``);
-``config_from_header(header)`` returns the transformers ``Qwen2Config`` of a ``qwen2`` GGUF.
+``config_from_header(header)`` returns the transformers ``Qwen2Config`` of a ``qwen2`` GGUF; ``llama_config(meta,
+tensor_names)`` the ``LlamaConfig`` of a plain ``llama`` GGUF from its numbers alone (``gguf_load.read_gguf``:
+milliseconds, where transformers' own reading parses the token lists too, ~3 s for the embedded model), or None
+where the file holds something it does not cover (rope scaling, an expert count), which transformers then reads.
 """
 
 from __future__ import annotations
@@ -94,3 +97,32 @@ def config_from_header(header: dict):
         rms_norm_eps=float(header[p + "attention.layer_norm_rms_epsilon"]),
         rope_theta=float(header[p + "rope.freq_base"]), tie_word_embeddings=False,
         bos_token_id=int(header["tokenizer.ggml.bos_token_id"]), eos_token_id=int(header["tokenizer.ggml.eos_token_id"]))
+
+
+def llama_config(meta: dict, tensor_names):
+    from transformers import LlamaConfig
+
+    p = "llama."
+    covered = {"block_count", "context_length", "embedding_length", "feed_forward_length", "attention.head_count",
+               "attention.head_count_kv", "rope.freq_base", "attention.layer_norm_rms_epsilon", "vocab_size",
+               "rope.dimension_count"}
+    if meta.get("general.architecture") != "llama" or \
+            any(k.startswith(p) and k[len(p):] not in covered for k in meta) or p + "vocab_size" not in meta:
+        return None
+    heads = int(meta[p + "attention.head_count"])
+    hidden = int(meta[p + "embedding_length"])
+    head_dim = int(meta.get(p + "rope.dimension_count", hidden // heads))
+    if head_dim != hidden // heads:
+        return None
+    ids = {k: int(meta[f"tokenizer.ggml.{k}_token_id"]) for k in ("bos", "eos", "padding", "unknown")
+           if f"tokenizer.ggml.{k}_token_id" in meta}
+    return LlamaConfig(
+        vocab_size=int(meta[p + "vocab_size"]), hidden_size=hidden,
+        intermediate_size=int(meta[p + "feed_forward_length"]), num_hidden_layers=int(meta[p + "block_count"]), num_attention_heads=heads,
+        num_key_value_heads=int(meta.get(p + "attention.head_count_kv", heads)),
+        max_position_embeddings=int(meta[p + "context_length"]),
+        rms_norm_eps=float(meta[p + "attention.layer_norm_rms_epsilon"]),
+        rope_theta=float(meta.get(p + "rope.freq_base", 10000.0)), head_dim=head_dim,
+        tie_word_embeddings="output.weight" not in set(tensor_names),
+        bos_token_id=ids.get("bos"), eos_token_id=ids.get("eos"), pad_token_id=ids.get("padding"),
+        unk_token_id=ids.get("unknown"))

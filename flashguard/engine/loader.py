@@ -244,12 +244,13 @@ def gguf_meta_folder(source: ModelSource) -> str:
 
     path = os.path.join(source.folder, source.gguf_file)
     try:
-        meta, _ = read_gguf(path)   # strings and numbers only: milliseconds, where a full header read takes seconds
+        meta, tensors = read_gguf(path)   # numbers and strings only: milliseconds, where a full header read takes s
         if meta.get("general.architecture") == "qwen2" and gguf_header.uses_qwen2_bpe(meta):
             header = gguf_header.read_header(path)
             config, tok = gguf_header.config_from_header(header), gguf_header.tokenizer_from_header(header)
         else:
-            config = AutoConfig.from_pretrained(source.folder, gguf_file=source.gguf_file)
+            config = gguf_header.llama_config(meta, (t.name for t in tensors)) or \
+                AutoConfig.from_pretrained(source.folder, gguf_file=source.gguf_file)
             tok = gguf_tokenizer(source)
     except (ValueError, OSError, KeyError, RuntimeError) as exc:
         raise ModelLoadError(f"cannot load {source.label}: {exc}", key="model_path") from exc

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import pytest
 
@@ -93,3 +94,20 @@ def test_incremental_text_is_the_decoded_text_token_by_token(tok):
         got = inc.add(t)
         assert decode(ids[:n]).startswith(got)
     assert inc.text == decode(ids)
+
+
+def test_the_embedded_llama_config_from_the_numbers_is_transformers_own():
+    """``llama_config`` builds the embedded SmolLM2's config from the header's numbers (no token lists read): the
+    same config as transformers' reading of the whole header; keys it does not cover send the file to transformers."""
+    from transformers import AutoConfig
+
+    from flashguard.quant.gguf_load import read_gguf
+
+    source = loader.embedded_model_source()
+    meta, tensors = read_gguf(os.path.join(source.folder, source.gguf_file))
+    ours = gguf_header.llama_config(meta, (t.name for t in tensors)).to_dict()
+    theirs = AutoConfig.from_pretrained(source.folder, gguf_file=source.gguf_file).to_dict()
+    names = ("_name_or_path", "_model_name_or_path", "transformers_version")
+    assert {k: v for k, v in ours.items() if k not in names} == {k: v for k, v in theirs.items() if k not in names}
+    assert gguf_header.llama_config({**meta, "llama.rope.scaling.type": "linear"}, []) is None
+    assert gguf_header.llama_config({**meta, "general.architecture": "gemma3"}, []) is None
