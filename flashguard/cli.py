@@ -163,17 +163,24 @@ def cmd_chat(args) -> int:
             messages.pop()
 
 
+BLOCKED_EXIT = 3   # flashguard generate: a rail blocked the prompt or the reply (the refusal is printed)
+
+
 def cmd_generate(args) -> int:
     rails = load_rails(args.config)
     from .reasoning import split_answer
 
-    res = rails.generate(messages=[{"role": "user", "content": args.prompt}])
-    # NeMo 0.24 puts a reasoning model's trace in front of the content as <think>...</think>: the answer alone
-    reasoning, answer = split_answer(res["content"] if isinstance(res, dict) else res)
+    res = rails.generate(messages=[{"role": "user", "content": args.prompt}],
+                         options={"log": {"activated_rails": True}})
+    content = res.response[-1]["content"] if res.response else ""
+    # with options NeMo 0.24 hands a reasoning model's trace apart; a <think> block left in front goes too
+    reasoning, answer = split_answer(content)
+    reasoning = reasoning or getattr(res, "reasoning_content", None) or ""
     if reasoning and args.show_reasoning:
         print(DIM + reasoning + PLAIN, file=sys.stderr)
     print(answer)
-    return 0
+    stopped = [r for r in (res.log.activated_rails if res.log else []) if r.stop]
+    return BLOCKED_EXIT if any(r.type in ("input", "output") for r in stopped) else 0
 
 
 def cmd_serve(args) -> int:
@@ -415,7 +422,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", default=default_config_dir())
     p.add_argument("--show-reasoning", action="store_true", help="show a reasoning model's thinking, dimmed")
     p.set_defaults(func=cmd_chat)
-    p = sub.add_parser("generate", help="one guarded answer")
+    p = sub.add_parser("generate", help="one guarded answer (exit status 3 when a rail blocks it)")
     p.add_argument("prompt")
     p.add_argument("--show-reasoning", action="store_true", help="print a reasoning model's thinking (dimmed, stderr)")
     p.add_argument("--config", default=default_config_dir())

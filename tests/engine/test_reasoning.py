@@ -179,7 +179,7 @@ def test_nemo_gets_the_answer_and_the_rail_judges_the_answer_only(r1_folder, tmp
     judged = verdict["prefilled_tokens"] + verdict["reused_tokens"]
     assert judged == len(turn.prompt_ids) + len(answer) + suffix   # the answer, not the reasoning
     assert verdict["reused_tokens"] >= len(turn.prompt_ids) - 1
-    # NeMo's own shape without options: the trace inlined as <think>...</think>, which the CLI takes off
+    # NeMo's own shape without options: the trace inlined as <think>...</think>, which split_answer takes off
     inline = rails.generate(messages=msgs)["content"]
     assert split_answer(inline) == (REASONING, ANSWER)
 
