@@ -31,16 +31,12 @@ VARIANTS = {"torch": False, "step-kernels": True}
 
 def _static(cache, length: int, int8: bool):
     from flashguard.engine.decode_step import StaticKV
-    from flashguard.kv import int8_pool
 
     cap = max(4096, 1 << (length + 1).bit_length())
     kv = StaticKV.from_cache(cache, cap)
     if not int8:
         return kv
-    codes = [int8_pool.quantize(kv.keys[i]) for i in range(kv.keys.shape[0])]
-    vcodes = [int8_pool.quantize(kv.values[i]) for i in range(kv.values.shape[0])]
-    return StaticKV([c for c, _ in codes], [c for c, _ in vcodes], length,
-                    scales=([s for _, s in codes], [s for _, s in vcodes]))
+    return kv.quantized()
 
 
 def _profile(step, kv) -> tuple[int, float, list]:

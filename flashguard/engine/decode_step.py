@@ -121,9 +121,7 @@ class DecodeStep:
             self.embedded.zero_()
         self._kernel_layers(kv)
         if int8 and step_kernels.supported(self.head_dim, int8=True):
-            codes = [int8_pool.quantize(kv.keys[i]) for i in range(shape[0])]
-            self._kernel_layers(StaticKV([c for c, _ in codes], [c for c, _ in codes], 0,
-                                         scales=([s for _, s in codes], [s for _, s in codes])))
+            self._kernel_layers(kv.quantized())
         if page_size and pages:
             one = torch.ones(1, dtype=torch.long, device=self.device)
             q = torch.zeros((config.num_attention_heads, self.head_dim), dtype=self.dtype, device=self.device)
@@ -159,12 +157,13 @@ class DecodeStep:
     def _before(self, ops, i: int, h: torch.Tensor, rot) -> tuple:
         """Layer ``i`` up to its attention: this token's (q, k, v), rotated where ``ops`` rotates them."""
         layer, fused = self.layers[i], self.fused[i]
-        if fused is not None:
-            q, k, v = ops.linear(fused[0], h, norm=layer.input_layernorm).split(fused[1], dim=-1)
-        else:
-            attn, x = layer.self_attn, ops.norm(layer.input_layernorm, h)
-            q, k, v = ops.linear(attn.q_proj, x), ops.linear(attn.k_proj, x), ops.linear(attn.v_proj, x)
-        return ops.rope(q, k, v, rot)
+        if fused is not None:   # q and k side by side in one output: ``qk`` lets ``rope`` rotate them at once
+            nq, nk, nv = fused[1]
+            qk, v = ops.linear(fused[0], h, norm=layer.input_layernorm).split((nq + nk, nv), dim=-1)
+            q, k = qk.split((nq, nk), dim=-1)
+            return ops.rope(q, k, v, rot, qk)
+        attn, x = layer.self_attn, ops.norm(layer.input_layernorm, h)
+        return ops.rope(ops.linear(attn.q_proj, x), ops.linear(attn.k_proj, x), ops.linear(attn.v_proj, x), rot)
 
     def _after(self, ops, i: int, h: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """Layer ``i`` from its attention's output ``out``: o_proj and the residual, the MLP and the residual."""

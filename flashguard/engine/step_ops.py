@@ -15,8 +15,9 @@ Each set has the same five methods:
 - ``norm(module, h)``: an RMSNorm (or any norm module);
 - ``linear(module, x, residual=None, norm=None, act=None) -> residual + module(f(x))``, ``f`` the RMSNorm ``norm``
   and / or the MLP's gating ``act(gate) * up`` (x = [gate, up]);
-- ``rope(q, k, v, rot) -> (q, k, v)`` in the layout the set's attention takes (``KernelOps``: unchanged, its
-  ``rope_write`` rotates as it writes the pool);
+- ``rope(q, k, v, rot, qk=None) -> (q, k, v)`` in the layout the set's attention takes (``KernelOps``: unchanged,
+  its ``rope_write`` rotates as it writes the pool); ``qk``: q and k side by side in one tensor (the fused q/k/v's
+  output, of which q and k are views), which a set may rotate at once;
 - ``finish(h) -> logits [vocab]``: the final norm and the lm_head.
 The attention is ``attend(i, q, k, v, rot) -> out`` given to ``DecodeStep._run`` beside the set: it depends on what
 the step runs over, so it is bound to it by the caller (``KernelOps.attend(kv, ...)`` over a StaticKV or SparseKV,
@@ -73,30 +74,41 @@ def _torch_linear(module, x: torch.Tensor, residual: torch.Tensor | None = None,
     return out if residual is None else residual + out
 
 
-class TorchOps:
+class StepOps:
+    """What the three sets share: the step they serve and ``norm``; ``embedding()``, this token's embedding row."""
     norm = staticmethod(rms_norm)
-    linear = staticmethod(_torch_linear)
 
     def __init__(self, step):
         self.step = step
+
+    def embedding(self) -> torch.Tensor:
+        s = self.step
+        return s.embedded.clone() if s.host_embed else s.embed(s.token)   # [1, 1, H]
+
+
+class TorchOps(StepOps):
+    linear = staticmethod(_torch_linear)
+
+    def __init__(self, step):
+        super().__init__(step)
         half = step.head_dim // 2   # rotate_half(x) = roll(x, D/2) * sign: the sign goes into sin once a step
         self.sign = torch.cat([-torch.ones(half), torch.ones(half)]).to(step.device, step.dtype)
 
     def start(self) -> tuple:
-        s = self.step
-        h = s.embedded.clone() if s.host_embed else s.embed(s.token)        # [1, 1, H]
-        cos, sin = s.rotary(h, s.position)
+        h = self.embedding()
+        cos, sin = self.step.rotary(h, self.step.position)
         return h, (cos.unsqueeze(1), (sin * self.sign).unsqueeze(1))        # [1, 1, 1, D]
 
-    def rope(self, q, k, v, rot) -> tuple:
+    def rope(self, q, k, v, rot, qk=None) -> tuple:
         """[1, heads, 1, D] each; q and k rotated in one pass (4 kernels instead of transformers' 10):
         x*cos + rotate_half(x)*sin."""
         d = self.step.head_dim
-        q, k, v = (t.view(1, 1, -1, d).transpose(1, 2) for t in (q, k, v))
+        heads = q.shape[-1] // d
+        qk = torch.cat([q, k], -1) if qk is None else qk
+        qk, v = (t.view(1, 1, -1, d).transpose(1, 2) for t in (qk, v))
         cos, sin = rot
-        qk = torch.cat([q, k], 1)
         qk = torch.addcmul(qk * cos, qk.roll(d // 2, -1), sin)
-        return qk[:, :q.shape[1]], qk[:, q.shape[1]:], v
+        return qk[:, :heads], qk[:, heads:], v
 
     def finish(self, h: torch.Tensor) -> torch.Tensor:
         return self.step.lm_head(rms_norm(self.step.norm, h))[0, -1]
@@ -114,52 +126,43 @@ def _kernel_linear(module, x: torch.Tensor, residual: torch.Tensor | None = None
     return _torch_linear(module, x, residual, norm, act)
 
 
-class KernelOps:
-    norm = staticmethod(rms_norm)
+class KernelOps(StepOps):
     linear = staticmethod(_kernel_linear)
-
-    def __init__(self, step):
-        self.step = step
 
     def start(self) -> tuple:
         s = self.step
-        h = (s.embedded.clone() if s.host_embed else s.embed(s.token)).view(1, -1)
+        h = self.embedding().view(1, -1)
         cos, sin = s.rotary(h.view(1, 1, -1), s.position)
         s.used = (s.position[0] + 1).to(torch.int32)
         return h, (cos.reshape(-1), sin.reshape(-1))
 
     @staticmethod
-    def rope(q, k, v, rot) -> tuple:
+    def rope(q, k, v, rot, qk=None) -> tuple:
         return q, k, v   # rotated by ``rope_write`` as it writes the pool
 
     def attend(self, kv, i: int, q, k, v, rot) -> torch.Tensor:
         """Rotary, this token's k / v into the pool (a SparseKV: into L1 at its position), attention; [1, Hq * D]."""
         s = self.step
-        if isinstance(kv, SparseKV):
+        if isinstance(kv, SparseKV):   # it attends L1 and its selected pages itself
             layer = kv.cache.layers[i]
-            keys, values, pos, ks, vs = layer.l1_k, layer.l1_v, kv.cache.sparse_state.l1_pos, None, None
-        else:
-            keys, values, pos = kv.keys[i], kv.values[i], s.position[0]
-            ks, vs = (None, None) if kv.scales is None else (kv.scales[0][i], kv.scales[1][i])
-        q = step_kernels.rope_write(q, k, v, *rot, pos, keys, values, ks, vs)
-        if isinstance(kv, SparseKV):
-            out = kv.attend(i, q, None, None, s.scaling)
-        else:
-            out = step_kernels.decode_attention(q, keys, values, s.used, s.scaling, ks, vs)
-        return out.view(1, -1)
+            q = step_kernels.rope_write(q, k, v, *rot, kv.cache.sparse_state.l1_pos, layer.l1_k, layer.l1_v)
+            return kv.attend(i, q, None, None, s.scaling).view(1, -1)
+        ks, vs = (None, None) if kv.scales is None else (kv.scales[0][i], kv.scales[1][i])
+        q = step_kernels.rope_write(q, k, v, *rot, s.position[0], kv.keys[i], kv.values[i], ks, vs)
+        return step_kernels.decode_attention(q, kv.keys[i], kv.values[i], s.used, s.scaling, ks, vs).view(1, -1)
 
     def finish(self, h: torch.Tensor) -> torch.Tensor:
         return self.step.lm_head(rms_norm(self.step.norm, h.view(1, 1, -1)))[0, -1]
 
 
-class CpuOps:
+class CpuOps(StepOps):
     # the int4 kernel, called directly; an instance's may be replaced (a measurement of the step without its int4
     # work: benchmarks/cpu_decode.py --breakdown) and deleted again to restore the class's
     mm = torch.ops.aten._weight_int4pack_mm_for_cpu.default
-    norm = staticmethod(rms_norm)
 
     def __init__(self, step, int4: dict, norms: dict):
-        self.step, self.int4, self.norms = step, int4, norms
+        super().__init__(step)
+        self.int4, self.norms = int4, norms
         self.final_norm = _norm(step.norm)
         self.buffers: dict = {}   # bf16 inputs of the int4 kernels (RMSNorm's output, the MLP's activation)
         self.zero = torch.zeros(())
@@ -195,9 +198,10 @@ class CpuOps:
         return buf
 
     @staticmethod
-    def _rms(h: torch.Tensor, norm: tuple, out: torch.Tensor) -> torch.Tensor:
-        """RMSNorm of ``h`` ``[1, H]`` written into ``out`` (its dtype): ``h * w * rsqrt(mean(h^2) + eps)``, with
-        ``w * sqrt(H)`` kept so that the mean is a dot product: ``rsqrt(h.h + eps H)``."""
+    def _rms(h: torch.Tensor, norm: tuple, out: torch.Tensor | None = None) -> torch.Tensor:
+        """RMSNorm of ``h`` ``[1, H]`` written into ``out`` (its dtype; None: a new fp32 tensor):
+        ``h * w * rsqrt(mean(h^2) + eps)``, with ``w * sqrt(H)`` kept so that the mean is a dot product:
+        ``rsqrt(h.h + eps H)``."""
         weight, eps_h = norm
         v = h.view(-1)
         return torch.mul(torch.mul(h, weight), torch.dot(v, v).add_(eps_h).rsqrt_(), out=out)
@@ -228,19 +232,18 @@ class CpuOps:
     def start(self) -> tuple:
         s = self.step
         d = s.head_dim
-        h = s.embed(s.token).view(1, -1)                               # [1, H]
+        h = self.embedding().view(1, -1)                               # [1, H]
         cos, sin = s.rotary(h, s.position)
         # rotary as one matmul a layer: x cos + rotate_half(x) sin = x @ (diag(cos) + R diag(sin))
         return h, torch.diag_embed(cos.view(d)).addcmul_(self.rotate_half, sin.view(1, d))
 
-    def rope(self, q, k, v, rot) -> tuple:
-        """[heads, D] each; q and k side by side in one output (the fused q/k/v's): rotated by one matmul."""
+    def rope(self, q, k, v, rot, qk=None) -> tuple:
+        """[heads, D] each, rotated by a matmul (one for both where ``qk`` holds them side by side)."""
         d = self.step.head_dim
-        if q.untyped_storage().data_ptr() == k.untyped_storage().data_ptr() and q.is_contiguous() and \
-                k.data_ptr() == q.data_ptr() + q.numel() * q.element_size():
-            qk = torch.mm(torch.as_strided(q, ((q.numel() + k.numel()) // d, d), (d, 1)), rot)
-            return qk[:q.numel() // d], qk[q.numel() // d:], v
-        return torch.mm(q.view(-1, d), rot), torch.mm(k.view(-1, d), rot), v
+        if qk is None:
+            return torch.mm(q.view(-1, d), rot), torch.mm(k.view(-1, d), rot), v
+        qk = torch.mm(qk.view(-1, d), rot)
+        return qk[:q.shape[-1] // d], qk[q.shape[-1] // d:], v
 
     def attend(self, cache, view, i: int, q, k, v, rot) -> torch.Tensor:
         """Layer ``i``'s attention over ``cache``; ``view``: its ``resident`` StaticKV, or None."""
@@ -258,9 +261,7 @@ class CpuOps:
         return torch.bmm(torch.softmax(scores, -1), values[:, :pos + 1]).view(1, -1)
 
     def finish(self, h: torch.Tensor) -> torch.Tensor:
-        weight, eps_h = self.final_norm
-        v = h.view(-1)
-        return self.step.lm_head(torch.mul(h, weight).mul_(torch.dot(v, v).add_(eps_h).rsqrt_()))[0]
+        return self.step.lm_head(self._rms(h, self.final_norm))[0]
 
 
 def _norm(module) -> tuple:

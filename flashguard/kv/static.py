@@ -65,6 +65,15 @@ class StaticKV:
         return GraphKey("static", tuple((k.data_ptr(), v.data_ptr()) for k, v in zip(self.keys, self.values)),
                         variant=(self.capacity, scales))
 
+    def quantized(self) -> "StaticKV":
+        """A copy of this 16-bit pool as an int8 pool (``int8_pool.quantize``'s codes and scales, per layer)."""
+        from . import int8_pool
+
+        keys = [int8_pool.quantize(self.keys[i]) for i in range(len(self.keys))]
+        values = [int8_pool.quantize(self.values[i]) for i in range(len(self.values))]
+        return StaticKV([c for c, _ in keys], [c for c, _ in values], self.length,
+                        scales=([s for _, s in keys], [s for _, s in values]))
+
     @classmethod
     def from_cache(cls, cache, capacity: int) -> "StaticKV":
         """A copy of a transformers Cache's layers (``layers[i].keys`` ``[1, kvh, T, D]``), room for ``capacity``."""

@@ -265,18 +265,13 @@ def test_an_int8_pool_without_the_step_kernels_reads_its_codes_with_the_split_ke
     from transformers import DynamicCache
 
     from flashguard.engine.decode_step import DecodeStep, StaticKV
-    from flashguard.kv import int8_pool
 
     cfg, model = small_qwen2(4)
     ids = torch.randint(0, 1000, (1, 700), device="cuda", generator=torch.Generator("cuda").manual_seed(2))
     cache = DynamicCache(config=cfg)
     with torch.inference_mode():
         token = int(model(input_ids=ids, past_key_values=cache).logits[0, -1].argmax())
-    pool = StaticKV.from_cache(cache, 768)
-    codes = [int8_pool.quantize(pool.keys[i]) for i in range(pool.keys.shape[0])]
-    vcodes = [int8_pool.quantize(pool.values[i]) for i in range(pool.values.shape[0])]
-    kv = StaticKV([c for c, _ in codes], [c for c, _ in vcodes], pool.length,
-                  scales=([s for _, s in codes], [s for _, s in vcodes]))
+    kv = StaticKV.from_cache(cache, 768).quantized()
     step = DecodeStep(model, kernels=False)
     assert not step.kernels and step.split_kernel
     ours, theirs = [], []
