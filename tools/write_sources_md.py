@@ -16,6 +16,19 @@ from flashguard.rails.sources import SOURCES
 
 OUT = Path(__file__).resolve().parent.parent / "rails" / "data" / "SOURCES.md"
 
+LOCAL_DOCUMENTS = """
+## Read on the machine by a benchmark, never fitted on
+
+`python -m benchmarks.long_pastes` (docs/benchmarks/long_pastes.md) reads long documents where they are installed
+and commits only derived numbers (per-window scores, `docs/benchmarks/long_pastes.json`, each row named by its
+document): the licence files (`*.dist-info/LICENSE*`, `*.dist-info/licenses/*`) and package descriptions
+(`*.dist-info/METADATA`) of the Python packages installed beside flashguard, each under its own package's licence
+and named by its `.dist-info` folder (package and version); and Debian's per-package copyright files
+(`/usr/share/doc/<package>/copyright`, Debian 12.11 on the machine of 2026-12-04, each under the licences it
+states), named by package. The hidden rows insert one short harmful request of `project`'s
+moderation_input_tune.jsonl. No probe or threshold was fitted on any of them.
+"""
+
 HEADER = """# The moderation probes' sources
 
 The shipped probes (rails/probes/) were fitted on the rows below: public, labelled text from the repositories
@@ -57,6 +70,7 @@ def main(argv=None) -> int:
     lines.append("| project | this repository: rails/data/moderation_tune.jsonl (short rows), moderation_own_replies_v8"
                  ".jsonl, moderation_input_tune.jsonl (short rows) | Apache-2.0 | input, output | yes | as labelled "
                  f"there | {own or '-'} |")
+    lines += LOCAL_DOCUMENTS.rstrip("\n").split("\n")
     lines += ["", "## Files", "", "| source | repository | commit | path | sha256 |", "|---|---|---|---|---|"]
     for s in SOURCES:
         for f in s.files:
