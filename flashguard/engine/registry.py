@@ -2,12 +2,13 @@
 
 NeMo's server builds a new ``LLMRails`` (and new provider objects) for each distinct request
 ``model`` name; every one of them must share the weights. Engines are keyed by what identifies
-the weights and how they are run (file identity, device, dtype, cache kind), never by the
-request's model name.
+the weights and how they are run (file identity, device, dtype, every key of the config but a request's sampling
+defaults), never by the request's model name.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 from ..config import EngineConfig
@@ -19,11 +20,18 @@ _engines: dict[tuple, Engine] = {}
 loads = 0  # how many times weights were loaded in this process (tests read it)
 
 
+# EngineConfig keys that are each request's defaults, not how the engine is built: engines differing only there are
+# one engine. Every other key is part of the engine's identity (a key added later is too, without a change here).
+REQUEST_KEYS = frozenset({"max_tokens", "reasoning_tokens", "temperature", "top_p", "seed"})
+
+
 def engine_key(config: EngineConfig, source: loader.ModelSource) -> tuple:
     device = loader.resolve_device(config.device)
-    return (source.identity, str(device), str(loader.resolve_dtype(config.dtype, device)), config.kv_cache,
-            config.kv, config.vram_budget, config.max_context, config.prefill_chunk, config.system_prompt,
-            loader.choose_weights(config.weights, source, device)[0], config.int4_kernel, config.cuda_graphs, config.lora_path)
+    resolved = {"model_path": source.identity, "gguf_file": None, "device": str(device),
+                "dtype": str(loader.resolve_dtype(config.dtype, device)),
+                "weights": loader.choose_weights(config.weights, source, device)[0]}
+    return tuple((f.name, resolved[f.name] if f.name in resolved else getattr(config, f.name))
+                 for f in dataclasses.fields(config) if f.name not in REQUEST_KEYS)
 
 
 _remotes: dict[tuple, object] = {}

@@ -39,6 +39,10 @@ def test_auto_and_its_choice_share_one_engine_on_the_cpu():
     cpu = {"device": "cpu"}
     assert engine_key(EngineConfig(**cpu), source) == engine_key(EngineConfig(weights="int4", **cpu), source)
     assert engine_key(EngineConfig(**cpu), source) != engine_key(EngineConfig(weights="float", **cpu), source)
+    # a config with lm_head: int8 is another engine (it was served the 16-bit head's engine); sampling defaults are not
+    assert engine_key(EngineConfig(**cpu), source) != engine_key(EngineConfig(lm_head="int8", **cpu), source)
+    assert engine_key(EngineConfig(**cpu), source) == engine_key(EngineConfig(temperature=0.7, max_tokens=9, **cpu),
+                                                                  source)
 
 
 def test_a_model_without_a_chat_template_gets_the_plain_one_for_the_chat_and_the_rails(tmp_path):
