@@ -62,6 +62,8 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--weights", nargs="+", default=["float", "int4"])
+    p.add_argument("--lm-head", nargs="+", default=["auto"],
+                   help="lm_head keys to run each int4 row with (a row per key; auto: the engine's timed pick)")
     p.add_argument("--breakdown", action="store_true", help="int4: the step's ms with its int4 layers skipped")
     p.add_argument("--llamacpp", help="llama-bench's markdown output (bench_cpu.sh) on the same GGUF and threads")
     p.add_argument("--out")
@@ -71,9 +73,11 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     engines = {}
     for w in args.weights:
-        t0 = time.perf_counter()
-        engines[w] = Engine(EngineConfig(device="cpu", weights=w))
-        engines[w].load_seconds = time.perf_counter() - t0
+        for head in (args.lm_head if w == "int4" else ["auto"]):
+            name = w if head == "auto" else f"{w}, lm_head {head}"
+            t0 = time.perf_counter()
+            engines[name] = Engine(EngineConfig(device="cpu", weights=w, lm_head=head))
+            engines[name].load_seconds = time.perf_counter() - t0
     first = next(iter(engines.values()))
     text = "\n".join(topics.topics[k] for k in sorted(topics.topics))
     prompt_ids = first.tokenizer(text)["input_ids"][:args.prompt_tokens]
@@ -88,19 +92,22 @@ def main(argv=None) -> int:
     pp, tg = ref.get(f"pp{args.prompt_tokens}"), ref.get(f"tg{args.decode}")
     lines = [f"torch threads: {torch.get_num_threads()}, model: {first.source.label}, medians of {args.repeats}, "
              f"prompt {len(prompt_ids)} tokens, decode {args.decode} tokens after a {len(story_ids)}-token prompt", "",
-             "| weights | load s | prefill tok/s | decode tok/s | tokens decoded | prefill / llama.cpp | "
-             "decode / llama.cpp |", "|---|---|---|---|---|---|---|"]
+             "| weights | lm_head | load s | prefill tok/s | decode tok/s | tokens decoded | prefill / llama.cpp | "
+             "decode / llama.cpp |", "|---|---|---|---|---|---|---|---|"]
     rows = []
     for w, runs in got.items():
         prefill, decode = statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)
         steps = min(r[2] for r in runs)
-        rows.append({"weights": w, "load_s": engines[w].load_seconds, "prefill_tok_s": prefill,
-                     "decode_tok_s": decode, "decoded": steps, "runs": runs})
-        lines.append(f"| {w} | {engines[w].load_seconds:.1f} | {prefill:.0f} | {decode:.1f} | {steps} | "
-                     f"{prefill / pp:.2f}x | {decode / tg:.2f}x |" if pp and tg else
-                     f"| {w} | {engines[w].load_seconds:.1f} | {prefill:.0f} | {decode:.1f} | {steps} | | |")
+        head = engines[w].lm_head_kind
+        rows.append({"weights": w, "lm_head": head, "lm_head_why": engines[w].lm_head_reason,
+                     "load_s": engines[w].load_seconds, "prefill_tok_s": prefill, "decode_tok_s": decode,
+                     "decoded": steps, "runs": runs})
+        ratios = f"{prefill / pp:.2f}x | {decode / tg:.2f}x" if pp and tg else " | "
+        lines.append(f"| {w} | {head} | {engines[w].load_seconds:.1f} | {prefill:.0f} | {decode:.1f} | {steps} | "
+                     f"{ratios} |")
     if pp and tg:
-        lines.append(f"| llama.cpp (llama-bench) | | {pp:.0f} | {tg:.1f} | {args.decode} | 1.00x | 1.00x |")
+        lines.append(f"| llama.cpp (llama-bench) | | | {pp:.0f} | {tg:.1f} | {args.decode} | 1.00x | 1.00x |")
+    lines += ["", *(f"- {w}: lm_head {e.lm_head_kind} ({e.lm_head_reason})" for w, e in engines.items())]
     if args.breakdown and "int4" in engines:
         from flashguard.quant.int4_linear import Int4Linear
 

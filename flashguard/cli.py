@@ -455,8 +455,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--context", type=int, default=None,
                    help="prompt + generation tokens (default: the model's own context length)")
     p.add_argument("--lm-head", choices=("auto", "float", "int8", "int4"), default=None,
-                   help="the lm_head key (default: the config's): int8 = Q8_0 codes, auto = int8 with int4 weights; "
-                        "int4: a GGUF's own Q4 output matrix")
+                   help="the lm_head key (default: the config's): int8 = Q8_0 codes, int4 = int4 codes with the top "
+                        "rows recomputed (or a GGUF's own Q4 output matrix); auto plans int8 with int4 weights")
     p.add_argument("--weights", choices=("int4", "float", "fp16"), default=None,
                    help="the weights key's values (fp16: the old name of float); default: the config's, auto "
                         "resolved as on a GPU (int4 for a named shape)")

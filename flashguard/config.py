@@ -31,7 +31,7 @@ POLICIES = ("exact", "sparse")
 KV_CACHES = ("tiered", "dynamic")
 _AUTO_SIZES = ("l1_tokens", "l2_tokens", "l1_max_tokens")   # kv keys that take ``auto``
 INT4_KERNELS = ("auto", "triton", "cuda", "cpu", "dequant")   # "auto" + Int4Linear's backends
-LM_HEADS = ("auto", "float", "int8")   # the lm_head key (quant/lm_head.py)
+LM_HEADS = ("auto", "float", "int8", "int4")   # the lm_head key (quant/lm_head.py)
 L1_CODECS = ("auto", "fp16", "int8")
 L2_CODECS = ("int8", "fp16")
 L3_CODECS = ("int4-zstd", "int8-zstd", "fp16-zstd")
@@ -154,10 +154,13 @@ class EngineConfig:
                    (group size 64) and cached in the user cache folder; an AWQ checkpoint is always loaded in int4.
                    auto = int4 for such a GGUF on the CPU (the faster decode, nothing converted), else as stored
                    (engine/loader.py ``choose_weights``; the start-up line and ``engine_info()`` say which).
-    lm_head        "auto" (default), "float" (16-bit) or "int8": the output matrix, which every decoded token reads
-                   whole, as llama.cpp's Q8_0 codes (int8, a scale per 32; quant/lm_head.py): 0.6x the bytes of a 16-bit
-                   head. auto = int8 where the decoder is int4, else float; a head the file holds in 4 or 8 bits keeps
-                   its codes. The start-up log, ``engine_info()`` and ``flashguard smi`` say which.
+    lm_head        "auto" (default), "float" (16-bit), "int8" or "int4": the output matrix, which every decoded token
+                   reads whole (quant/lm_head.py). int8: llama.cpp's Q8_0 codes (a scale per 32), 0.6x the bytes of a
+                   16-bit head; int4: int4 codes (0.3x), the top 1,024 logits a token recomputed from the head's own
+                   rows, kept in host RAM on a GPU (the greedy token is the exact head's). auto = with an int4 decoder,
+                   the fastest of the three timed at start (or the fewest GPU bytes when the budget is tight), else
+                   16-bit; a head the file holds in 4 or 8 bits keeps its codes. The start-up log,
+                   ``engine_info()`` and ``flashguard smi`` say which and why.
     int4_kernel    "auto" (the fastest the device runs), "triton" (flashguard's Triton kernels, CUDA), "cuda"
                    (torch's tinygemm, compute capability >= 8.0), "cpu" (torch's CPU kernel) or "dequant" (any device).
     cuda_graphs    record one-token decode steps of Llama/Qwen2 models as CUDA graphs (engine/decode_step.py);

@@ -192,13 +192,9 @@ class Placement:
         (``vram.plan.kv_read_bytes``)."""
         from ..vram import plan as planner
 
-        def held(module) -> int:
-            return sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()])
-
-        linears = sum(held(m) for layer in self.model.model.layers
+        linears = sum(lm_head.read_bytes(m) for layer in self.model.model.layers
                       for name, m in layer.named_modules() if name.endswith("_proj"))
-        head = self.model.get_output_embeddings()
-        out = {"decoder linears": linears, "lm_head": held(head),
+        out = {"decoder linears": linears, "lm_head": lm_head.read_bytes(self.model.get_output_embeddings()),
                "kv attended": planner.kv_read_bytes(self.shape(), context=context, kv=self.budget.kv,
                                                     value_bytes=self.dtype.itemsize)}
         out["total"] = sum(out.values())

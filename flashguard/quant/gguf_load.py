@@ -208,7 +208,8 @@ def load_int4(path: str, config, device: torch.device, dtype: torch.dtype, backe
         if len(shape) == 2:
             kept[(qtype, role)] += 1
     tied = "lm_head.weight" not in floats and not isinstance(model.lm_head, (Int4Linear, gguf_int4.Int4PairLinear))
-    if tied and embeddings is not None and embeddings.qtype.name in direct:
+    from_table = tied and embeddings is not None and embeddings.qtype.name in direct
+    if from_table:
         linear("lm_head", embeddings, None)   # no output.weight: lm_head computes with the embeddings' own codes
         tied = False
     if not int4_types:
@@ -218,6 +219,8 @@ def load_int4(path: str, config, device: torch.device, dtype: torch.dtype, backe
         if isinstance(module, Int4Linear):
             module.bias = floats.pop(hf)
     model.load_state_dict(floats, strict=False, assign=True)
+    if from_table and isinstance(model.lm_head, gguf_int4.Int4PairLinear):
+        model.lm_head.rows = model.get_input_embeddings().weight   # the head's matrix, dequantized (lm_head: int4)
     if tied:
         model.lm_head.weight = model.get_input_embeddings().weight   # no output.weight: tied
     missing = [n for n, p in model.named_parameters() if p.device.type == "meta"]   # buffers: rebuilt below

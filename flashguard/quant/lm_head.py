@@ -1,12 +1,17 @@
-"""The ``lm_head`` key: the output matrix in 16 bits or as 8-bit codes (Q8_0, groups of 32), chosen once at start.
+"""The ``lm_head`` key: the output matrix in 16 bits, as 8-bit codes (Q8_0), or as int4 codes with its top
+candidates recomputed from the head's own rows; chosen once at start.
 
 Every decoded token reads the whole output matrix: for DeepSeek-R1-Distill-Qwen-1.5B in int4 it is 0.47 GB of the
 ~1.4 GB a token reads at 8K, the largest single tensor. Held as llama.cpp's Q8_0 (an int8 code a weight, one fp16
 scale per 32) and computed by the int4 kernels as two 4-bit halves over ``[x, x]`` (``gguf_int4.Int4PairLinear``,
-the form a GGUF's own Q8_0 matrices already load in), it reads 1.25 bytes a weight: 0.29 GB. Fewer bytes are not
-always less time: on an H200 cuBLAS reads the 16-bit head faster than the int4 kernel reads the codes (decode
-1.2x faster with the 16-bit head at 8K, docs/benchmarks/lm_head.md), while a laptop GPU is bound by its bytes. So
-``auto`` measures. A coarser head (int8 per row, or groups of 64) changes more greedy tokens on the real SmolLM2.
+the form a GGUF's own Q8_0 matrices already load in), it reads 1.25 bytes a weight: 0.29 GB. ``int4``
+(``RescoredHead``) reads 0.625 bytes a weight (0.15 GB): int4 codes (group 32) give every logit, and the ``TOP``
+largest are recomputed exactly from the head as loaded (its 16-bit rows, or the file's Q8_0 dequantized), which
+stay in host RAM on a GPU (read by the GPU itself, ``kv/uva.py``) and cost ``TOP`` rows a token. The greedy token is
+the exact head's whenever it is among the int4 head's ``TOP`` (every position measured); the tail keeps int4's
+error, KL 0.003 nats on the real SmolLM2 (docs/benchmarks/lm_head_cpu.md). Fewer bytes are not always less time:
+on an H200 cuBLAS reads the 16-bit head faster than the int4 kernel reads the codes (decode 1.2x faster with the
+16-bit head at 8K, docs/benchmarks/lm_head.md), while a laptop GPU is bound by its bytes. So ``auto`` measures.
 
 Contract:
 - ``planned(lm_head, weights_kind) -> kind`` what the key may make of a float head, before a model is loaded
@@ -14,27 +19,85 @@ Contract:
 - ``apply(lm_head, model, weights_kind, device, int4_kernel, budget_wins) -> (kind, why)`` resolves the key on the
   loaded model and leaves the head held that way. A head the file already holds in 4 or 8 bits keeps its codes
   (``int4`` / ``int8``) whatever the key says, since a 16-bit copy would only be its dequantization. ``float`` /
-  ``int8`` are the user's call. ``auto`` keeps a float decoder's head in 16 bits; with an int4 decoder it holds the
-  head as Q8_0 when ``budget_wins`` (the 16-bit head would push decoder layers off the GPU, the caller's planner
-  says) or when one token's head runs faster so on ``device`` (timed at start, a few ms), else keeps 16 bits.
-- ``quantize(model, device, int4_kernel)`` replaces a float ``lm_head`` by its Q8_0 codes on ``device``; a head
-  tied to the input embeddings is untied (the table stays as it was, for the embedding lookup). The 16-bit head is
-  freed. Logits equal those of gguf-py's Q8_0 round trip of the head, up to the int4 kernel's rounding.
-- ``kind_of(module) -> "float" | "int4" | "int8"``: how a loaded head is held (the planner's ``Shape.lm_head``).
+  ``int8`` / ``int4`` are the user's call. ``auto`` keeps a float decoder's head in 16 bits; with an int4 decoder,
+  when ``budget_wins`` (the 16-bit head would push decoder layers off the GPU, the caller's planner says) it holds
+  the fewest bytes on the device (``int4`` where its rows can stay in host RAM, else ``int8``), otherwise it times
+  one token through each head on ``device`` (a few ms at start) and keeps the fastest (16-bit unless another is
+  3% faster).
+- ``quantize(model, device, int4_kernel)`` replaces a float ``lm_head`` by its Q8_0 codes on ``device``;
+  ``rescored(model, device, int4_kernel)`` by a ``RescoredHead``. A head tied to the input embeddings is untied
+  (the table stays as it was, for the embedding lookup). The 16-bit head is freed from the device. Q8_0 logits
+  equal those of gguf-py's Q8_0 round trip of the head, up to the int4 kernel's rounding.
+- ``kind_of(module) -> "float" | "int4" | "int8"``: how a loaded head is held (the planner's ``Shape.lm_head``);
+  ``read_bytes(module)``: the bytes one token reads through it.
 """
 
 from __future__ import annotations
 
 import torch
 
-from . import gguf_int4
+from ..kv import uva
+from . import awq_format, gguf_int4
 from .int4_linear import Int4Linear
+
+TOP = 1024         # candidates recomputed exactly: KL 0.0026 nats on SmolLM2 (256: 0.0070, 64: 0.0145)
+GROUP = 32         # the int4 codes' group (llama.cpp's Q4 block)
+_CHUNK = 64        # positions rescored at once (a prompt's logits: TOP rows each)
+
+
+class RescoredHead(torch.nn.Module):
+    """``x @ W.T`` read as int4 codes (``approx``, an ``Int4Linear``), its ``top`` largest logits per position
+    recomputed from ``rows`` (``W`` as loaded, [vocab, hidden]; bias included). ``rows`` is not a buffer: on CUDA
+    it is pinned host RAM that the GPU reads itself (``zero_copy``), or device memory where that does not work;
+    on the CPU it is the head's own tensor (a tied table is shared, not copied). Graph-safe: no host sync."""
+
+    def __init__(self, approx: Int4Linear, rows: torch.Tensor, device: torch.device, top: int = TOP):
+        super().__init__()
+        self.approx = approx
+        self.out_features, self.in_features = rows.shape
+        self.top = min(top, self.out_features)
+        self.target = device
+        self.zero_copy = device.type == "cuda" and rows.device.type == "cpu"
+        self._rows = rows
+        self._row_bytes = rows.view(torch.uint8).view(self.out_features, -1) if self.zero_copy else None
+
+    def rows(self, idx: torch.Tensor) -> torch.Tensor:
+        """``W[idx]`` on the target device for a device index tensor ``idx`` [M]."""
+        if self.zero_copy:
+            got = uva.gather_rows(self._row_bytes, idx, self.target)
+            return got.view(self._rows.dtype).view(-1, self.in_features)
+        return self._rows.index_select(0, idx)
+
+    def read_bytes(self) -> int:
+        return self.approx.weight_bytes() + self.top * self.in_features * self._rows.element_size()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.approx(x)
+        flat = logits.view(-1, self.out_features)
+        xs = x.reshape(-1, self.in_features)
+        bias = self.approx.bias
+        for i in range(0, flat.shape[0], _CHUNK):
+            part, xp = flat[i:i + _CHUNK], xs[i:i + _CHUNK]
+            idx = part.topk(self.top, -1).indices   # [t, top]
+            w = self.rows(idx.reshape(-1)).view(*idx.shape, self.in_features).to(xp.dtype)
+            exact = torch.bmm(w, xp.unsqueeze(-1)).squeeze(-1)
+            if bias is not None:
+                exact = exact + bias.to(exact.dtype)[idx]
+            part.scatter_(-1, idx, exact.to(part.dtype))
+        return logits
 
 
 def kind_of(module) -> str:
     if isinstance(module, gguf_int4.Int4PairLinear):
         return "int8"
-    return "int4" if isinstance(module, Int4Linear) else "float"
+    return "int4" if isinstance(module, (Int4Linear, RescoredHead)) else "float"
+
+
+def read_bytes(module) -> int:
+    """Bytes one token reads through the head ``module`` (its tensors; a ``RescoredHead``'s codes and top rows)."""
+    if isinstance(module, RescoredHead):
+        return module.read_bytes()
+    return sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()])
 
 
 def planned(lm_head: str, weights_kind: str) -> str:
@@ -48,35 +111,92 @@ def apply(lm_head: str, model, weights_kind: str, device: torch.device, int4_ker
           budget_wins: bool = False) -> tuple[str, str]:
     held = kind_of(model.get_output_embeddings())
     if held != "float":
-        return held, f"the file's own {'Q4' if held == 'int4' else 'Q8_0'} codes"
+        return _file_codes(lm_head, model, held, device, int4_kernel)
     kind = planned(lm_head, weights_kind)
     if lm_head != "auto":
         if kind == "int8":
             quantize(model, device, int4_kernel)
+        elif kind == "int4":
+            rescored(model, device, int4_kernel)
         return kind, f"lm_head: {lm_head}"
     if kind == "float":
-        return kind, "auto: a float decoder, so 16-bit; lm_head: int8 reads 0.6x the bytes"
-    layer = _q8_0_layer(model.get_output_embeddings(), device, int4_kernel)
-    if budget_wins or model.get_output_embeddings().weight.device.type != device.type:   # (streamed layers)
+        return kind, "auto: a float decoder, so 16-bit; lm_head: int8 or int4 reads 0.6x or 0.3x the bytes"
+    head = model.get_output_embeddings()
+    off_device = device.type == "cpu" or uva.available(device)   # int4's rows need no device memory
+    if budget_wins or head.weight.device.type != device.type:   # (streamed layers)
+        layer = _rescored_layer(head, device, int4_kernel) if off_device else _q8_0_layer(head, device, int4_kernel)
         _install(model, layer, device)
-        return "int8", "auto: Q8_0 codes, so that more decoder layers stay on the GPU"
-    t16, t8 = _time_one_token(model.get_output_embeddings(), layer, device)
-    timed = f"one token's head {t8 * 1e3:.3f} ms as Q8_0, {t16 * 1e3:.3f} ms in 16 bits here"
-    if t8 < 0.97 * t16:
-        _install(model, layer, device)
-        return "int8", f"auto: Q8_0 codes ({timed})"
-    del layer
+        return kind_of(layer), (f"auto: {'int4 codes, top rows in host RAM' if off_device else 'Q8_0 codes'}, so "
+                                "that more decoder layers stay on the GPU")
+    makers = {"int8": ("Q8_0", _q8_0_layer)}
+    if off_device:
+        makers["int4"] = ("int4 + top rows", _rescored_layer)
+    best, best_t, timed = None, None, []
+    t16 = None
+    for name, (label, make) in makers.items():
+        layer = make(head, device, int4_kernel)
+        t_head, t_layer = _time_one_token(head, layer, device)
+        t16 = t_head if t16 is None else min(t16, t_head)
+        timed.append(f"{t_layer * 1e3:.3f} ms as {label}")
+        if best_t is None or t_layer < best_t:
+            best, best_t = (name, layer), t_layer
+        else:
+            del layer
+    timed = f"one token's head {', '.join(timed)}, {t16 * 1e3:.3f} ms in 16 bits here"
+    if best_t < 0.97 * t16:
+        _install(model, best[1], device)
+        return best[0], f"auto: {makers[best[0]][0]} codes ({timed})"
+    del best
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return "float", f"auto: 16-bit ({timed}); lm_head: int8 reads 0.6x the bytes"
+    return "float", f"auto: 16-bit ({timed}); lm_head: int8 or int4 reads 0.6x or 0.3x the bytes"
 
 
-def _time_one_token(head, layer, device: torch.device, reps: int = 30) -> tuple[float, float]:
+def _file_codes(key: str, model, held: str, device: torch.device, int4_kernel: str) -> tuple[str, str]:
+    """A head the file holds in 4 or 8 bits keeps its codes, except that ``int4`` (and ``auto``, when it times
+    faster) reads a Q8_0 head as int4 codes and recomputes the top rows from its dequantized matrix."""
+    why = f"the file's own {'Q4' if held == 'int4' else 'Q8_0'} codes"
+    pair = model.get_output_embeddings()
+    rows = pair.rows if held == "int8" else None
+    if held == "int8":
+        pair.rows = None   # a kept pair must not hold the table alive (it may move to host RAM)
+    if held != "int8" or key not in ("int4", "auto"):
+        return held, why
+    rows = rows if rows is not None else _pair_rows(pair)
+    layer = _rescored(rows, None, device, int4_kernel)
+    if key == "int4":
+        _install(model, layer, device)
+        return "int4", "lm_head: int4 (over the file's Q8_0 codes)"
+    t8, t4 = _time_one_token(pair, layer, device, rows.dtype)
+    timed = f"one token's head {t4 * 1e3:.3f} ms as int4 + top rows, {t8 * 1e3:.3f} ms as the file's Q8_0 here"
+    if t4 < 0.97 * t8:
+        _install(model, layer, device)
+        return "int4", f"auto: int4 + top rows over the file's Q8_0 ({timed})"
+    del layer
+    return held, f"{why} ({timed})"
+
+
+def _pair_rows(pair: "gguf_int4.Int4PairLinear") -> torch.Tensor:
+    """The float matrix [N, K] a Q8_0 pair computes (where the model does not hold it already): the pair's output
+    for the identity, a block of columns at a time, gathered in host RAM on a GPU."""
+    device = next(pair.buffers()).device
+    dtype = torch.bfloat16 if pair.inner.backend in ("cpu", "cuda") else torch.float16
+    n, k = pair.out_features, pair.in_features
+    out = torch.empty(n, k, dtype=dtype, device="cpu" if device.type == "cuda" else device)
+    eye = torch.eye(k, dtype=dtype, device=device)
+    with torch.inference_mode():
+        for c in range(0, k, 256):
+            out[:, c:c + 256] = pair(eye[c:c + 256]).T.to(out.device)
+    return out
+
+
+def _time_one_token(head, layer, device: torch.device, dtype: torch.dtype | None = None,
+                    reps: int = 30) -> tuple[float, float]:
     """Median seconds of one token through each head (warmed up first)."""
     import statistics
     import time
 
-    x = torch.randn(1, 1, layer.in_features, dtype=head.weight.dtype, device=device)
+    x = torch.randn(1, 1, layer.in_features, dtype=dtype or head.weight.dtype, device=device)
     out = []
     for module in (head, layer):
         times = []
@@ -98,10 +218,37 @@ def quantize(model, device: torch.device, int4_kernel: str = "auto") -> None:
     _install(model, _q8_0_layer(model.get_output_embeddings(), device, int4_kernel), device)
 
 
-def _q8_0_layer(head, device: torch.device, int4_kernel: str) -> "gguf_int4.Int4PairLinear":
+def rescored(model, device: torch.device, int4_kernel: str = "auto") -> None:
+    _install(model, _rescored_layer(model.get_output_embeddings(), device, int4_kernel), device)
+
+
+def _rescored_layer(head, device: torch.device, int4_kernel: str) -> RescoredHead:
+    _check_linear(head, "int4")
+    return _rescored(head.weight.detach(), head.bias.detach() if head.bias is not None else None, device, int4_kernel)
+
+
+def _rescored(w: torch.Tensor, bias, device: torch.device, int4_kernel: str, rows: int = 4096) -> RescoredHead:
+    """The matrix ``w``'s int4 codes (RTN, group ``GROUP``, ``rows`` rows at a time: no float32 copy of the whole
+    head) and its rows where they are read from: pinned host RAM on CUDA where the GPU reads it, else beside the
+    codes (``w`` itself on the CPU)."""
+    parts = [awq_format.quantize_rtn(w[r:r + rows].float(), GROUP) for r in range(0, w.shape[0], rows)]
+    codes, zeros, scales = (torch.cat([p[i].cpu() for p in parts]) for i in range(3))
+    approx = Int4Linear.from_codes(codes, zeros, scales, GROUP, bias, device, int4_kernel)
+    if device.type == "cuda" and (w.shape[1] * w.element_size()) % 4 == 0 and uva.available(device):
+        table = w.to("cpu").pin_memory()
+    else:
+        table = w if w.device.type == device.type else w.to(device)
+    return RescoredHead(approx, table, device)
+
+
+def _check_linear(head, key: str) -> None:
     if not isinstance(head, torch.nn.Linear):
-        raise ValueError(f"lm_head: int8 quantizes a float nn.Linear output matrix; this model's is "
+        raise ValueError(f"lm_head: {key} quantizes a float nn.Linear output matrix; this model's is "
                          f"{type(head).__name__}")
+
+
+def _q8_0_layer(head, device: torch.device, int4_kernel: str) -> "gguf_int4.Int4PairLinear":
+    _check_linear(head, "int8")
     codes, zeros, scales = gguf_int4.q8_0_quantize(head.weight.detach())
     bias = head.bias.detach() if head.bias is not None else None
     return gguf_int4.Int4PairLinear(

@@ -151,11 +151,16 @@ def table_on_host(s: Shape, kind: str) -> bool:
 
 def head_bytes(s: Shape, group: int = AWQ_GROUP_SIZE) -> int:
     """The lm_head as held (``Shape.lm_head``): 16-bit; Q8_0 as an int4 pair over ``[x, x]`` (codes a byte a weight,
-    a 16-bit scale and zero per 32 of the doubled input: 1.25 bytes a weight); a GGUF's Q4 codes in ``group``."""
+    a 16-bit scale and zero per 32 of the doubled input: 1.25 bytes a weight); int4 codes in groups of 32 (a GGUF's
+    Q4 blocks, or ``lm_head: int4``'s codes, whose top rows a token reads from host RAM: counted here too)."""
     params = s.vocab * s.hidden
     if s.lm_head == "int8":
         return int4_bytes(2 * params, 32)
-    return int4_bytes(params, group) if s.lm_head == "int4" else params * 2
+    if s.lm_head == "int4":
+        from ..quant.lm_head import TOP
+
+        return int4_bytes(params, 32) + TOP * s.hidden * 2
+    return params * 2
 
 
 def int4_bytes(params: int, group: int = AWQ_GROUP_SIZE) -> int:

@@ -211,10 +211,12 @@ def test_a_truncated_gguf_is_an_error_naming_the_file(tmp_path, monkeypatch):
 @pytest.mark.slow
 def test_the_embedded_model_starts_in_int4_from_its_q4_1_weights(tmp_path, monkeypatch, caplog):
     """The embedded SmolLM2 (Q4_1): ``weights: int4`` runs the file's own codes (no AWQ checkpoint is made), its
-    next-token logits are the float model's (the same Q4_1 dequantized) up to bf16 rounding, and it answers."""
+    next-token logits are the float model's (the same Q4_1 dequantized) up to bf16 rounding (its 1,024 likeliest
+    tokens: an int4 lm_head computes the rest in int4), and it answers."""
     from flashguard import EngineConfig, get_engine
     from flashguard.engine.engine import Engine
     from flashguard.engine.sampling import SamplingParams
+    from flashguard.quant.lm_head import TOP
 
     # the shared cache folder: converted once for the suite; on a CPU machine the suite's own float engine
     float_engine = get_engine(EngineConfig(device="cpu", weights="float"))
@@ -231,7 +233,8 @@ def test_the_embedded_model_starts_in_int4_from_its_q4_1_weights(tmp_path, monke
         got = engine.model(input_ids=torch.tensor([ids])).logits[0, -1]
         expected = float_engine.model(input_ids=torch.tensor([ids])).logits[0, -1]
     assert got.argmax() == expected.argmax()
-    torch.testing.assert_close(got, expected, rtol=0.05, atol=0.05 * expected.abs().max().item())
+    top = expected.topk(TOP).indices   # where an int4 lm_head (auto's pick where it times faster) is exact too
+    torch.testing.assert_close(got[top], expected[top], rtol=0.05, atol=0.05 * expected.abs().max().item())
     assert "paris" in engine.generate(ids, SamplingParams(max_tokens=16)).text.lower()
 
 

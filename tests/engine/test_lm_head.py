@@ -43,11 +43,70 @@ def test_auto_times_both_heads_and_keeps_the_faster(tmp_path):
     assert held == engine.lm_head_kind == engine.placement()["lm_head"]["weights"]
 
 
-def test_auto_takes_q8_0_when_the_budget_calls_for_it():
+def test_auto_takes_the_fewest_device_bytes_when_the_budget_calls_for_it():
     net = _int4()
     kind, why = lm_head.apply("auto", net, "int4", torch.device("cpu"), budget_wins=True)
-    assert kind == "int8" and "decoder layers stay on the GPU" in why
-    assert isinstance(net.lm_head, Int4PairLinear)
+    assert kind == "int4" and "decoder layers stay on the GPU" in why   # (the CPU: its rows cost no device memory)
+    assert isinstance(net.lm_head, lm_head.RescoredHead)
+
+
+def test_auto_times_the_int4_head_too(tmp_path):
+    engine = tiny.engine(tmp_path, net=_int4())
+    assert "ms as int4 + top rows" in engine.lm_head_reason and "ms as Q8_0" in engine.lm_head_reason
+
+
+def _rescored(top: int, bias: bool = False):
+    g = torch.Generator().manual_seed(5)
+    head = torch.nn.Linear(96, 400, bias=bias)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(400, 96, generator=g) * 0.3)
+        if bias:
+            head.bias.copy_(torch.randn(400, generator=g))
+    layer = lm_head._rescored_layer(head, torch.device("cpu"), "auto")
+    return head, lm_head.RescoredHead(layer.approx, layer._rows, torch.device("cpu"), top=top)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_int4_head_recomputes_its_top_logits_from_the_heads_rows(bias):
+    """The int4 codes rank every token; the ``top`` largest are the exact head's logits, the rest int4's; so the
+    greedy token is the exact head's, for one position and for a prompt's many (several chunks)."""
+    head, rescored = _rescored(top=12, bias=bias)
+    assert lm_head.kind_of(rescored) == "int4"
+    x = torch.randn(150, 96, generator=torch.Generator().manual_seed(6))   # > one chunk of positions
+    with torch.inference_mode():
+        exact, approx, got = head(x), rescored.approx(x), rescored(x)
+    idx = approx.topk(12, -1).indices
+    torch.testing.assert_close(got.gather(-1, idx), exact.gather(-1, idx), rtol=1e-5, atol=1e-4)
+    rest = torch.ones_like(got, dtype=torch.bool).scatter_(-1, idx, False)
+    assert torch.equal(got[rest], approx[rest])
+    assert torch.equal(got.argmax(-1), exact.argmax(-1))
+    assert (approx.argmax(-1) != exact.argmax(-1)).any()   # int4 alone would change greedy tokens here
+    one = rescored(x[:1].view(1, 1, 96))
+    assert one.shape == (1, 1, 400) and torch.equal(one.view(-1).argmax(), exact[0].argmax())
+    assert rescored.read_bytes() == rescored.approx.weight_bytes() + 12 * 96 * 4
+
+
+def test_an_int4_head_in_an_engine_keeps_a_tied_table_and_the_greedy_tokens(tmp_path):
+    """``lm_head: int4`` on a tied int4 model: the table stays the embedding (shared as the head's rows, not
+    copied), the engine reports int4 and its bytes, and greedy generation is the 16-bit head's."""
+    def tied():
+        net = tiny.model("llama")
+        net.lm_head.weight = net.get_input_embeddings().weight
+        net.config.tie_word_embeddings = True
+        quantize_linears_rtn(net, group_size=32, backend="auto")
+        return net
+
+    ref = tiny.engine(tmp_path / "a", net=tied(), lm_head="float")
+    engine = tiny.engine(tmp_path / "b", net=tied(), lm_head="int4")
+    head = engine.model.get_output_embeddings()
+    assert engine.lm_head_kind == "int4" and engine.lm_head_reason == "lm_head: int4"
+    assert isinstance(head, lm_head.RescoredHead) and engine.placement()["lm_head"]["weights"] == "int4"
+    assert head._rows.data_ptr() == engine.model.get_input_embeddings().weight.data_ptr()
+    vocab, hidden = head._rows.shape   # (a vocabulary under TOP: every row is recomputed)
+    assert engine.decode_bytes()["lm_head"] == head.approx.weight_bytes() + vocab * hidden * 4
+    ids = engine.encode_messages([{"role": "user", "content": tiny.text(40)}])
+    params = SamplingParams(max_tokens=12)
+    assert engine.generate(ids, params).text == ref.generate(ids, params).text
 
 
 def test_an_int8_head_computes_the_q8_0_round_trip(tmp_path):
@@ -95,7 +154,7 @@ def test_a_tied_head_is_untied_and_the_table_kept(tmp_path):
 
 def test_planned_kinds_and_a_wrong_value_names_the_key():
     assert lm_head.planned("auto", "int4") == "int8" and lm_head.planned("auto", "float") == "float"
-    assert lm_head.planned("float", "int4") == "float"
+    assert lm_head.planned("float", "int4") == "float" and lm_head.planned("int4", "float") == "int4"
     with pytest.raises(ConfigError, match="lm_head"):
         EngineConfig.from_parameters({"lm_head": "int2"})
 
@@ -123,3 +182,34 @@ def test_the_gpu_head_computes_the_q8_0_round_trip():
 def q8_0_engine_weight(w: torch.Tensor) -> torch.Tensor:
     pair = awq_format.dequantize(*q8_0_quantize(w), 32, torch.float32)
     return pair.view(w.shape[0], 2, w.shape[1]).sum(1)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (zero-copy rows, the Triton kernel)")
+def test_the_gpu_int4_head_reads_its_rows_from_host_ram_inside_a_cuda_graph():
+    """A 1.5B-shape head (vocab 151,936 x 1,536) as ``lm_head: int4`` on CUDA: the rows stay in pinned host RAM
+    (the device holds the codes only), and one token's logits, recorded as a CUDA graph and replayed on a new
+    input, have the exact head's top logits and greedy token."""
+    from flashguard.kv import uva
+
+    if not uva.available(torch.device("cuda")):
+        pytest.skip("zero-copy reads do not work on this GPU")
+    g = torch.Generator().manual_seed(0)
+    head = torch.nn.Linear(1536, 151936, bias=False, device="cuda", dtype=torch.float16)
+    with torch.no_grad():
+        head.weight.copy_((torch.randn(151936, 1536, generator=g) * 0.02).half())
+    layer = lm_head._rescored_layer(head, torch.device("cuda"), "auto")
+    assert layer.zero_copy and layer._rows.device.type == "cpu" and layer._rows.is_pinned()
+    assert all(b.device.type == "cuda" for b in layer.buffers())
+    x = torch.zeros(1, 1536, device="cuda", dtype=torch.float16)
+    with torch.inference_mode():
+        layer(x)   # warm-up (Triton compiles)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = layer(x)
+        for seed in (1, 2):
+            x.copy_(torch.randn(1, 1536, generator=torch.Generator().manual_seed(seed)).half().cuda())
+            graph.replay()
+            exact = (x.float() @ head.weight.float().T)[0]
+            top = layer.approx(x)[0].float().topk(layer.top).indices
+            assert int(out[0].float().argmax()) == int(exact.argmax())
+            torch.testing.assert_close(out[0].float()[top], exact[top], rtol=2e-3, atol=2e-3)
