@@ -211,5 +211,6 @@ def test_the_gpu_int4_head_reads_its_rows_from_host_ram_inside_a_cuda_graph():
             graph.replay()
             exact = (x.float() @ head.weight.float().T)[0]
             top = layer.approx(x)[0].float().topk(layer.top).indices
-            assert int(out[0].float().argmax()) == int(exact.argmax())
+            # the greedy token is the exact head's up to fp16 (this random head has near-ties: 0.001 apart)
+            assert exact[int(out[0].float().argmax())] >= exact.max() - 4e-3
             torch.testing.assert_close(out[0].float()[top], exact[top], rtol=2e-3, atol=2e-3)
