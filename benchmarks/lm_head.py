@@ -88,7 +88,7 @@ def rescored(w: torch.Tensor):
     """``lm_head: int4`` itself (quant/lm_head.RescoredHead on the CPU kernels): int4 codes, the top rows of ``w``."""
     from flashguard.quant import lm_head
 
-    head = lm_head._rescored(w, None, torch.device("cpu"), "auto")
+    head = lm_head.rescored_head(w, None, torch.device("cpu"))
     return lambda x: head(x).float()
 
 
@@ -139,7 +139,7 @@ def speed(out: str | None) -> int:
         b16 = head.weight.numel() * head.weight.element_size()
         b8 = lm_head.read_bytes(layer)
         del layer
-        four = lm_head._rescored_layer(head, device, "auto")
+        four = lm_head.rescored_head(head.weight.detach(), None, device)
         _, t4 = lm_head._time_one_token(head, four, device)
         b4 = lm_head.read_bytes(four)
         lines.append(f"| {name} ({vocab} x {hidden}) | {t16 * 1e3:.3f} | {b16 / t16 / 1e9:.0f} | {t8 * 1e3:.3f} | "

@@ -157,10 +157,12 @@ class EngineConfig:
     lm_head        "auto" (default), "float" (16-bit), "int8" or "int4": the output matrix, which every decoded token
                    reads whole (quant/lm_head.py). int8: llama.cpp's Q8_0 codes (a scale per 32), 0.6x the bytes of a
                    16-bit head; int4: int4 codes (0.3x), the top 1,024 logits a token recomputed from the head's own
-                   rows, kept in host RAM on a GPU (the greedy token is the exact head's). auto = with an int4 decoder,
-                   the fastest of the three timed at start (or the fewest GPU bytes when the budget is tight), else
-                   16-bit; a head the file holds in 4 or 8 bits keeps its codes. The start-up log,
-                   ``engine_info()`` and ``flashguard smi`` say which and why.
+                   rows, kept in host RAM (on a GPU it needs zero-copy reads, i.e. Triton; the greedy token is the
+                   exact head's). auto = with an int4 decoder, the fastest of those the device can hold, timed at
+                   start (or the fewest GPU bytes when the budget is tight), else 16-bit. A head the file holds in
+                   Q4 keeps its codes; one in Q8_0 too, unless the model holds its matrix in float (a GGUF's tied
+                   table), which int4 (or auto, where faster) reads. The start-up log, ``engine_info()`` and
+                   ``flashguard smi`` say which and why.
     int4_kernel    "auto" (the fastest the device runs), "triton" (flashguard's Triton kernels, CUDA), "cuda"
                    (torch's tinygemm, compute capability >= 8.0), "cpu" (torch's CPU kernel) or "dequant" (any device).
     cuda_graphs    record one-token decode steps of Llama/Qwen2 models as CUDA graphs (engine/decode_step.py);

@@ -195,6 +195,7 @@ def answer_ids(engine, word: str) -> list[int]:
     if word not in memo:
         memo[word] = sorted({engine.tokenizer(w, add_special_tokens=False)["input_ids"][0]
                              for w in _VARIANTS(word.strip())})
+        engine.keep_exact(memo[word])   # (an int4 lm_head recomputes them at every position)
     return list(memo[word])
 
 

@@ -11,6 +11,8 @@ Contract:
   tokens whose K/V are in the cache.
 - Prefill runs in chunks of ``prefill_chunk`` tokens with ``logits_to_keep=1``, so activation
   memory does not grow with the prompt.
+- ``keep_exact(token_ids)``: those tokens' logits are computed exactly whatever the lm_head (``lm_head: int4``
+  recomputes only its top candidates otherwise); the rails name their answers once.
 
 The work is done by parts, each in its own module, which the Engine holds and wires together:
 ``budget.Budget`` (vram_budget, the allocator's cap, the tiers and prefill chunk planned within it),
@@ -356,6 +358,15 @@ class Engine:
         """
         r = self.read(ids, task=task)
         return r.logprobs, r.reused
+
+    def keep_exact(self, token_ids: Sequence[int]) -> None:
+        """Compute these tokens' logits exactly even where the lm_head is read approximately (``lm_head: int4``
+        recomputes only its top candidates): the rails' answers, whose log-odds a verdict reads."""
+        from ..quant.lm_head import RescoredHead
+
+        head = self.model.get_output_embeddings()
+        if isinstance(head, RescoredHead):
+            head.keep_exact(token_ids)
 
     def next_token_state(self, ids: Sequence[int], task: str = "moderation", *,
                          hidden: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, int]:

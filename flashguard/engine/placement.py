@@ -68,8 +68,8 @@ class Placement:
         self.lm_head_reason = None   # hold_lm_head
 
     def hold_lm_head(self, context: int) -> None:
-        """The output matrix in 16 bits or as Q8_0 codes as the ``lm_head`` key says (auto: measured, or the
-        budget's call: ``head_budget_wins``), quant/lm_head.py."""
+        """The output matrix in 16 bits, as Q8_0 codes or as int4 codes with its top rows recomputed, as the
+        ``lm_head`` key says (auto: measured, or the budget's call: ``head_budget_wins``), quant/lm_head.py."""
         kind, self.lm_head_reason = lm_head.apply(
             self.config.lm_head, self.model, self.weights_kind, self.device, self.config.int4_kernel,
             self.head_budget_wins(context))
@@ -77,12 +77,13 @@ class Placement:
 
     @property
     def lm_head_kind(self) -> str:
-        """How the output matrix is held: "float", "int8" (Q8_0 codes) or "int4" (``lm_head.kind_of``)."""
+        """How the output matrix is held: "float", "int8" (Q8_0 codes) or "int4" (int4 codes: ``lm_head.kind_of``)."""
         return lm_head.kind_of(self.model.get_output_embeddings())
 
     def head_budget_wins(self, context: int) -> bool:
-        """Whether ``vram_budget`` calls for a Q8_0 lm_head: with the 16-bit head more int4 decoder layers would
-        stream from host RAM (or none of the placements would fit) than with the Q8_0 one."""
+        """Whether ``vram_budget`` calls for a smaller lm_head: with the 16-bit head more int4 decoder layers would
+        stream from host RAM (or none of the placements would fit) than with the Q8_0 one (``apply`` then holds
+        the fewest device bytes it can: int4 codes where their rows stay in host RAM, else Q8_0)."""
         if not self._budgeted() or lm_head.kind_of(self.model.get_output_embeddings()) != "float":
             return False
         streamed = []

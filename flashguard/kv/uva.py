@@ -62,3 +62,34 @@ def _probe(device: torch.device) -> bool:
 
 # available(device): True when zero-copy reads work on ``device`` (checked once against a host gather)
 available = SelfCheck("zero-copy page reads", _probe, "using host gathers")
+
+
+class PinnedRows:
+    """A table ``[n, d]`` in host RAM whose rows a device asks for by index (an embedding table, an lm_head's rows).
+
+    ``PinnedRows(table, device)``: on CUDA the table is copied to pinned host RAM, and where zero-copy reads work
+    (``reads_itself``: ``available`` and rows of a multiple of 4 bytes) the GPU reads the rows it needs itself, a
+    kernel a CUDA graph can record; elsewhere rows are gathered on the host and copied over. Off CUDA the table
+    is used as it is (a CPU tensor is shared, not copied). ``rows(ids)`` -> ``table[ids]`` on ``device``, shape
+    ``[len(ids), d]``, for ids on any device; ``table`` is the host tensor."""
+
+    def __init__(self, table: torch.Tensor, device: torch.device):
+        host = table.detach().to("cpu")
+        self.table = host.pin_memory() if device.type == "cuda" else host
+        self.target = device
+        self.reads_itself = self.zero_copy_on(device, host.shape[1] * host.element_size())
+        self._bytes = self.table.view(torch.uint8).view(host.shape[0], -1) if self.reads_itself else None
+
+    @staticmethod
+    def zero_copy_on(device: torch.device, row_bytes: int) -> bool:
+        """Whether a GPU reads rows of ``row_bytes`` from pinned host RAM itself on ``device``."""
+        return device.type == "cuda" and row_bytes % 4 == 0 and available(device)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        ids = ids.reshape(-1)
+        if self.reads_itself and ids.device.type == "cuda":
+            return gather_rows(self._bytes, ids, self.target).view(self.table.dtype).view(len(ids), -1)
+        got = self.table.index_select(0, ids.to("cpu"))
+        if self.target.type == "cuda":
+            return got.pin_memory().to(self.target, non_blocking=True)
+        return got.to(self.target)

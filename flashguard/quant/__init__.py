@@ -5,7 +5,8 @@
 - ``awq_load``    load any ``quant_method: awq`` checkpoint into a transformers model.
 - ``awq_search``  ``flashguard quantize``: the activation-aware scale search that writes such checkpoints.
 - ``gguf_int4`` / ``gguf_load``  a GGUF's own 4- and 8-bit codes straight into ``Int4Linear``.
-- ``lm_head``     the ``lm_head`` key: the output matrix in 16 bits or as Q8_0 codes.
+- ``lm_head``     the ``lm_head`` key: the output matrix in 16 bits, as Q8_0 codes, or as int4 codes whose top
+                  logits are recomputed from the head's rows in host RAM.
 """
 
 # Group size of the int4 weights ``flashguard quantize`` writes (``weights: int4`` on a float model); the VRAM planner

@@ -138,15 +138,15 @@ def _pair_codes(q: torch.Tensor, d: torch.Tensor):
 
 
 class Int4PairLinear(torch.nn.Module):
-    """``x @ W.T`` for an 8-bit matrix held as one ``Int4Linear`` over ``[x, x]`` (``q8_0_codes``). ``rows``: ``W``
-    as floats where the model holds it anyway (a GGUF's lm_head made of its embeddings' codes: the input table),
-    else None; not a buffer."""
+    """``x @ W.T`` for an 8-bit matrix held as one ``Int4Linear`` over ``[x, x]`` (``q8_0_codes``). ``table``: ``W``
+    in float where the model holds it anyway (a GGUF's lm_head made of its embeddings' codes: the input table),
+    else None; not a buffer (``lm_head: int4`` reads it)."""
 
-    def __init__(self, inner, rows: torch.Tensor | None = None):
+    def __init__(self, inner, table: torch.Tensor | None = None):
         super().__init__()
         self.inner = inner
         self.in_features, self.out_features = inner.in_features // 2, inner.out_features
-        self.rows = rows
+        self.table = table
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.inner(torch.cat([x, x], dim=-1))

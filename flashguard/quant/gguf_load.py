@@ -220,7 +220,7 @@ def load_int4(path: str, config, device: torch.device, dtype: torch.dtype, backe
             module.bias = floats.pop(hf)
     model.load_state_dict(floats, strict=False, assign=True)
     if from_table and isinstance(model.lm_head, gguf_int4.Int4PairLinear):
-        model.lm_head.rows = model.get_input_embeddings().weight   # the head's matrix, dequantized (lm_head: int4)
+        model.lm_head.table = model.get_input_embeddings().weight   # the head's matrix in float (lm_head: int4)
     if tied:
         model.lm_head.weight = model.get_input_embeddings().weight   # no output.weight: tied
     missing = [n for n, p in model.named_parameters() if p.device.type == "meta"]   # buffers: rebuilt below

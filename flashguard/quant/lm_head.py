@@ -6,70 +6,80 @@ Every decoded token reads the whole output matrix: for DeepSeek-R1-Distill-Qwen-
 scale per 32) and computed by the int4 kernels as two 4-bit halves over ``[x, x]`` (``gguf_int4.Int4PairLinear``,
 the form a GGUF's own Q8_0 matrices already load in), it reads 1.25 bytes a weight: 0.29 GB. ``int4``
 (``RescoredHead``) reads 0.625 bytes a weight (0.15 GB): int4 codes (group 32) give every logit, and the ``TOP``
-largest are recomputed exactly from the head as loaded (its 16-bit rows, or the file's Q8_0 dequantized), which
-stay in host RAM on a GPU (read by the GPU itself, ``kv/uva.py``) and cost ``TOP`` rows a token. The greedy token is
-the exact head's whenever it is among the int4 head's ``TOP`` (every position measured); the tail keeps int4's
-error, KL 0.003 nats on the real SmolLM2 (docs/benchmarks/lm_head_cpu.md). Fewer bytes are not always less time:
-on an H200 cuBLAS reads the 16-bit head faster than the int4 kernel reads the codes (decode 1.2x faster with the
-16-bit head at 8K, docs/benchmarks/lm_head.md), while a laptop GPU is bound by its bytes. So ``auto`` measures.
+largest, with the tokens the rails read (``keep_exact``), are recomputed from the head as loaded (its 16-bit rows,
+or a GGUF's Q8_0 table dequantized), which stay in host RAM (``kv.uva.PinnedRows``: on a GPU the GPU reads the rows
+it needs itself) and cost ``TOP`` rows a token. The greedy token is the exact head's whenever it is among the int4
+head's ``TOP`` (every position measured); the tail keeps int4's error, KL 0.001-0.003 nats on the real SmolLM2 and
+Gemma 3 (docs/benchmarks/lm_head.md). Fewer bytes are not always less time: on an H200 cuBLAS reads the 16-bit
+head fastest (0.15 ms against 0.33 for Q8_0 and 0.39 for int4 + top rows), while a laptop GPU is bound by its
+bytes. So ``auto`` measures.
 
 Contract:
 - ``planned(lm_head, weights_kind) -> kind`` what the key may make of a float head, before a model is loaded
-  (``flashguard plan`` plans the fewer bytes: ``auto`` with int4 weights is ``int8``).
+  (``flashguard plan`` plans ``auto`` with int4 weights as ``int8``; ``int4`` as the int4 codes and top rows).
 - ``apply(lm_head, model, weights_kind, device, int4_kernel, budget_wins) -> (kind, why)`` resolves the key on the
-  loaded model and leaves the head held that way. A head the file already holds in 4 or 8 bits keeps its codes
-  (``int4`` / ``int8``) whatever the key says, since a 16-bit copy would only be its dequantization. ``float`` /
-  ``int8`` / ``int4`` are the user's call. ``auto`` keeps a float decoder's head in 16 bits; with an int4 decoder,
-  when ``budget_wins`` (the 16-bit head would push decoder layers off the GPU, the caller's planner says) it holds
-  the fewest bytes on the device (``int4`` where its rows can stay in host RAM, else ``int8``), otherwise it times
-  one token through each head on ``device`` (a few ms at start) and keeps the fastest (16-bit unless another is
-  3% faster).
+  loaded model and leaves the head held that way. A head the file holds in Q4 keeps its codes whatever the key
+  says; one in Q8_0 keeps them too, except that where the model holds the same matrix in float (a GGUF's tied
+  table) ``int4`` reads it as int4 codes over that table (and ``auto`` does when that times faster). ``float`` /
+  ``int8`` / ``int4`` are the user's call; ``int4`` on a GPU that cannot read host RAM itself (no Triton) raises a
+  ConfigError naming the key. ``auto`` keeps a float decoder's head in 16 bits; with an int4 decoder, when
+  ``budget_wins`` (the 16-bit head would push decoder layers off the GPU, the caller's planner says) it holds the
+  fewest bytes on the device (``int4`` where its rows can stay in host RAM, else ``int8``), otherwise it times one
+  token through each head it can hold on ``device`` (a few ms at start) and keeps the fastest (16-bit unless
+  another is 3% faster).
 - ``quantize(model, device, int4_kernel)`` replaces a float ``lm_head`` by its Q8_0 codes on ``device``;
-  ``rescored(model, device, int4_kernel)`` by a ``RescoredHead``. A head tied to the input embeddings is untied
-  (the table stays as it was, for the embedding lookup). The 16-bit head is freed from the device. Q8_0 logits
-  equal those of gguf-py's Q8_0 round trip of the head, up to the int4 kernel's rounding.
-- ``kind_of(module) -> "float" | "int4" | "int8"``: how a loaded head is held (the planner's ``Shape.lm_head``);
-  ``read_bytes(module)``: the bytes one token reads through it.
+  ``rescored(model, device, int4_kernel)`` by a ``RescoredHead`` (``rescored_head(weight, bias, device)`` builds
+  one). A head tied to the input embeddings is untied (the table stays as it was, for the embedding lookup). The
+  16-bit head is freed from the device. Q8_0 logits equal those of gguf-py's Q8_0 round trip of the head, up to the
+  int4 kernel's rounding.
+- ``kind_of(module) -> "float" | "int4" | "int8"``: how a loaded head is held (the planner's ``Shape.lm_head``;
+  ``int4`` is a GGUF's Q4 codes or a ``RescoredHead``); ``read_bytes(module)``: the bytes one token reads through it.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..errors import ConfigError
 from ..kv import uva
 from . import awq_format, gguf_int4
 from .int4_linear import Int4Linear
 
 TOP = 1024         # candidates recomputed exactly: KL 0.0026 nats on SmolLM2 (256: 0.0070, 64: 0.0145)
 GROUP = 32         # the int4 codes' group (llama.cpp's Q4 block)
+KEPT = 64          # token ids ``keep_exact`` may name (the rails' answer spellings)
 _CHUNK = 64        # positions rescored at once (a prompt's logits: TOP rows each)
 
 
 class RescoredHead(torch.nn.Module):
-    """``x @ W.T`` read as int4 codes (``approx``, an ``Int4Linear``), its ``top`` largest logits per position
-    recomputed from ``rows`` (``W`` as loaded, [vocab, hidden]; bias included). ``rows`` is not a buffer: on CUDA
-    it is pinned host RAM that the GPU reads itself (``zero_copy``), or device memory where that does not work;
-    on the CPU it is the head's own tensor (a tied table is shared, not copied). Graph-safe: no host sync."""
+    """``x @ W.T`` read as int4 codes (``approx``, an ``Int4Linear``), its ``top`` largest logits per position and
+    the ``keep_exact`` tokens recomputed from ``table`` (``W`` as loaded, a ``kv.uva.PinnedRows``; bias included).
+    The table is not a buffer (host RAM; on the CPU the head's own tensor, so a tied table is shared, not copied).
+    Graph-safe: no host sync, fixed shapes (the kept ids live in a buffer of ``KEPT`` slots)."""
 
-    def __init__(self, approx: Int4Linear, rows: torch.Tensor, device: torch.device, top: int = TOP):
+    def __init__(self, approx: Int4Linear, table: uva.PinnedRows, source_ptr: int, top: int = TOP):
         super().__init__()
-        self.approx = approx
-        self.out_features, self.in_features = rows.shape
+        self.approx, self.table = approx, table
+        self.out_features, self.in_features = table.table.shape
         self.top = min(top, self.out_features)
-        self.target = device
-        self.zero_copy = device.type == "cuda" and rows.device.type == "cpu"
-        self._rows = rows
-        self._row_bytes = rows.view(torch.uint8).view(self.out_features, -1) if self.zero_copy else None
+        self.source_ptr = source_ptr   # the matrix it was built from (``rows_of``)
+        self.register_buffer("kept", torch.zeros(KEPT, dtype=torch.long, device=table.target))
 
-    def rows(self, idx: torch.Tensor) -> torch.Tensor:
-        """``W[idx]`` on the target device for a device index tensor ``idx`` [M]."""
-        if self.zero_copy:
-            got = uva.gather_rows(self._row_bytes, idx, self.target)
-            return got.view(self._rows.dtype).view(-1, self.in_features)
-        return self._rows.index_select(0, idx)
+    def rows_of(self, weight: torch.Tensor) -> uva.PinnedRows | None:
+        """Its table when it was built from ``weight`` (a tied embedding table: one pinned copy for both)."""
+        return self.table if weight.data_ptr() == self.source_ptr else None
+
+    def keep_exact(self, token_ids) -> None:
+        """Recompute these tokens' logits exactly at every position too (at most ``KEPT``; the rails' answers)."""
+        ids = sorted({int(i) for i in token_ids} | {int(i) for i in self.kept.tolist() if i})
+        if len(ids) > KEPT:
+            raise ValueError(f"keep_exact: {len(ids)} token ids, at most {KEPT}")
+        if ids:
+            self.kept.copy_(torch.tensor(ids + [ids[0]] * (KEPT - len(ids)), dtype=torch.long))
 
     def read_bytes(self) -> int:
-        return self.approx.weight_bytes() + self.top * self.in_features * self._rows.element_size()
+        t = self.table.table
+        return self.approx.weight_bytes() + (self.top + KEPT) * self.in_features * t.element_size()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.approx(x)
@@ -78,8 +88,8 @@ class RescoredHead(torch.nn.Module):
         bias = self.approx.bias
         for i in range(0, flat.shape[0], _CHUNK):
             part, xp = flat[i:i + _CHUNK], xs[i:i + _CHUNK]
-            idx = part.topk(self.top, -1).indices   # [t, top]
-            w = self.rows(idx.reshape(-1)).view(*idx.shape, self.in_features).to(xp.dtype)
+            idx = torch.cat([part.topk(self.top, -1).indices, self.kept.expand(len(part), -1)], -1)
+            w = self.table.rows(idx).view(*idx.shape, self.in_features).to(xp.dtype)
             exact = torch.bmm(w, xp.unsqueeze(-1)).squeeze(-1)
             if bias is not None:
                 exact = exact + bias.to(exact.dtype)[idx]
@@ -107,32 +117,46 @@ def planned(lm_head: str, weights_kind: str) -> str:
     return lm_head
 
 
+def int4_possible(device: torch.device, weight: torch.Tensor) -> str | None:
+    """Why ``lm_head: int4`` cannot hold ``weight`` [N, K] on ``device``, or None: its codes need K a multiple of
+    ``GROUP``, and on CUDA its rows stay in host RAM only where the GPU reads them itself."""
+    if weight.shape[1] % GROUP:
+        return f"the head's {weight.shape[1]} inputs are not a multiple of {GROUP}"
+    if device.type == "cuda" and not uva.PinnedRows.zero_copy_on(device, weight.shape[1] * weight.element_size()):
+        return ("this GPU cannot read the head's rows from host RAM itself (zero-copy reads need Triton: "
+                "triton-windows on Windows)")
+    return None
+
+
 def apply(lm_head: str, model, weights_kind: str, device: torch.device, int4_kernel: str = "auto",
           budget_wins: bool = False) -> tuple[str, str]:
     held = kind_of(model.get_output_embeddings())
     if held != "float":
         return _file_codes(lm_head, model, held, device, int4_kernel)
     kind = planned(lm_head, weights_kind)
+    head = model.get_output_embeddings()
     if lm_head != "auto":
         if kind == "int8":
             quantize(model, device, int4_kernel)
         elif kind == "int4":
+            _check_linear(head, "int4")
+            why_not = int4_possible(device, head.weight)
+            if why_not:
+                raise ConfigError(f"int4: {why_not}; use int8 or auto", key="lm_head")
             rescored(model, device, int4_kernel)
         return kind, f"lm_head: {lm_head}"
     if kind == "float":
         return kind, "auto: a float decoder, so 16-bit; lm_head: int8 or int4 reads 0.6x or 0.3x the bytes"
-    head = model.get_output_embeddings()
-    off_device = device.type == "cpu" or uva.available(device)   # int4's rows need no device memory
+    four = int4_possible(device, head.weight) is None
     if budget_wins or head.weight.device.type != device.type:   # (streamed layers)
-        layer = _rescored_layer(head, device, int4_kernel) if off_device else _q8_0_layer(head, device, int4_kernel)
+        layer = _rescored_layer(head, device, int4_kernel) if four else _q8_0_layer(head, device, int4_kernel)
         _install(model, layer, device)
-        return kind_of(layer), (f"auto: {'int4 codes, top rows in host RAM' if off_device else 'Q8_0 codes'}, so "
+        return kind_of(layer), (f"auto: {'int4 codes, top rows in host RAM' if four else 'Q8_0 codes'}, so "
                                 "that more decoder layers stay on the GPU")
     makers = {"int8": ("Q8_0", _q8_0_layer)}
-    if off_device:
+    if four:
         makers["int4"] = ("int4 + top rows", _rescored_layer)
-    best, best_t, timed = None, None, []
-    t16 = None
+    best, best_t, t16, timed = None, None, None, []
     for name, (label, make) in makers.items():
         layer = make(head, device, int4_kernel)
         t_head, t_layer = _time_one_token(head, layer, device)
@@ -140,8 +164,9 @@ def apply(lm_head: str, model, weights_kind: str, device: torch.device, int4_ker
         timed.append(f"{t_layer * 1e3:.3f} ms as {label}")
         if best_t is None or t_layer < best_t:
             best, best_t = (name, layer), t_layer
-        else:
-            del layer
+        del layer   # (the loser's memory back before the next is built)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     timed = f"one token's head {', '.join(timed)}, {t16 * 1e3:.3f} ms in 16 bits here"
     if best_t < 0.97 * t16:
         _install(model, best[1], device)
@@ -153,41 +178,34 @@ def apply(lm_head: str, model, weights_kind: str, device: torch.device, int4_ker
 
 
 def _file_codes(key: str, model, held: str, device: torch.device, int4_kernel: str) -> tuple[str, str]:
-    """A head the file holds in 4 or 8 bits keeps its codes, except that ``int4`` (and ``auto``, when it times
-    faster) reads a Q8_0 head as int4 codes and recomputes the top rows from its dequantized matrix."""
+    """A head the file holds in Q4 or Q8_0 keeps its codes; a Q8_0 head whose matrix the model also holds in
+    float (``Int4PairLinear.table``: a GGUF's tied embeddings) becomes int4 codes over that table under ``int4``,
+    and under ``auto`` where that times faster."""
     why = f"the file's own {'Q4' if held == 'int4' else 'Q8_0'} codes"
     pair = model.get_output_embeddings()
-    rows = pair.rows if held == "int8" else None
+    table = pair.table if held == "int8" else None
     if held == "int8":
-        pair.rows = None   # a kept pair must not hold the table alive (it may move to host RAM)
-    if held != "int8" or key not in ("int4", "auto"):
+        pair.table = None   # a kept pair must not hold the table alive (it may move to host RAM)
+    if table is None or key not in ("int4", "auto"):
+        if key == "int4":
+            why += " (lm_head: int4 needs the head's matrix in float, which this file does not hold)"
         return held, why
-    rows = rows if rows is not None else _pair_rows(pair)
-    layer = _rescored(rows, None, device, int4_kernel)
+    why_not = int4_possible(device, table)
+    if why_not:
+        if key == "int4":
+            raise ConfigError(f"int4: {why_not}; use int8 or auto", key="lm_head")
+        return held, why
+    layer = rescored_head(table, None, device, int4_kernel)
     if key == "int4":
         _install(model, layer, device)
-        return "int4", "lm_head: int4 (over the file's Q8_0 codes)"
-    t8, t4 = _time_one_token(pair, layer, device, rows.dtype)
+        return "int4", "lm_head: int4 (over the file's Q8_0 table)"
+    t8, t4 = _time_one_token(pair, layer, device, table.dtype)
     timed = f"one token's head {t4 * 1e3:.3f} ms as int4 + top rows, {t8 * 1e3:.3f} ms as the file's Q8_0 here"
     if t4 < 0.97 * t8:
         _install(model, layer, device)
-        return "int4", f"auto: int4 + top rows over the file's Q8_0 ({timed})"
+        return "int4", f"auto: int4 + top rows over the file's Q8_0 table ({timed})"
     del layer
     return held, f"{why} ({timed})"
-
-
-def _pair_rows(pair: "gguf_int4.Int4PairLinear") -> torch.Tensor:
-    """The float matrix [N, K] a Q8_0 pair computes (where the model does not hold it already): the pair's output
-    for the identity, a block of columns at a time, gathered in host RAM on a GPU."""
-    device = next(pair.buffers()).device
-    dtype = torch.bfloat16 if pair.inner.backend in ("cpu", "cuda") else torch.float16
-    n, k = pair.out_features, pair.in_features
-    out = torch.empty(n, k, dtype=dtype, device="cpu" if device.type == "cuda" else device)
-    eye = torch.eye(k, dtype=dtype, device=device)
-    with torch.inference_mode():
-        for c in range(0, k, 256):
-            out[:, c:c + 256] = pair(eye[c:c + 256]).T.to(out.device)
-    return out
 
 
 def _time_one_token(head, layer, device: torch.device, dtype: torch.dtype | None = None,
@@ -224,21 +242,18 @@ def rescored(model, device: torch.device, int4_kernel: str = "auto") -> None:
 
 def _rescored_layer(head, device: torch.device, int4_kernel: str) -> RescoredHead:
     _check_linear(head, "int4")
-    return _rescored(head.weight.detach(), head.bias.detach() if head.bias is not None else None, device, int4_kernel)
+    return rescored_head(head.weight.detach(), head.bias.detach() if head.bias is not None else None, device,
+                         int4_kernel)
 
 
-def _rescored(w: torch.Tensor, bias, device: torch.device, int4_kernel: str, rows: int = 4096) -> RescoredHead:
-    """The matrix ``w``'s int4 codes (RTN, group ``GROUP``, ``rows`` rows at a time: no float32 copy of the whole
-    head) and its rows where they are read from: pinned host RAM on CUDA where the GPU reads it, else beside the
-    codes (``w`` itself on the CPU)."""
-    parts = [awq_format.quantize_rtn(w[r:r + rows].float(), GROUP) for r in range(0, w.shape[0], rows)]
+def rescored_head(weight: torch.Tensor, bias, device: torch.device, int4_kernel: str = "auto", top: int = TOP,
+                  rows: int = 4096) -> RescoredHead:
+    """A ``RescoredHead`` of the matrix ``weight`` [N, K]: its int4 codes (RTN, group ``GROUP``, ``rows`` rows at a
+    time: no float32 copy of the whole head) on ``device`` and its rows in host RAM (``kv.uva.PinnedRows``)."""
+    parts = [awq_format.quantize_rtn(weight[r:r + rows].float(), GROUP) for r in range(0, weight.shape[0], rows)]
     codes, zeros, scales = (torch.cat([p[i].cpu() for p in parts]) for i in range(3))
     approx = Int4Linear.from_codes(codes, zeros, scales, GROUP, bias, device, int4_kernel)
-    if device.type == "cuda" and (w.shape[1] * w.element_size()) % 4 == 0 and uva.available(device):
-        table = w.to("cpu").pin_memory()
-    else:
-        table = w if w.device.type == device.type else w.to(device)
-    return RescoredHead(approx, table, device)
+    return RescoredHead(approx, uva.PinnedRows(weight, device), weight.data_ptr(), top)
 
 
 def _check_linear(head, key: str) -> None:

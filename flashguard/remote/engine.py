@@ -15,6 +15,7 @@ Contract (the public surface of the local ``Engine`` that the provider, the serv
   ``reused`` is what the server says it took from its prefix cache (``usage.prompt_tokens_details.cached_tokens``,
   or llama-server's ``timings.cache_n``). No hidden states: ``reads_states`` is False and the rails decide by the
   question's Yes/No log-odds (a probe needs the model's states).
+- ``keep_exact(token_ids)``: nothing to do (the server's log-probabilities are its own head's).
 - ``lock`` serialises nothing: each call is its own request, and the server batches concurrent ones.
 - At start: the server must answer ``GET /models``, serve the models entry's ``model``, and return logprobs.
 """
@@ -133,6 +134,10 @@ class RemoteEngine:
                           seconds=time.perf_counter() - t0, first_token_s=first)
 
     # ---- the rails' call -----------------------------------------------------------------
+    def keep_exact(self, token_ids: Sequence[int]) -> None:
+        """Nothing to do: the server's log-probabilities are its own head's."""
+
+    # ---- reading --------------------------------------------------------------------------
     def read(self, ids: Sequence[int], task: str = "moderation", *, hidden: bool = False, layers=(),
              mean_from: int | None = None, keep_states: bool = False, keep: int | None = None) -> Reading:
         """The next token's log-probabilities after ``ids`` (see the module docstring). ``keep`` is the server's

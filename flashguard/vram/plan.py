@@ -3,7 +3,8 @@
 All numbers are computed from the model shape and the flashguard config, the way the engine allocates:
 
 - weights      embeddings in 16-bit; lm_head in 16-bit, Q8_0 codes (``Shape.lm_head`` int8, 1.25 bytes a weight
-               in the int4 kernels' pair form, quant/lm_head.py) or a GGUF's Q4 codes; decoder linears in 16-bit or
+               in the int4 kernels' pair form, quant/lm_head.py) or int4 codes (int4: a GGUF's Q4, or ``lm_head:
+               int4``, whose top rows a token reads from host RAM); decoder linears in 16-bit or
                int4 (codes K*N/2 bytes plus a 16-bit scale and zero per group and output column); norms and biases
                in 16-bit. With int4 weights the embedding table stays in host RAM (``engine/host_embedding.py``)
                unless one 16-bit tensor is both table and head (tied); the lm_head stays.
@@ -70,7 +71,7 @@ class Shape:
     vocab: int
     tied: bool
     qkv_bias: bool
-    lm_head: str = "float"   # how the output matrix is held: "float", "int8" (Q8_0 codes) or "int4" (a GGUF's Q4)
+    lm_head: str = "float"   # how the output matrix is held: "float", "int8" (Q8_0 codes) or "int4" (int4 codes)
     context: int = 0         # the model's own context length (max_position_embeddings), 0 where unknown
 
     @classmethod

@@ -62,8 +62,8 @@ def _rescored(top: int, bias: bool = False):
         head.weight.copy_(torch.randn(400, 96, generator=g) * 0.3)
         if bias:
             head.bias.copy_(torch.randn(400, generator=g))
-    layer = lm_head._rescored_layer(head, torch.device("cpu"), "auto")
-    return head, lm_head.RescoredHead(layer.approx, layer._rows, torch.device("cpu"), top=top)
+    b = head.bias.detach() if bias else None
+    return head, lm_head.rescored_head(head.weight.detach(), b, torch.device("cpu"), top=top)
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -75,7 +75,7 @@ def test_the_int4_head_recomputes_its_top_logits_from_the_heads_rows(bias):
     x = torch.randn(150, 96, generator=torch.Generator().manual_seed(6))   # > one chunk of positions
     with torch.inference_mode():
         exact, approx, got = head(x), rescored.approx(x), rescored(x)
-    idx = approx.topk(12, -1).indices
+    idx = torch.cat([approx.topk(12, -1).indices, torch.zeros(150, 1, dtype=torch.long)], -1)   # (+ kept: none)
     torch.testing.assert_close(got.gather(-1, idx), exact.gather(-1, idx), rtol=1e-5, atol=1e-4)
     rest = torch.ones_like(got, dtype=torch.bool).scatter_(-1, idx, False)
     assert torch.equal(got[rest], approx[rest])
@@ -83,7 +83,33 @@ def test_the_int4_head_recomputes_its_top_logits_from_the_heads_rows(bias):
     assert (approx.argmax(-1) != exact.argmax(-1)).any()   # int4 alone would change greedy tokens here
     one = rescored(x[:1].view(1, 1, 96))
     assert one.shape == (1, 1, 400) and torch.equal(one.view(-1).argmax(), exact[0].argmax())
-    assert rescored.read_bytes() == rescored.approx.weight_bytes() + 12 * 96 * 4
+    assert rescored.read_bytes() == rescored.approx.weight_bytes() + (12 + lm_head.KEPT) * 96 * 4
+
+
+def test_the_int4_head_keeps_the_named_tokens_exact():
+    """``keep_exact``: tokens a rail reads (its answers) are recomputed at every position, ranked or not."""
+    head, rescored = _rescored(top=4)
+    x = torch.randn(20, 96, generator=torch.Generator().manual_seed(7))
+    with torch.inference_mode():
+        exact, approx = head(x), rescored.approx(x)
+        low = [int(i) for i in approx[0].argsort()[:3]]   # among the least likely at the first position
+        assert not torch.allclose(rescored(x)[0, low], exact[0, low], atol=1e-4)
+        rescored.keep_exact(low)
+        rescored.keep_exact(low[:1])   # again: the set only grows
+        torch.testing.assert_close(rescored(x)[:, low], exact[:, low], rtol=1e-5, atol=1e-4)
+    with pytest.raises(ValueError, match="at most"):
+        rescored.keep_exact(range(1, lm_head.KEPT + 1))
+
+
+def test_int4_on_a_gpu_that_cannot_read_host_ram_names_the_key(monkeypatch):
+    """Its rows stay in host RAM only where the GPU reads them itself; elsewhere the key is refused (auto would
+    hold Q8_0), before anything is built on the device."""
+    monkeypatch.setattr(lm_head.uva, "available", lambda device: False)
+    net = _int4()
+    with pytest.raises(ConfigError, match=r"lm_head: int4: this GPU cannot read .* triton-windows"):
+        lm_head.apply("int4", net, "int4", torch.device("cuda"))
+    assert lm_head.int4_possible(torch.device("cpu"), torch.zeros(8, 40)) == \
+        "the head's 40 inputs are not a multiple of 32"
 
 
 def test_an_int4_head_in_an_engine_keeps_a_tied_table_and_the_greedy_tokens(tmp_path):
@@ -101,9 +127,9 @@ def test_an_int4_head_in_an_engine_keeps_a_tied_table_and_the_greedy_tokens(tmp_
     head = engine.model.get_output_embeddings()
     assert engine.lm_head_kind == "int4" and engine.lm_head_reason == "lm_head: int4"
     assert isinstance(head, lm_head.RescoredHead) and engine.placement()["lm_head"]["weights"] == "int4"
-    assert head._rows.data_ptr() == engine.model.get_input_embeddings().weight.data_ptr()
-    vocab, hidden = head._rows.shape   # (a vocabulary under TOP: every row is recomputed)
-    assert engine.decode_bytes()["lm_head"] == head.approx.weight_bytes() + vocab * hidden * 4
+    assert head.table.table.data_ptr() == engine.model.get_input_embeddings().weight.data_ptr()
+    vocab, hidden = head.table.table.shape   # (a vocabulary under TOP: every row is recomputed)
+    assert engine.decode_bytes()["lm_head"] == head.approx.weight_bytes() + (vocab + lm_head.KEPT) * hidden * 4
     ids = engine.encode_messages([{"role": "user", "content": tiny.text(40)}])
     params = SamplingParams(max_tokens=12)
     assert engine.generate(ids, params).text == ref.generate(ids, params).text
@@ -197,8 +223,8 @@ def test_the_gpu_int4_head_reads_its_rows_from_host_ram_inside_a_cuda_graph():
     head = torch.nn.Linear(1536, 151936, bias=False, device="cuda", dtype=torch.float16)
     with torch.no_grad():
         head.weight.copy_((torch.randn(151936, 1536, generator=g) * 0.02).half())
-    layer = lm_head._rescored_layer(head, torch.device("cuda"), "auto")
-    assert layer.zero_copy and layer._rows.device.type == "cpu" and layer._rows.is_pinned()
+    layer = lm_head.rescored_head(head.weight.detach(), None, torch.device("cuda"))
+    assert layer.table.reads_itself and layer.table.table.is_pinned()
     assert all(b.device.type == "cuda" for b in layer.buffers())
     x = torch.zeros(1, 1536, device="cuda", dtype=torch.float16)
     with torch.inference_mode():
@@ -214,3 +240,23 @@ def test_the_gpu_int4_head_reads_its_rows_from_host_ram_inside_a_cuda_graph():
             # the greedy token is the exact head's up to fp16 (this random head has near-ties: 0.001 apart)
             assert exact[int(out[0].float().argmax())] >= exact.max() - 4e-3
             torch.testing.assert_close(out[0].float()[top], exact[top], rtol=2e-3, atol=2e-3)
+
+
+def test_a_tied_table_and_the_int4_heads_rows_are_one_host_copy():
+    """``host_embedding.install`` after ``lm_head: int4`` on a tied model: the embedding lookup reads the head's
+    own table (``kv.uva.PinnedRows``), not a second copy, and the logits stay the same."""
+    from flashguard.engine.host_embedding import HostEmbedding, install
+
+    net = tiny.model("llama")
+    net.lm_head.weight = net.get_input_embeddings().weight
+    net.config.tie_word_embeddings = True
+    quantize_linears_rtn(net, group_size=32, backend="auto")
+    lm_head.apply("int4", net, "int4", torch.device("cpu"))
+    ids = torch.tensor([[1, 5, 7, 2]])
+    with torch.inference_mode():
+        before = net(input_ids=ids).logits
+    assert install(net, torch.device("cpu")) > 0
+    emb, head = net.get_input_embeddings(), net.get_output_embeddings()
+    assert isinstance(emb, HostEmbedding) and emb.weight.data_ptr() == head.table.table.data_ptr()
+    with torch.inference_mode():
+        torch.testing.assert_close(net(input_ids=ids).logits, before)
