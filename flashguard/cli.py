@@ -310,10 +310,21 @@ def cmd_plan(args) -> int:
             f"{args.context - sized.l1_tokens} tokens off the pool, in L2 (host RAM) / L3 (disk)"
         print(f"kv.l1_tokens (the pool on the GPU): {sized.l1_tokens} tokens in {sized.l1_codec}, {where}")
         read = planner.decode_bytes(shape, weights=args.weights, context=args.context, kv=sized)
+        ref = planner.llamacpp_decode_bytes(shape, context=args.context)["total"]
         print("read per decoded token at this context: " + ", ".join(
             f"{k} {v / 1e9:.3f} GB" for k, v in read.items() if k != "total") + f"; {read['total'] / 1e9:.3f} GB in "
-            f"all, at least {read['total'] / 1e6 / planner.LAPTOP_GB_S:.1f} ms a token on a {planner.LAPTOP_GB_S} "
-            "GB/s laptop GPU\n")
+            f"all ({read['total'] / ref:.2f}x llama.cpp's Q4_K_M with a q8_0 cache), at least "
+            f"{read['total'] / 1e6 / planner.LAPTOP_GB_S:.1f} ms a token on a {planner.LAPTOP_GB_S} GB/s laptop GPU")
+        if args.weights == "int4" and (shape.lm_head != "int4" or sized.l1_codec != "int8"):
+            few = dataclasses.replace(shape, lm_head="int4")
+            few_kv = planner.sized_kv(few, budget=gpu, context=args.context, weights=args.weights,
+                                      prefill_chunk=args.prefill_chunk,
+                                      kv=dataclasses.replace(kv, l1_codec="int8"), streamed=streamed)
+            least = planner.decode_bytes(few, weights=args.weights, context=args.context, kv=few_kv)["total"]
+            print(f"fewest bytes (a bandwidth-bound laptop GPU; on a fast one they cost time): lm_head: int4 and kv: "
+                  f"{{l1_codec: int8}} read {least / 1e9:.3f} GB ({least / ref:.2f}x), at least "
+                  f"{least / 1e6 / planner.LAPTOP_GB_S:.1f} ms a token")
+        print()
     if args.json:
         print(json.dumps({"fits": p.fits, "gpu": p.parts, "host": p.host, "peak_reserved": p.peak_reserved,
                           "total": p.total, "peers": p.peers, "prefill_chunk": p.prefill_chunk,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 import subprocess
@@ -160,3 +161,21 @@ def test_bytes_per_decoded_token_of_the_1_5b_beside_llamacpps():
     llama = planner.llamacpp_decode_bytes(s, context=8192, kv_type="q8_0")
     assert 0.95e9 < llama["decoder linears"] + llama["lm_head"] < 1.02e9
     assert llama["kv attended"] == int(8192 * s.layers * 2 * s.kv_heads * s.head_dim * 34 / 32)
+
+
+def test_the_int4_head_and_the_int8_pool_read_fewer_bytes_than_llamacpp_at_8k(capsys):
+    """``lm_head: int4`` plans its codes and the top rows a token reads from host RAM; with the int8 pool the 1.5B
+    at 8K reads fewer bytes than llama.cpp's Q4_K_M with a q8_0 cache, which ``flashguard plan`` says."""
+    from flashguard import cli
+    from flashguard.quant.lm_head import TOP
+
+    s = dataclasses.replace(deepseek(), lm_head="int4")
+    assert planner.head_bytes(s) == s.vocab * s.hidden // 2 + (s.vocab * s.hidden // 32) * 4 + TOP * s.hidden * 2
+    kv = planner.sized_kv(s, budget=4 << 30, context=8192, weights="int4", prefill_chunk=2048,
+                          kv=CacheConfig(l1_codec="int8"))
+    ours = planner.decode_bytes(s, weights="int4", context=8192, kv=kv)["total"]
+    assert ours < planner.llamacpp_decode_bytes(s, context=8192)["total"]
+    assert cli.main(["plan", "--model", "deepseek-r1-distill-qwen-1.5b", "--context", "8192", "--gpu-mem", "4GiB"]) == 0
+    out = capsys.readouterr().out
+    assert "x llama.cpp's Q4_K_M with a q8_0 cache" in out
+    assert f"lm_head: int4 and kv: {{l1_codec: int8}} read {ours / 1e9:.3f} GB" in out
