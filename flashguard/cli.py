@@ -97,39 +97,50 @@ def _rails_config(config_dir: str):
 DIM, PLAIN = "\x1b[2m", "\x1b[0m"
 
 
-async def _stream_reply(rails, messages: list[dict], show_reasoning: bool = False) -> str:
-    """Stream the guarded answer to stdout; a reasoning model's ``<think>`` text (never part of the answer) is
+async def _stream_reply(rails, messages: list[dict], show_reasoning: bool = False, prefix: str = "") -> str:
+    """Stream the guarded answer to stdout after ``prefix``, printed with the first text (so a rail's notice on
+    stderr comes on its own line, not after it); a reasoning model's ``<think>`` text (never part of the answer) is
     shown dimmed before it when ``show_reasoning``."""
     from .reasoning import reasoning_sink
 
-    thinking = []
+    thinking, started = [], []
+
+    def out(text: str) -> None:
+        if not started:
+            started.append(True)
+            text = prefix + text
+        print(text, end="", flush=True)
 
     def dimmed(text: str) -> None:
-        print(DIM + text + PLAIN, end="", flush=True)
+        out(DIM + text + PLAIN)
         thinking.append(text)
 
     reasoning_sink.set(dimmed if show_reasoning else None)
     parts = []
     async for chunk in rails.stream_async(messages=messages):
         if thinking and not parts:
-            print("\n", end="")
+            out("\n")
         text = chunk if isinstance(chunk, str) else json.dumps(chunk)
         if text.startswith('{"error"'):
             err = json.loads(text)["error"]
-            print(f"\n[blocked: {err.get('message', err)}]", end="", flush=True)
+            out(f"\n[blocked: {err.get('message', err)}]")
             return ""
         parts.append(text)
-        print(text, end="", flush=True)
-    print()
+        out(text)
+    out("\n")
     return "".join(parts)
+
+
+PASTE_FENCE = '"""'   # flashguard chat: the lines between two of these are one message
 
 
 def cmd_chat(args) -> int:
     rails = load_rails(args.config)
     if not args.verbose:  # keep per-call stats lines out of the conversation (see /stats)
         logging.getLogger("flashguard").setLevel(logging.WARNING)
-    print("flashguard chat: type a message; /reset clears the conversation, /stats shows counters, /think shows or "
-          "hides a reasoning model's thinking (dimmed), /quit exits.")
+    print('flashguard chat: type a message (one line; for several, e.g. a paste, put them between two lines of '
+          '"""); /reset clears the conversation, /stats shows counters, /think shows or hides a reasoning model\'s '
+          'thinking (dimmed), /quit exits.')
     messages: list[dict] = []
     show_reasoning = args.show_reasoning
     while True:
@@ -140,23 +151,33 @@ def cmd_chat(args) -> int:
             return 0
         if not line:
             continue
-        if line in ("/quit", "/exit"):
+        if line == PASTE_FENCE:   # a message of several lines, up to the next fence
+            block = []
+            try:
+                while (more := input("... ")).strip() != PASTE_FENCE:
+                    block.append(more)
+            except (EOFError, KeyboardInterrupt):
+                print()
+                return 0
+            line = "\n".join(block).strip()
+            if not line:
+                continue
+        elif line in ("/quit", "/exit"):
             return 0
-        if line == "/reset":
+        elif line == "/reset":
             messages.clear()
             continue
-        if line == "/think":
+        elif line == "/think":
             show_reasoning = not show_reasoning
             print(f"reasoning {'shown (dimmed)' if show_reasoning else 'hidden'}")
             continue
-        if line == "/stats":
+        elif line == "/stats":
             from flashguard import engine_stats
 
             print(json.dumps(engine_stats(), indent=2))
             continue
         messages.append({"role": "user", "content": line})
-        print("bot> ", end="", flush=True)
-        reply = asyncio.run(_stream_reply(rails, messages, show_reasoning))
+        reply = asyncio.run(_stream_reply(rails, messages, show_reasoning, prefix="bot> "))
         if reply:
             messages.append({"role": "assistant", "content": reply})
         else:

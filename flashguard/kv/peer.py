@@ -154,6 +154,12 @@ def init_group(rank: int, world: int, port: int, backend: str, timeout_s: float 
     timeout = IDLE_TIMEOUT if timeout_s is None or backend == "nccl" else timedelta(seconds=timeout_s)
     store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0,
                           timeout=timedelta(seconds=JOIN_S) if rank == 0 else IDLE_TIMEOUT, wait_for_workers=False)
+    # every rank checks in first, within JOIN_S: the group's own join waits only its timeout (seconds on gloo),
+    # shorter than a spawned peer's torch import on a loaded machine
+    if rank == 0:
+        store.wait([f"flashguard/joined/{r}" for r in range(1, world)], timedelta(seconds=JOIN_S))
+    else:
+        store.set(f"flashguard/joined/{rank}", "1")
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
 
 
