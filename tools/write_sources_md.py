@@ -29,6 +29,19 @@ states), named by package. The hidden rows insert one short harmful request of `
 moderation_input_tune.jsonl. No probe or threshold was fitted on any of them.
 """
 
+WINDOW_PROBE_DOCUMENTS = """
+## Fitted on from a snapshot, not downloaded by `calibrate`: the int4 input probe's window probe (v10)
+
+`python tools/fit_window_probe.py --repo <git dir of github/site-policy>` (a snapshot of
+https://github.com/github/site-policy at commit 12992597c5d9d8cfc006693c54b9609d9993bc99, license CC0-1.0) cuts
+the Markdown files under `Policies/` (57 files: acceptable-use, content-removal, company, privacy and terms
+documents) into pieces of about 4,000 characters (at least 1,500) at paragraph breaks, shuffles them (seed 0) and takes 120, each
+with one everyday ask appended ("Can you summarise this?", ...), as long benign messages beside the tuning set's
+long messages; the fitted window weights are in `rails/probes/SmolLM2-135M-Instruct.Q4_1-int4-input.json` (only
+derived numbers; no text of the snapshot is in this repository). The documents `benchmarks.long_pastes` reads
+(above) were held apart and judge it.
+"""
+
 HEADER = """# The moderation probes' sources
 
 The shipped probes (rails/probes/) were fitted on the rows below: public, labelled text from the repositories
@@ -71,6 +84,7 @@ def main(argv=None) -> int:
                  ".jsonl, moderation_input_tune.jsonl (short rows) | Apache-2.0 | input, output | yes | as labelled "
                  f"there | {own or '-'} |")
     lines += LOCAL_DOCUMENTS.rstrip("\n").split("\n")
+    lines += WINDOW_PROBE_DOCUMENTS.rstrip("\n").split("\n")
     lines += ["", "## Files", "", "| source | repository | commit | path | sha256 |", "|---|---|---|---|---|"]
     for s in SOURCES:
         for f in s.files:
