@@ -73,17 +73,38 @@ def harmful_requests() -> list[str]:
             and r["category"] not in ("jailbreak", "injection")]
 
 
-def window_scores(engine, probe, text: str) -> list[float] | None:
-    """The window probe's p_unsafe of each sliding window of ``text`` as the user's one message (None: too long)."""
+def messages(limit: int, seed: int):
+    """``(source, document name, kind, message)`` for each document of ``documents(limit, seed)``: ``benign`` (the
+    document and an everyday ask) and ``hidden`` (one harmful request at a random paragraph break), in a fixed order
+    for ``seed``."""
+    rng, harm = random.Random(seed), harmful_requests()
+    for source, docs in documents(limit, seed).items():
+        for name, text in docs:
+            ask = rng.choice(ASKS)
+            paras = text.split("\n\n")
+            at = rng.randrange(1, len(paras))
+            hidden = "\n\n".join(paras[:at] + [rng.choice(harm)] + paras[at:])
+            yield source, name, "benign", text + "\n\n" + ask
+            yield source, name, "hidden", hidden + "\n\n" + ask
+
+
+def message_states(engine, text: str, layers):
+    """The states of ``text`` (as the user's one message) at ``layers`` from its first token, ``[len(layers),
+    tokens, d]``, as the input rail's long-message path reads them; None when it is too long for the model."""
     from rails import moderation as M
 
-    messages = [{"role": "user", "content": text}]
-    ids = engine.encode_messages(messages)
+    msgs = [{"role": "user", "content": text}]
+    ids = engine.encode_messages(msgs)
     if len(ids) >= engine.context_length - 64:
         return None
     engine.reset_session()
-    _, _, _, states = M.pooled_state(engine, ids, M.content_start(engine, messages, ids), (probe.long_layer,),
-                                     keep=True)
+    return M.pooled_state(engine, ids, M.content_start(engine, msgs, ids), tuple(layers), keep=True)[3]
+
+
+def window_scores(probe, states) -> list[float]:
+    """The window probe's p_unsafe of each sliding window of ``states`` (``message_states`` at its layer)."""
+    from rails import moderation as M
+
     return probe.p_windows(M.window_means(states, probe.long_window, probe.stride)[0]).tolist()
 
 
@@ -116,8 +137,6 @@ def main(argv=None) -> int:
     p.add_argument("--out")
     p.add_argument("--json")
     args = p.parse_args(argv)
-    rng = random.Random(args.seed)
-    harm = harmful_requests()
     engine = Engine(EngineConfig(device="cpu"))
     settings = ModerationSettings.input_defaults()
     probe = M.choose_probe(engine, settings)
@@ -125,20 +144,18 @@ def main(argv=None) -> int:
         print("the embedded model's input probe has no window weights: nothing to measure", file=sys.stderr)
         return 1
     threshold, _ = M.probe_threshold(probe, settings, long=True)
-    rows, t0 = [], time.time()
-    for source, docs in documents(args.docs, args.seed).items():
-        for name, text in docs:
-            ask = rng.choice(ASKS)
-            paras = text.split("\n\n")
-            at = rng.randrange(1, len(paras))
-            hidden = "\n\n".join(paras[:at] + [rng.choice(harm)] + paras[at:])
-            for kind, message in (("benign", text + "\n\n" + ask), ("hidden", hidden + "\n\n" + ask)):
-                scores = window_scores(engine, probe, message)
-                if scores is not None:
-                    rows.append({"source": source, "name": name, "kind": kind, "p_windows": scores,
-                                 "rail": max(scores) >= threshold,
-                                 "contrast": contrast_blocks(scores, threshold, args.contrast)})
-        print(f"{source}: {len(docs)} documents, {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
+    rows, t0, done = [], time.time(), None
+    for source, name, kind, message in messages(args.docs, args.seed):
+        if source != done and done is not None:
+            print(f"{done}: {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
+        done = source
+        states = message_states(engine, message, (probe.long_layer,))
+        if states is not None:
+            scores = window_scores(probe, states)
+            rows.append({"source": source, "name": name, "kind": kind, "p_windows": scores,
+                         "rail": max(scores) >= threshold,
+                         "contrast": contrast_blocks(scores, threshold, args.contrast)})
+    print(f"{done}: {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
     lines = [f"window threshold {threshold:.2f}; candidate contrast rule: margin {args.contrast:g} log-odds", "",
              "| source | documents | benign blocked (rail) | hidden harm blocked (rail) | benign blocked (contrast) "
              "| hidden harm blocked (contrast) |", "|---|---|---|---|---|---|"]

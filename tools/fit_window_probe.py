@@ -109,29 +109,17 @@ def main(argv=None) -> int:
             long_weight=tuple(float(v) for v in w), long_bias=b, long_threshold=best["threshold"])
         print(f"{name}: windows of {best['window']}, layer {best['layer']}, l2 {best['l2']}, threshold "
               f"{best['threshold']:.2f}, cross-validated balanced accuracy {best['cv_accuracy']:.4f}", flush=True)
-    harm, erng = LP.harmful_requests(), random.Random(1)   # benchmarks.long_pastes's documents and hidden rows
     layers = sorted({q.long_layer for q in probes.values()})
     tally: dict = {name: {} for name in probes}
-    for source, docs in LP.documents(args.docs, 1).items():
-        for _, text in docs:
-            ask = erng.choice(LP.ASKS)
-            paras = text.split("\n\n")
-            at = erng.randrange(1, len(paras))
-            hidden = "\n\n".join(paras[:at] + [erng.choice(harm)] + paras[at:])
-            for kind, message in (("benign", text + "\n\n" + ask), ("hidden", hidden + "\n\n" + ask)):
-                messages = [{"role": "user", "content": message}]
-                ids = engine.encode_messages(messages)
-                if len(ids) >= engine.context_length - 64:
-                    continue
-                engine.reset_session()
-                _, _, _, states = M.pooled_state(engine, ids, M.content_start(engine, messages, ids), tuple(layers),
-                                                 keep=True)
-                for name, q in probes.items():
-                    at_layer = states[layers.index(q.long_layer):layers.index(q.long_layer) + 1]
-                    worst = q.p_windows(M.window_means(at_layer, q.long_window, q.stride)[0]).max()
-                    t = tally[name].setdefault(f"{source}, {kind}", [0, 0])
-                    t[0] += int(worst >= M.probe_threshold(q, settings, long=True)[0])
-                    t[1] += 1
+    for source, _, kind, message in LP.messages(args.docs, 1):   # benchmarks.long_pastes's rows (its seed 1)
+        states = LP.message_states(engine, message, layers)
+        if states is None:
+            continue
+        for name, q in probes.items():
+            worst = max(LP.window_scores(q, states[layers.index(q.long_layer)][None]))
+            t = tally[name].setdefault(f"{source}, {kind}", [0, 0])
+            t[0] += int(worst >= M.probe_threshold(q, settings, long=True)[0])
+            t[1] += 1
     print("\n| window probe | " + " | ".join(tally["shipped"]) + " |")
     print("|---|" + "---|" * len(tally["shipped"]))
     for name, t in tally.items():

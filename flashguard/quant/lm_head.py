@@ -27,9 +27,8 @@ Contract:
   fewest bytes on the device (``int4`` where its rows can stay in host RAM, else ``int8``), otherwise it times one
   token through each head it can hold on ``device`` (a few ms at start) and keeps the fastest (16-bit unless
   another is 3% faster; int4 over Q8_0 only when 10% faster, so that a near tie does not flip between runs).
-- ``quantize(model, device, int4_kernel)`` replaces a float ``lm_head`` by its Q8_0 codes on ``device``;
-  ``rescored(model, device, int4_kernel)`` by a ``RescoredHead`` (``rescored_head(weight, bias, device)`` builds
-  one). A head tied to the input embeddings is untied (the table stays as it was, for the embedding lookup). The
+- ``quantize(model, device, int4_kernel)`` replaces a float ``lm_head`` by its Q8_0 codes on ``device``
+  (``rescored_head(weight, bias, device)`` builds a ``RescoredHead``). A head tied to the input embeddings is untied (the table stays as it was, for the embedding lookup). The
   16-bit head is freed from the device. Q8_0 logits equal those of gguf-py's Q8_0 round trip of the head, up to the
   int4 kernel's rounding.
 - ``kind_of(module) -> "float" | "int4" | "int8"``: how a loaded head is held (the planner's ``Shape.lm_head``;
@@ -144,7 +143,7 @@ def apply(lm_head: str, model, weights_kind: str, device: torch.device, int4_ker
             why_not = int4_possible(device, head.weight)
             if why_not:
                 raise ConfigError(f"int4: {why_not}; use int8 or auto", key="lm_head")
-            rescored(model, device, int4_kernel)
+            _install(model, rescored_head(head.weight.detach(), _bias(head), device, int4_kernel), device)
         return kind, f"lm_head: {lm_head}"
     if kind == "float":
         return kind, "auto: a float decoder, so 16-bit; lm_head: int8 or int4 reads 0.6x or 0.3x the bytes"
@@ -237,14 +236,13 @@ def quantize(model, device: torch.device, int4_kernel: str = "auto") -> None:
     _install(model, _q8_0_layer(model.get_output_embeddings(), device, int4_kernel), device)
 
 
-def rescored(model, device: torch.device, int4_kernel: str = "auto") -> None:
-    _install(model, _rescored_layer(model.get_output_embeddings(), device, int4_kernel), device)
-
-
 def _rescored_layer(head, device: torch.device, int4_kernel: str) -> RescoredHead:
     _check_linear(head, "int4")
-    return rescored_head(head.weight.detach(), head.bias.detach() if head.bias is not None else None, device,
-                         int4_kernel)
+    return rescored_head(head.weight.detach(), _bias(head), device, int4_kernel)
+
+
+def _bias(head):
+    return head.bias.detach() if head.bias is not None else None
 
 
 def rescored_head(weight: torch.Tensor, bias, device: torch.device, int4_kernel: str = "auto", top: int = TOP,
@@ -266,9 +264,8 @@ def _check_linear(head, key: str) -> None:
 def _q8_0_layer(head, device: torch.device, int4_kernel: str) -> "gguf_int4.Int4PairLinear":
     _check_linear(head, "int8")
     codes, zeros, scales = gguf_int4.q8_0_quantize(head.weight.detach())
-    bias = head.bias.detach() if head.bias is not None else None
     return gguf_int4.Int4PairLinear(
-        Int4Linear.from_codes(codes, zeros, scales, gguf_int4.GROUP_SIZE, bias, device, int4_kernel))
+        Int4Linear.from_codes(codes, zeros, scales, gguf_int4.GROUP_SIZE, _bias(head), device, int4_kernel))
 
 
 def _install(model, layer, device: torch.device) -> None:
