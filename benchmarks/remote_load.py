@@ -35,7 +35,8 @@ What runs (all through the product's code paths; nothing is simulated):
 - **load** (part b), for each ``--concurrency`` C: C conversations of ``--load-context`` tokens, ``--load-turns``
   turns each, sent at once by ``httpx`` to a ``flashguard serve`` process (backend openai, the same config), and
   the same load to a second ``flashguard serve`` with no rails (other conversations, so neither run finds the
-  other's in the cache): turns a second, generated tokens a second, p50 / p95 turn time, the rails' share of turn
+  other's in the cache), once for each ``--slot-leases`` value (flashguard's ``slot_leases``: ``auto``, a turn's
+  requests keep one server slot; ``off``, the server picks a slot for each request): turns a second, generated tokens a second, p50 / p95 turn time, the rails' share of turn
   time (the server's ``/v1/flashguard/memory`` rail seconds over the sum of turn times), HTTP 5xx, and replies
   checked against their requests (``ownership_mismatches``): each request's prompt is made unique in length
   (``unique_prompt``) and its reply's ``usage.prompt_tokens`` (llama-server's own count of the prompt it ran,
@@ -227,9 +228,9 @@ def make_gguf(out: Path, tokenizer_dir: str, llama_cpp: str, layers: int | None 
 
 # ---- configs -----------------------------------------------------------------------------------------------------
 def flash_config(folder: Path, root: Path, url: str, alias: str, model_path: str | None, reply: int,
-                 threshold: float, rails: bool = True) -> Path:
+                 threshold: float, rails: bool = True, slot_leases: str = "auto") -> Path:
     """A copy of ``root`` (configs/flash) with ``backend: openai`` on ``url``; thresholds at ``threshold``; no rails
-    when ``rails`` is False (the rails-off load)."""
+    when ``rails`` is False (the rails-off load); ``slot_leases`` as given."""
     import yaml
 
     if folder.exists():
@@ -239,7 +240,7 @@ def flash_config(folder: Path, root: Path, url: str, alias: str, model_path: str
     # reasoning_tokens 0: every reply is max_tokens long (a random-weight model never closes an R1 <think> block,
     # and flashguard gives a reasoning model 2048 tokens more by default)
     params = {"backend": "openai", "base_url": url, "max_tokens": reply, "temperature": 0.0, "timeout_s": 900,
-              "reasoning_tokens": 0}
+              "reasoning_tokens": 0, "slot_leases": slot_leases}
     if model_path:
         params["model_path"] = model_path
     cfg["models"] = [{"type": "main", "engine": "flashguard", "model": alias, "parameters": params}]
@@ -280,7 +281,8 @@ RAIL_TASKS = ("input_moderation", "moderation")
 
 def _delta(before: dict, after: dict) -> dict:
     return {t: {k: after.get(t, {}).get(k, 0) - before.get(t, {}).get(k, 0)
-                for k in ("calls", "seconds", "prompt_tokens", "reused_tokens")} for t in set(after) | set(before)}
+                for k in ("calls", "seconds", "prompt_tokens", "reused_tokens", "server_seconds")}
+            for t in set(after) | set(before)}
 
 
 def _engine(rails):
@@ -298,6 +300,7 @@ def flash_turn(rails, messages: list[dict], reply: int) -> dict:
     return {"wall_s": wall, "generation_s": d.get("generation", {}).get("seconds", 0.0),
             "input_rail_s": d.get("input_moderation", {}).get("seconds", 0.0),
             "output_rail_s": d.get("moderation", {}).get("seconds", 0.0), "rails_s": rail_s,
+            "rails_server_s": sum(d.get(t, {}).get("server_seconds", 0.0) for t in RAIL_TASKS),
             "rail_prompt_tokens": sum(d.get(t, {}).get("prompt_tokens", 0) for t in RAIL_TASKS),
             "rail_reused_tokens": sum(d.get(t, {}).get("reused_tokens", 0) for t in RAIL_TASKS),
             "generated": d.get("generation", {}).get("calls", 0) > 0,
@@ -471,14 +474,17 @@ async def load(serve: Serve, alias: str, encode, tokenizer, prose, conversations
 
 
 def load_part(flash_on: Path, flash_off: Path, alias: str, encode, tokenizer, concurrency: list[int], turns: int,
-              context: int, reply: int, logs: Path, rows: list[dict], done=lambda: None) -> list[dict]:
+              context: int, reply: int, logs: Path, rows: list[dict], done=lambda: None,
+              slot_leases: str = "auto", seed_base: int = 0) -> list[dict]:
     prose = prose_ids(tokenizer)
-    on, off = Serve(flash_on, logs / "serve-rails.log"), Serve(flash_off, logs / "serve-norails.log")
+    on = Serve(flash_on, logs / f"serve-rails-{slot_leases}.log")
+    off = Serve(flash_off, logs / f"serve-norails-{slot_leases}.log")
     try:
         on.ready(), off.ready()
         for k, c in enumerate(concurrency):
-            row = {"concurrency": c}
-            for name, serve, seed in (("rails", on, 10_000 + 1000 * k), ("no_rails", off, 50_000 + 1000 * k)):
+            row = {"concurrency": c, "slot_leases": slot_leases}
+            for name, serve, seed in (("rails", on, seed_base + 10_000 + 1000 * k),
+                                      ("no_rails", off, seed_base + 50_000 + 1000 * k)):
                 res = asyncio.run(load(serve, alias, encode, tokenizer, prose, c, turns, context, reply, seed))
                 print(json.dumps({"concurrency": c, "run": name,
                                   **{f: v for f, v in res.items() if f != "records"}}), flush=True)
@@ -492,32 +498,33 @@ def load_part(flash_on: Path, flash_off: Path, alias: str, encode, tokenizer, co
 
 # ---- tables ------------------------------------------------------------------------------------------------------
 def turn_table(rows: list[dict]) -> str:
-    out = ["| context (prompt tokens) | turn wall s | generation s | input + output rail s (prefix reused) | rails' "
-           "share of the turn | rails' prompt tokens reused | rails s, `cache_prompt: false` | NeMo self-check rails s "
-           "| NeMo self-check / flashguard rails |",
-           "|---|---|---|---|---|---|---|---|---|"]
+    out = ["| context (prompt tokens) | turn wall s | generation s | input + output rail s (prefix reused) | of which "
+           "the server's own (its timings) | rails' share of the turn | rails' prompt tokens reused | rails s, "
+           "`cache_prompt: false` | NeMo self-check rails s | NeMo self-check / flashguard rails |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         m = r["median"]
         a, nc, nm = m["reused"], m["no_cache"], m["nemo"]
         reuse = a["rail_reused_tokens"] / a["rail_prompt_tokens"] if a.get("rail_prompt_tokens") else float("nan")
         out.append(f"| {r['context']:,} ({r['prompt_tokens']:,}) | {a['wall_s']:.3f} | {a['generation_s']:.3f} | "
                    f"{a['input_rail_s']:.3f} + {a['output_rail_s']:.3f} = **{a['rails_s']:.3f}** | "
-                   f"{100 * a['rails_s'] / a['wall_s']:.1f}% | {100 * reuse:.1f}% | {nc['rails_s']:.3f} "
+                   f"{a.get('rails_server_s', float('nan')):.3f} | {100 * a['rails_s'] / a['wall_s']:.1f}% | {100 * reuse:.1f}% | {nc['rails_s']:.3f} "
                    f"({nc['rails_s'] / a['rails_s']:.1f}x) | {nm['input_rail_s']:.3f} + {nm['output_rail_s']:.3f} = "
                    f"{nm['rails_s']:.3f} | {nm['rails_s'] / a['rails_s']:.2f}x |")
     return "\n".join(out)
 
 
 def load_table(rows: list[dict]) -> str:
-    out = ["| conversations at once | rails | turns | turns/s | generated tok/s | turn p50 s | turn p95 s | p95 vs "
-           "rails off | rails' share of turn time | 5xx | wrong reply | blocked |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    out = ["| conversations at once | slot_leases | rails | turns | turns/s | generated tok/s | turn p50 s | turn p95 s "
+           "| p95 vs rails off | rails' share of turn time | 5xx | wrong reply | blocked |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         for name in ("rails", "no_rails"):
             x = r[name]
             ratio = f"{x['p95_s'] / r['no_rails']['p95_s']:.2f}x" if name == "rails" else ""
             share = f"{100 * x['rail_share']:.1f}%" if name == "rails" else ""
-            out.append(f"| {r['concurrency']} | {'on' if name == 'rails' else 'off'} | {x['ok']}/{x['requests']} | "
+            out.append(f"| {r['concurrency']} | {r.get('slot_leases', 'off')} | {'on' if name == 'rails' else 'off'} | "
+                       f"{x['ok']}/{x['requests']} | "
                        f"{x['turns_per_s']:.2f} | {x['gen_tok_per_s']:.1f} | {x['p50_s']:.3f} | {x['p95_s']:.3f} | "
                        f"{ratio} | {share} | {x['http_5xx']} | {x['wrong_reply']} | {x['blocked']} |")
     return "\n".join(out)
@@ -546,6 +553,8 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=None, help="llama-server -t")
     p.add_argument("--server-args", default="", help="more llama-server arguments, one string")
     p.add_argument("--threshold", type=float, default=0.9999, help="both rails' threshold (see the docstring)")
+    p.add_argument("--slot-leases", nargs="+", choices=("auto", "off"), default=["auto"],
+                   help="flashguard's slot_leases; the load part runs once for each (the per-turn part: the first)")
     p.add_argument("--config", default=str(ROOT / "configs" / "flash"), help="the flashguard config to copy")
     p.add_argument("--workdir", default=None)
     p.add_argument("--make-gguf", metavar="DIR", help="make the GPU run's model in DIR and stop (see above)")
@@ -584,10 +593,13 @@ def main(argv=None) -> int:
 
     try:
         root = Path(args.config)
-        flash_on = flash_config(work / "flash", root, server.url, args.alias, args.model_path, args.reply,
-                                args.threshold)
-        flash_off = flash_config(work / "flash-off", root, server.url, args.alias, args.model_path, args.reply,
-                                 args.threshold, rails=False)
+        def configs(leases: str) -> tuple[Path, Path]:
+            return (flash_config(work / f"flash-{leases}", root, server.url, args.alias, args.model_path, args.reply,
+                                 args.threshold, slot_leases=leases),
+                    flash_config(work / f"flash-off-{leases}", root, server.url, args.alias, args.model_path,
+                                 args.reply, args.threshold, rails=False, slot_leases=leases))
+
+        flash_on, _ = configs(args.slot_leases[0])
         nemo_dir = self_check_config(work / "nemo", server.url, args.alias, args.check_tokens)
         if args.contexts:
             result["per_turn"] = per_turn(server, flash_on, nemo_dir, args.alias, args.contexts, args.reply,
@@ -599,8 +611,10 @@ def main(argv=None) -> int:
                 params["model_path"] = args.model_path
             engine = get_engine(EngineConfig.from_parameters(params), args.alias)
             result["load"] = []
-            load_part(flash_on, flash_off, args.alias, engine.encode_messages, engine.tokenizer, args.concurrency,
-                      args.load_turns, args.load_context, args.reply, work, result["load"], save)
+            for k, leases in enumerate(args.slot_leases):   # other conversations each time (seed_base)
+                load_part(*configs(leases), args.alias, engine.encode_messages, engine.tokenizer, args.concurrency,
+                          args.load_turns, args.load_context, args.reply, work, result["load"], save,
+                          slot_leases=leases, seed_base=100_000 * k)
     finally:
         server.stop()
         text = save()

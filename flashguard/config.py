@@ -178,6 +178,10 @@ class EngineConfig:
     api_key_env    the name of an environment variable holding the server's API key (never the key itself: it stays
                    out of config.yml and the logs); None sends no key.
     timeout_s      seconds a remote request may take before it fails with an error naming this key.
+    slot_leases    "auto" (default): where the server reports its slots (llama-server), a turn's requests (the rails'
+                   questions and the reply) keep one slot, so another conversation's request cannot swap the
+                   conversation's KV out between them (flashguard/remote/slots.py); "off": the server picks a slot
+                   for each request (e.g. a server other programs share).
     """
 
     model_path: str | None = None
@@ -204,6 +208,7 @@ class EngineConfig:
     base_url: str | None = None
     api_key_env: str | None = None
     timeout_s: float = 120.0
+    slot_leases: str = "auto"
 
     def __post_init__(self) -> None:
         if self.model_path is not None:
@@ -237,6 +242,7 @@ class EngineConfig:
                 raise ConfigError(f"backend: openai needs the server's URL, e.g. http://127.0.0.1:8080/v1; got "
                                   f"{self.base_url!r}", key="base_url")
             object.__setattr__(self, "base_url", str(self.base_url).rstrip("/"))
+        _check_choice(self.slot_leases, ("auto", "off"), "slot_leases")
         if self.timeout_s <= 0:
             raise ConfigError(f"must be a positive number of seconds, got {self.timeout_s!r}", key="timeout_s")
 

@@ -17,6 +17,7 @@ the call may generate ``reasoning_tokens`` more than ``max_tokens``.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import dataclasses
 import logging
 import threading
@@ -178,7 +179,9 @@ async def iterate_in_thread(make_iter) -> AsyncIterator:
             return
         post((done, None))
 
-    thread = threading.Thread(target=work, name="flashguard-decode", daemon=True)
+    # the caller's context goes with the work (a turn's slot lease, remote/slots.py), as asyncio.to_thread's does
+    thread = threading.Thread(target=contextvars.copy_context().run, args=(work,), name="flashguard-decode",
+                              daemon=True)
     thread.start()
     try:
         while True:

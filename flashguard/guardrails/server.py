@@ -28,6 +28,7 @@ logger; prompt and reply text only with ``verbose``.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextvars
 import json
 import logging
@@ -37,6 +38,8 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
+
+from ..remote import slots
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,7 @@ class RequestBounds:
         self.app = app
         self.limits = limits
         self.in_flight = 0
+        self.workers_set = False
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and scope["method"] == "GET" and scope["path"] in (MEMORY_PATH, METRICS_PATH):
@@ -87,9 +91,14 @@ class RequestBounds:
             sent = True
             return {"type": "http.request", "body": raw, "more_body": False}
 
+        if not self.workers_set:   # the rails' blocking calls run on the loop's default executor (to_thread):
+            self.workers_set = True   # as many workers as requests admitted, not min(32, cores + 4)
+            asyncio.get_running_loop().set_default_executor(concurrent.futures.ThreadPoolExecutor(
+                max_workers=self.limits.max_in_flight + 8, thread_name_prefix="flashguard-rails"))
         self.in_flight += 1
         try:
-            return await self.app(scope, replay, send)
+            with slots.turn():   # a remote engine's requests for this reply keep one server slot (remote/slots.py)
+                return await self.app(scope, replay, send)
         finally:
             self.in_flight -= 1
 

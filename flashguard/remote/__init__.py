@@ -4,4 +4,5 @@ SGLang) runs the model; flashguard renders the conversation, streams the reply a
 - ``client.py``: the HTTP calls (``/models``, ``/completions`` plain and streamed), each error naming the key to fix.
 - ``engine.py``: ``RemoteEngine``, the same public surface as the local ``Engine`` for the provider, the server
   and the rails (``encode_messages``, ``stream``, ``read``, ``turns``, ``stats``).
+- ``slots.py``: slot leases: a turn's requests keep one of llama-server's slots (``slot_leases: auto``).
 """

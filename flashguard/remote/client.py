@@ -78,6 +78,17 @@ class Client:
         data = r.json().get("data") or []
         return [str(m.get("id")) for m in data if isinstance(m, dict)]
 
+    def slot_count(self) -> int | None:
+        """The server's slots (llama-server's ``GET /props``: ``total_slots``, at the server's root, beside ``/v1``);
+        None from a server without that endpoint (vLLM, SGLang: one shared prefix cache, nothing to lease)."""
+        root = self.base_url[:-3] if self.base_url.endswith("/v1") else self.base_url
+        try:
+            r = self.http.get(f"{root}/props", timeout=min(self.timeout_s, 10.0))
+            count = r.json().get("total_slots") if r.status_code == 200 else None
+        except (httpx.HTTPError, ValueError, AttributeError):
+            return None
+        return count if isinstance(count, int) and count > 0 else None
+
     def complete(self, body: dict, what: str = "the request") -> dict:
         """One completions request, answered whole."""
         try:

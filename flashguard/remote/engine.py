@@ -17,6 +17,9 @@ Contract (the public surface of the local ``Engine`` that the provider, the serv
   question's Yes/No log-odds (a probe needs the model's states).
 - ``keep_exact(token_ids)``: nothing to do (the server's log-probabilities are its own head's).
 - ``lock`` serialises nothing: each call is its own request, and the server batches concurrent ones.
+- Where the server reports its slots (llama-server's ``GET /props`` ``total_slots``) and ``slot_leases`` is auto,
+  every request names its slot (``id_slot``) from ``slots.SlotLeases``: a turn's requests keep one slot, so the
+  conversation's KV is not swapped out between them.
 - At start: the server must answer ``GET /models``, serve the models entry's ``model``, and return logprobs.
 """
 
@@ -39,6 +42,7 @@ from ..engine.stats import EngineStats
 from ..errors import FlashguardError
 from .. import notice
 from .client import Client, RemoteError
+from .slots import SlotLeases
 
 log = logging.getLogger("flashguard")
 
@@ -64,6 +68,7 @@ class RemoteEngine:
         self.turns: list[Turn] = []
         self.client = Client(config.base_url, config.api_key_env, config.timeout_s)
         self._prefix_warned = False
+        self.leases: SlotLeases | None = None
         self._check_server()
 
     # ---- start ---------------------------------------------------------------------------
@@ -80,6 +85,23 @@ class RemoteEngine:
             raise RemoteError(f"the server at {self.config.base_url} returned no logprobs for a completions "
                               f"request with logprobs: {self.TOP_LOGPROBS} (it answered {str(answer)[:200]}); the "
                               "rails read the next token's log-probabilities: use a server that returns them")
+        slots = self.client.slot_count() if self.config.slot_leases == "auto" else None
+        if slots:
+            self.leases = SlotLeases(slots)
+            log.info("flashguard: the server has %d slots; each turn keeps one from its first request to its last "
+                     "(slot_leases: auto)", slots)
+
+    @contextlib.contextmanager
+    def _slot(self, ids: list[int]):
+        """The slot a request over ``ids`` goes to (None: the server picks), released when the request ends."""
+        if self.leases is None:
+            yield None
+            return
+        slot = self.leases.acquire(ids)
+        try:
+            yield slot
+        finally:
+            self.leases.release(slot, ids)
 
     # ---- prompts -------------------------------------------------------------------------
     def encode_messages(self, messages: Sequence[dict]) -> list[int]:
@@ -91,9 +113,12 @@ class RemoteEngine:
     def _check_prompt(self, ids: Sequence[int]) -> list[int]:
         return checked_prompt(ids, self.context_length, len(self.tokenizer))
 
-    def _body(self, ids: list[int], max_tokens: int, params: SamplingParams, logprobs: bool = False) -> dict:
+    def _body(self, ids: list[int], max_tokens: int, params: SamplingParams, logprobs: bool = False,
+              slot: int | None = None) -> dict:
         body = {"model": self.model_name, "prompt": ids, "max_tokens": max_tokens,
                 "temperature": params.temperature, "top_p": params.top_p}
+        if slot is not None:
+            body["id_slot"] = slot
         seed = params.seed if params.seed is not None else self.config.seed
         if seed is not None:
             body["seed"] = seed
@@ -112,17 +137,18 @@ class RemoteEngine:
         max_new = min(params.max_tokens, self.context_length - len(ids))
         t0, first, parts, finish, usage = time.perf_counter(), None, [], "length", {}
         timings: dict = {}
-        for event in self.client.stream(self._body(ids, max_new, params), "the reply"):
-            usage = event.get("usage") or usage
-            timings = event.get("timings") or timings
-            for choice in event.get("choices") or []:
-                text = choice.get("text") or ""
-                if text:
-                    first = first or time.perf_counter() - t0
-                    parts.append(text)
-                    yield Delta(text)
-                if choice.get("finish_reason"):
-                    finish = "stop" if choice["finish_reason"] == "stop" else "length"
+        with self._slot(ids) as slot:
+            for event in self.client.stream(self._body(ids, max_new, params, slot=slot), "the reply"):
+                usage = event.get("usage") or usage
+                timings = event.get("timings") or timings
+                for choice in event.get("choices") or []:
+                    text = choice.get("text") or ""
+                    if text:
+                        first = first or time.perf_counter() - t0
+                        parts.append(text)
+                        yield Delta(text)
+                    if choice.get("finish_reason"):
+                        finish = "stop" if choice["finish_reason"] == "stop" else "length"
         final = "".join(parts)
         out = self.tokenizer(final, add_special_tokens=False)["input_ids"] if final else []
         completion = int(usage.get("completion_tokens") or len(out))
@@ -131,7 +157,8 @@ class RemoteEngine:
         self.turns.append(Turn(tuple(ids), tuple(out), final))
         del self.turns[:-64]
         self.stats.record(task, prompt=len(ids), prefilled=len(ids) - reused, reused=reused, generated=completion,
-                          seconds=time.perf_counter() - t0, first_token_s=first)
+                          seconds=time.perf_counter() - t0, first_token_s=first,
+                          server_seconds=self._server_s({"timings": timings}))
 
     # ---- the rails' call -----------------------------------------------------------------
     def keep_exact(self, token_ids: Sequence[int]) -> None:
@@ -149,8 +176,9 @@ class RemoteEngine:
         t0 = time.perf_counter()
         # temperature 1, top_p 1: the log-probabilities as the model gives them (a greedy or top-p request can come
         # back renormalised after the sampler's cut, the other answer at -inf); the sampled token is not used
-        answer = self.client.complete(self._body(ids, 1, SamplingParams(max_tokens=1, temperature=1.0),
-                                                 logprobs=True), f"the {task} question")
+        with self._slot(ids) as slot:
+            answer = self.client.complete(self._body(ids, 1, SamplingParams(max_tokens=1, temperature=1.0),
+                                                     logprobs=True, slot=slot), f"the {task} question")
         top = self._top_logprobs(answer)
         if not top:
             raise RemoteError(f"the server returned no logprobs for the {task} question: {str(answer)[:200]}")
@@ -173,9 +201,18 @@ class RemoteEngine:
                         reused, len(ids))
         seconds = time.perf_counter() - t0
         self.stats.record(task, prompt=len(ids), prefilled=len(ids) - reused, reused=reused, generated=0,
-                          seconds=seconds, first_token_s=seconds)
+                          seconds=seconds, first_token_s=seconds, server_seconds=self._server_s(answer))
         return Reading(logprobs=logprobs, hidden=None, mean=None, states=None, reused=reused,
                        prefilled=len(ids) - reused)
+
+    @staticmethod
+    def _server_s(answer: dict) -> float:
+        """The server's own time for a request (llama-server's ``timings``: prompt and generation ms); 0 if none."""
+        t = answer.get("timings") or {}
+        try:
+            return (float(t.get("prompt_ms") or 0) + float(t.get("predicted_ms") or 0)) / 1000
+        except (TypeError, ValueError):
+            return 0.0
 
     def _top_logprobs(self, answer: dict) -> dict[int, float]:
         """``{token id: logprob}`` of the first generated token's top alternatives: llama-server's form

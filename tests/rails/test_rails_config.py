@@ -18,7 +18,7 @@ EVERY_KEY = {
     "reasoning_tokens": 512, "temperature": 0.0, "top_p": 1.0, "seed": 7, "prefill_chunk": 256, "max_context": 4096,
     "kv_cache": "tiered", "vram_budget": "auto", "weights": "float", "lm_head": "auto", "int4_kernel": "auto", "cuda_graphs": True,
     "system_prompt": "You are a helpful assistant.", "lora_path": None,
-    "backend": "local", "base_url": None, "api_key_env": None, "timeout_s": 60.0,
+    "backend": "local", "base_url": None, "api_key_env": None, "timeout_s": 60.0, "slot_leases": "auto",
     "kv": {"page_size": 32, "l1_tokens": 512, "sink_tokens": 32, "l2_tokens": 2048, "l3_tokens": 65536,
            "l3_dir": None, "policy": "sparse", "budget_tokens": 256, "adaptive_l1": True, "l1_max_tokens": 1024,
            "l1_codec": "fp16", "l2_codec": "int8", "l3_codec": "int4-zstd", "isolation_salt": "tenant-a", "l3_encrypt": True,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import importlib.util
+import threading
 import os
 import subprocess
 import time
@@ -39,7 +40,7 @@ def _gguf() -> Path:
 class LlamaServer:
     """A llama-server child process on a free port, serving the SmolLM2 GGUF under the name ``smollm2``."""
 
-    def __init__(self, log: Path, parallel: int = 4):
+    def __init__(self, log: Path, parallel: int = 4, args: tuple[str, ...] = ()):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}/v1"
         self._log = open(log, "w")
@@ -47,7 +48,7 @@ class LlamaServer:
         # (-c: the slots share it; 2048 tokens a slot)
         self.proc = subprocess.Popen([str(_binary()), "-m", str(_gguf()), "--alias", "smollm2", "--host", "127.0.0.1",
                                       "--port", str(self.port), "--parallel", str(parallel), "-c", str(2048 * parallel),
-                                      "-t", "2", "--no-warmup"],
+                                      "-t", "2", "--no-warmup", *args],
                                      stdout=self._log, stderr=subprocess.STDOUT)
         deadline = time.time() + 120
         while time.time() < deadline:
@@ -245,3 +246,45 @@ def test_the_default_remote_verdict_is_the_shipped_classifier(llama_server):
     assert engine.stats.as_dict()["input_moderation"]["calls"] == before + len(shipped.questions)
     conversation = len(engine.encode_messages(hello))
     assert v.reused_tokens >= (len(shipped.questions) - 1) * (conversation - 8), v
+
+
+def test_a_turn_keeps_its_slot_so_another_conversation_cannot_swap_it_out(tmp_path):
+    """One slot and no host-RAM prompt cache (``--cache-ram 0``), so a request that took the slot between a turn's
+    requests would cost the turn its KV (the next request prefilled whole). With ``slot_leases: auto`` another
+    conversation's request waits for the turn's end, and the turn's second request reuses its first one's prefix."""
+    import contextvars
+
+    import numpy as np
+
+    from flashguard import EngineConfig
+    from flashguard.engine import get_engine
+    from flashguard.remote import slots
+
+    if _binary() is None:
+        pytest.skip("no llama-server binary: run `bash tools/build_llama_server.sh` (or set FLASHGUARD_LLAMA_SERVER)")
+    own = LlamaServer(tmp_path / "own.log", parallel=1, args=("--cache-ram", "0"))
+    try:
+        engine = get_engine(EngineConfig.from_parameters({"backend": "openai", "base_url": own.url}), "smollm2")
+        assert engine.leases is not None and len(engine.leases.slots) == 1
+        ours = engine.encode_messages([{"role": "user", "content": "Tell me about tides. " * 40}])
+        theirs = engine.encode_messages([{"role": "user", "content": "Tell me about volcanoes. " * 40}])
+        done = {}
+
+        def other():
+            done["reading"] = engine.read(theirs)
+            done["at"] = time.monotonic()
+
+        with slots.turn():
+            engine.read(ours)
+            th = threading.Thread(target=contextvars.Context().run, args=(other,), daemon=True)
+            th.start()
+            th.join(1.0)
+            assert th.is_alive()              # the other conversation waits for the slot
+            second = engine.read(ours + ours[-4:])   # the turn's next request continues its prompt
+            ended = time.monotonic()
+        th.join(120)
+        assert second.reused >= len(ours) - 1, second.reused   # its prefix was still in the slot
+        shared = slots.common_prefix(np.array(ours), np.array(theirs))   # the system prompt and "Tell me about"
+        assert done["at"] >= ended and done["reading"].reused <= shared   # ran after the turn, on a slot holding ours
+    finally:
+        own.stop()
