@@ -9,13 +9,15 @@ characters (at least 1,500) at paragraph breaks, shuffled (seed 0); ``--pieces``
 appended, join the tuning set's long messages as benign long messages. The window probe is then chosen and fitted
 as ``flashguard calibrate --rail input`` does (``calibrate.choose_window_probe`` / ``fit_window_probe``: window size,
 layer and L2 by 5-fold cross-validation grouped by message, the short messages' means beside the windows), once
-without the pieces and once with them, on the default engine (the embedded model, int4, on the CPU).
+without the pieces and once with them, on the embedded model on the CPU with ``--weights`` (int4, the CPU's
+default, or float, the weights a GPU runs it with: each has its own shipped input probe).
 
 Judged on what ``benchmarks.long_pastes`` reads (installed package licences and descriptions, Debian copyright
 files: held apart, ``--docs`` a source, the same documents and hidden rows as that benchmark's seed 1), beside the
 shipped window probe: the share of benign documents blocked and of documents with a hidden harmful request blocked.
-``--write`` puts the window probe fitted with the pieces into the shipped int4 input probe (its short-message probe
-unchanged). The rows' states are cached in ``--features`` (a forward pass over ~1,200 rows: ~18 minutes on 2 cores).
+``--write`` puts the window probe fitted with the pieces into the shipped input probe of those weights (its
+short-message probe unchanged). The rows' states are cached in ``--features`` (a forward pass over ~1,200 rows: ~18
+minutes on 2 cores).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 COMMIT = "12992597c5d9d8cfc006693c54b9609d9993bc99"
-SHIPPED = ROOT / "rails" / "probes" / "SmolLM2-135M-Instruct.Q4_1-int4-input.json"
+SHIPPED = ROOT / "rails" / "probes" / "SmolLM2-135M-Instruct.Q4_1-{weights}-input.json"   # the engine's weights
 
 
 def pieces(repo: str, count: int, rng: random.Random) -> list[tuple[str, str]]:
@@ -75,6 +77,8 @@ def main(argv=None) -> int:
     p.add_argument("--docs", type=int, default=30, help="held-apart documents a source (benchmarks.long_pastes)")
     p.add_argument("--features", default=None, help="a file caching the rows' states (written, then read)")
     p.add_argument("--write", action="store_true", help="put the refitted window probe into the shipped file")
+    p.add_argument("--weights", choices=("int4", "float"), default="int4",
+                   help="the engine's weights: each has its own input probe (int4: the CPU's default; float: a GPU's)")
     args = p.parse_args(argv)
     import torch
 
@@ -88,7 +92,7 @@ def main(argv=None) -> int:
     rng = random.Random(0)   # the shuffle, then each piece's ask
     extra = [{"user": text + "\n\n" + rng.choice(LP.ASKS), "block": False, "category": "policy"}
              for _, text in pieces(args.repo, args.pieces, rng)]
-    engine = Engine(EngineConfig(device="cpu"))
+    engine = Engine(EngineConfig(device="cpu", weights=args.weights))
     settings = ModerationSettings.input_defaults()
     rows = C.read_rows(C.INPUT_TUNING_SET, "input")
     cache = torch.load(args.features, weights_only=False) if args.features and Path(args.features).exists() else {}
@@ -125,13 +129,14 @@ def main(argv=None) -> int:
     for name, t in tally.items():
         print(f"| {name} | " + " | ".join(f"{a}/{n} ({a / n:.0%})" for a, n in t.values()) + " |")
     if args.write:
-        data = json.loads(SHIPPED.read_text(encoding="utf-8"))
+        shipped_file = Path(str(SHIPPED).format(weights=args.weights))
+        data = json.loads(shipped_file.read_text(encoding="utf-8"))
         fitted = probes["with the policy pieces"]
         data["long"] = {"layer": fitted.long_layer, "window": fitted.long_window, "stride": fitted.stride,
                         "bias": fitted.long_bias, "threshold": fitted.long_threshold,
                         "weight": list(fitted.long_weight)}
-        SHIPPED.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
-        print(f"window probe written into {SHIPPED}")
+        shipped_file.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
+        print(f"window probe written into {shipped_file}")
     return 0
 
 
