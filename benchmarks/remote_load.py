@@ -36,11 +36,12 @@ What runs (all through the product's code paths; nothing is simulated):
   turns each, sent at once by ``httpx`` to a ``flashguard serve`` process (backend openai, the same config), and
   the same load to a second ``flashguard serve`` with no rails (other conversations, so neither run finds the
   other's in the cache), once for each ``--slot-leases`` value (flashguard's ``slot_leases``: ``auto``, a turn's
-  requests keep one server slot; ``off``, the server picks a slot for each request): turns a second, generated tokens a second, p50 / p95 turn time, the rails' share of turn
-  time (the server's ``/v1/flashguard/memory`` rail seconds over the sum of turn times), HTTP 5xx, and replies
-  checked against their requests (``ownership_mismatches``): each request's prompt is made unique in length
-  (``unique_prompt``) and its reply's ``usage.prompt_tokens`` (llama-server's own count of the prompt it ran,
-  passed through by the engine and ``flashguard serve``) must equal that length.
+  requests keep one server slot; ``off``, the server picks a slot for each request): turns a second, generated
+  tokens a second, p50 / p95 turn time, the rails' share of turn time (the server's ``/v1/flashguard/memory``
+  rail seconds over the sum of turn times), HTTP 5xx, and replies checked against their requests
+  (``ownership_mismatches``): each request's prompt is made unique in length (``unique_prompt``) and its reply's
+  ``usage.prompt_tokens`` (llama-server's own count of the prompt it ran, passed through by the engine and
+  ``flashguard serve``) must equal that length.
 
 Writes the markdown tables (``--out``) and everything measured (``--json``) after each part, so a run cut by a
 timeout (SIGTERM) keeps what it finished; prints the tables.
@@ -343,9 +344,8 @@ def warm(server_root: str, engine, alias: str, history: list[dict], chat: bool =
     if chat:
         httpx.post(server_root + "/v1/chat/completions", json={"model": alias, "messages": history,
                                                                 "max_tokens": 1}, timeout=900).raise_for_status()
-    else:
-        engine.client.complete({"model": alias, "prompt": engine.encode_messages(history), "max_tokens": 1},
-                               "warming the cache")
+    else:   # through the engine, so its slot leases know which slot holds the conversation
+        engine.read(engine.encode_messages(history), task="warm")
 
 
 def per_turn(server: LlamaServer, flash_dir: Path, nemo_dir: Path, alias: str, contexts: list[int], reply: int,
@@ -508,22 +508,24 @@ def turn_table(rows: list[dict]) -> str:
         reuse = a["rail_reused_tokens"] / a["rail_prompt_tokens"] if a.get("rail_prompt_tokens") else float("nan")
         out.append(f"| {r['context']:,} ({r['prompt_tokens']:,}) | {a['wall_s']:.3f} | {a['generation_s']:.3f} | "
                    f"{a['input_rail_s']:.3f} + {a['output_rail_s']:.3f} = **{a['rails_s']:.3f}** | "
-                   f"{a.get('rails_server_s', float('nan')):.3f} | {100 * a['rails_s'] / a['wall_s']:.1f}% | {100 * reuse:.1f}% | {nc['rails_s']:.3f} "
-                   f"({nc['rails_s'] / a['rails_s']:.1f}x) | {nm['input_rail_s']:.3f} + {nm['output_rail_s']:.3f} = "
-                   f"{nm['rails_s']:.3f} | {nm['rails_s'] / a['rails_s']:.2f}x |")
+                   f"{a.get('rails_server_s', float('nan')):.3f} | {100 * a['rails_s'] / a['wall_s']:.1f}% | "
+                   f"{100 * reuse:.1f}% | {nc['rails_s']:.3f} ({nc['rails_s'] / a['rails_s']:.1f}x) | "
+                   f"{nm['input_rail_s']:.3f} + {nm['output_rail_s']:.3f} = {nm['rails_s']:.3f} | "
+                   f"{nm['rails_s'] / a['rails_s']:.2f}x |")
     return "\n".join(out)
 
 
 def load_table(rows: list[dict]) -> str:
-    out = ["| conversations at once | slot_leases | rails | turns | turns/s | generated tok/s | turn p50 s | turn p95 s "
-           "| p95 vs rails off | rails' share of turn time | 5xx | wrong reply | blocked |",
+    out = ["| conversations at once | slot_leases | rails | turns | turns/s | generated tok/s | turn p50 s | turn p95 "
+           "s | p95 vs rails off | rails' share of turn time | 5xx | wrong reply | blocked |",
            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         for name in ("rails", "no_rails"):
             x = r[name]
             ratio = f"{x['p95_s'] / r['no_rails']['p95_s']:.2f}x" if name == "rails" else ""
             share = f"{100 * x['rail_share']:.1f}%" if name == "rails" else ""
-            out.append(f"| {r['concurrency']} | {r.get('slot_leases', 'off')} | {'on' if name == 'rails' else 'off'} | "
+            leases, on = r.get("slot_leases", "off"), "on" if name == "rails" else "off"
+            out.append(f"| {r['concurrency']} | {leases} | {on} | "
                        f"{x['ok']}/{x['requests']} | "
                        f"{x['turns_per_s']:.2f} | {x['gen_tok_per_s']:.1f} | {x['p50_s']:.3f} | {x['p95_s']:.3f} | "
                        f"{ratio} | {share} | {x['http_5xx']} | {x['wrong_reply']} | {x['blocked']} |")

@@ -261,6 +261,8 @@ class EngineConfig:
             params["reasoning_tokens"] = None
         if params.get("prefill_chunk") == "auto":
             params["prefill_chunk"] = None
+        if isinstance(params.get("slot_leases"), bool):   # YAML 1.1 reads a bare off / on as a boolean
+            params["slot_leases"] = "auto" if params["slot_leases"] else "off"
         if params.get("vram_budget") not in (None, "auto"):
             params["vram_budget"] = parse_bytes(params["vram_budget"], key="vram_budget")
         values = _typed_values(cls, params, prefix="", skip={"kv"})

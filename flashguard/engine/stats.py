@@ -17,7 +17,7 @@ class TaskStats:
     generated_tokens: int = 0
     seconds: float = 0.0
     fallbacks: int = 0  # moderation: turns whose pages were gone, so the conversation was prefilled again
-    server_seconds: float = 0.0   # backend openai: the server's own time for the calls (its timings), of seconds
+    server_seconds: float = 0.0   # backend openai: the server's own time for the calls (its timings), part of seconds
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import contextvars
 import json
 import logging
@@ -55,7 +56,6 @@ class RequestBounds:
         self.app = app
         self.limits = limits
         self.in_flight = 0
-        self.workers_set = False
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and scope["method"] == "GET" and scope["path"] in (MEMORY_PATH, METRICS_PATH):
@@ -91,13 +91,9 @@ class RequestBounds:
             sent = True
             return {"type": "http.request", "body": raw, "more_body": False}
 
-        if not self.workers_set:   # the rails' blocking calls run on the loop's default executor (to_thread):
-            self.workers_set = True   # as many workers as requests admitted, not min(32, cores + 4)
-            asyncio.get_running_loop().set_default_executor(concurrent.futures.ThreadPoolExecutor(
-                max_workers=self.limits.max_in_flight + 8, thread_name_prefix="flashguard-rails"))
         self.in_flight += 1
         try:
-            with slots.turn():   # a remote engine's requests for this reply keep one server slot (remote/slots.py)
+            with slots.lease():   # a remote engine's requests for this reply keep one server slot (remote/slots.py)
                 return await self.app(scope, replay, send)
         finally:
             self.in_flight -= 1
@@ -250,7 +246,20 @@ def build_app(rails, nemo_app, limits: RequestLimits = RequestLimits(), verbose:
               Route("/v1/models", chat.models, methods=["GET"]),
               Route("/v1/models/{model_id:path}", chat.model, methods=["GET"]),
               Mount("/", app=nemo_app)]
-    return RequestLog(RequestBounds(Starlette(routes=routes), limits))
+
+    @contextlib.asynccontextmanager
+    async def workers(app):
+        """The rails' blocking calls run on the loop's default executor (``asyncio.to_thread``), a remote engine's
+        while it waits for a server slot too: as many workers as chat requests admitted, not min(32, cores + 4)."""
+        pool = concurrent.futures.ThreadPoolExecutor(max_workers=limits.max_in_flight + 8,
+                                                     thread_name_prefix="flashguard-rails")
+        asyncio.get_running_loop().set_default_executor(pool)
+        try:
+            yield
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)
+
+    return RequestLog(RequestBounds(Starlette(routes=routes, lifespan=workers), limits))
 
 
 class ChatCompletions:

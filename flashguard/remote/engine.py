@@ -19,7 +19,8 @@ Contract (the public surface of the local ``Engine`` that the provider, the serv
 - ``lock`` serialises nothing: each call is its own request, and the server batches concurrent ones.
 - Where the server reports its slots (llama-server's ``GET /props`` ``total_slots``) and ``slot_leases`` is auto,
   every request names its slot (``id_slot``) from ``slots.SlotLeases``: a turn's requests keep one slot, so the
-  conversation's KV is not swapped out between them.
+  conversation's KV is not swapped out between them; a request waits (in this process, in arrival order, at most
+  ``timeout_s``) while every slot is busy or leased.
 - At start: the server must answer ``GET /models``, serve the models entry's ``model``, and return logprobs.
 """
 
@@ -41,8 +42,8 @@ from ..engine.sampling import SamplingParams
 from ..engine.stats import EngineStats
 from ..errors import FlashguardError
 from .. import notice
-from .client import Client, RemoteError
-from .slots import SlotLeases
+from .client import Client, RemoteError, RemoteTimeout
+from . import slots
 
 log = logging.getLogger("flashguard")
 
@@ -68,7 +69,7 @@ class RemoteEngine:
         self.turns: list[Turn] = []
         self.client = Client(config.base_url, config.api_key_env, config.timeout_s)
         self._prefix_warned = False
-        self.leases: SlotLeases | None = None
+        self.leases: slots.SlotLeases | None = None
         self._check_server()
 
     # ---- start ---------------------------------------------------------------------------
@@ -85,11 +86,11 @@ class RemoteEngine:
             raise RemoteError(f"the server at {self.config.base_url} returned no logprobs for a completions "
                               f"request with logprobs: {self.TOP_LOGPROBS} (it answered {str(answer)[:200]}); the "
                               "rails read the next token's log-probabilities: use a server that returns them")
-        slots = self.client.slot_count() if self.config.slot_leases == "auto" else None
-        if slots:
-            self.leases = SlotLeases(slots)
+        count = self.client.slot_count() if self.config.slot_leases == "auto" else None
+        if count:
+            self.leases = slots.for_server(self.config.base_url, count)
             log.info("flashguard: the server has %d slots; each turn keeps one from its first request to its last "
-                     "(slot_leases: auto)", slots)
+                     "(slot_leases: auto)", count)
 
     @contextlib.contextmanager
     def _slot(self, ids: list[int]):
@@ -97,7 +98,11 @@ class RemoteEngine:
         if self.leases is None:
             yield None
             return
-        slot = self.leases.acquire(ids)
+        try:
+            slot = self.leases.acquire(ids, timeout=self.config.timeout_s)
+        except TimeoutError as exc:
+            raise RemoteTimeout(f"{exc} (this process's other requests held them); raise timeout_s or the server's "
+                                "--parallel", key="timeout_s") from exc
         try:
             yield slot
         finally:

@@ -1,72 +1,79 @@
 """Slot leases: a guarded turn keeps one of llama-server's slots from its first request to its last
-(``slot_leases: auto``).
+(``slot_leases: auto``). A *slot* here is the server's (``--parallel N`` slots, a request's ``id_slot``), not a page
+slot of the KV store.
 
-llama-server holds each conversation's KV in one of its ``--parallel`` slots. With more conversations than slots, a
-request that lands on a slot holding another conversation first saves that slot's state to host RAM and restores
-its own (or prefills it again), in the server's single loop, which stalls every slot. A guarded turn makes three
-requests (the input rail's question, the reply, the output rail's question); left to the server, another
-conversation's request can take the slot between any two of them, and each of the three then pays a swap where an
-unguarded turn pays one (32 conversations on 8 slots: turn p95 2.2-2.4x the rails-off load, docs/benchmarks/remote.md).
+llama-server holds each conversation's KV in one of its slots. With more conversations than slots, a request that
+lands on a slot holding another conversation first saves that slot's state to host RAM and restores its own (or
+prefills it again), in the server's single loop, which stalls every slot. A guarded turn makes three requests (the
+input rail's question, the reply, the output rail's question); left to the server, another conversation's request
+can take the slot between any two of them, and each of the three then pays a swap where an unguarded turn pays one.
 
 Contract:
-- ``turn()``: a context manager that scopes one turn (``flashguard serve`` opens one per chat request; a program
-  driving ``LLMRails`` itself may too). The turn's first request takes a slot; its later requests go to that slot;
-  no other request is sent to it until the turn ends. Outside a turn each request takes a slot for itself alone.
-- ``SlotLeases.acquire(ids)`` returns the slot for a request over ``ids`` (llama-server's ``id_slot``), waiting while
-  none is free: the turn's own slot when it has one and it is idle; else the free slot no turn holds whose last
-  request shares the longest prefix with ``ids`` (the server reuses that much), the least recently used among
-  equals. A request of a turn whose slot is busy (a streamed reply's chunk check beside the reply) takes another
-  free slot for itself alone. ``release(slot, ids)`` after the request ends (its reply read or its stream closed).
-- A turn's slot that stays idle for ``IDLE_S`` is taken back (a turn that stalls or never ends cannot starve the
-  others), so a wait lasts at most until a request ends or a hold lapses: no deadlock.
+- ``lease()``: a context manager that scopes one turn (``flashguard serve`` opens one per chat request; a program
+  driving ``LLMRails`` itself may too). The turn's first request takes a slot; its later requests go to that slot
+  while it is idle; no other request of this process is sent to it until the turn ends or the slot has stayed idle
+  for ``IDLE_S`` (a turn that stalls cannot starve the others). Outside a lease each request takes a slot for
+  itself alone. A lease that has ended claims nothing (a worker thread that outlives its request).
+- ``SlotLeases.acquire(ids, timeout)`` returns the slot for a request over ``ids``: the lease's own slot when it has
+  one and it is idle; else a free slot no lease holds, the one whose last request shares the longest prefix with
+  ``ids`` (the server reuses that much), the least recently used among equals. Requests that wait for a free slot
+  are served in arrival order; one that waited ``timeout`` seconds raises ``TimeoutError``. A request of a lease
+  whose slot is busy (a streamed reply's chunk check beside the reply) takes another free slot for itself alone.
+  ``release(slot, ids)`` after the request ends (its reply read or its stream closed).
+- One ``SlotLeases`` per server URL in a process (``for_server``). Other processes' requests to the same server are
+  not seen: a slot they use makes ours wait in the server's queue (``slot_leases: off`` for a shared server).
 - Only which slot serves a request changes: the server decides what to reuse from what the slot holds, so a wrong
   guess costs time, never a wrong answer. Thread-safe (the rails and the reply call from worker threads).
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import contextvars
+import itertools
 import threading
 import time
 from typing import Iterator, Sequence
 
 import numpy as np
 
-IDLE_S = 5.0   # a turn's slot idle this long goes back to the others
+IDLE_S = 5.0   # a lease's slot idle this long goes back to the others
 
 
-class Turn:
-    """One turn's claim: the slot it holds on each ``SlotLeases`` (keyed by the leases' id), and who to tell when
-    it ends."""
+class Lease:
+    """One turn's claim: the slot it holds on each ``SlotLeases``, and who to tell when it ends."""
 
     def __init__(self):
-        self.slots: dict[int, int] = {}
-        self._on_end: list = []
+        self.slots: dict[SlotLeases, int] = {}
+        self.ended = False
+        self._lock = threading.Lock()
 
     def end(self) -> None:
-        for callback in self._on_end:
-            callback(self)
-        self._on_end.clear()
+        with self._lock:
+            self.ended = True
+            held = list(self.slots)
+        for leases in held:
+            leases.give_back(self)
 
 
-_turn: contextvars.ContextVar[Turn | None] = contextvars.ContextVar("flashguard_turn", default=None)
+_lease: contextvars.ContextVar[Lease | None] = contextvars.ContextVar("flashguard_lease", default=None)
 
 
 @contextlib.contextmanager
-def turn() -> Iterator[Turn]:
-    """Scope one guarded turn (see the module docstring). Nested calls join the outer turn."""
-    outer = _turn.get()
+def lease() -> Iterator[Lease]:
+    """Scope one guarded turn (see the module docstring). A nested call joins the outer lease."""
+    outer = _lease.get()
     if outer is not None:
         yield outer
         return
-    t = Turn()
-    token = _turn.set(t)
+    claim = Lease()
+    token = _lease.set(claim)
     try:
-        yield t
+        yield claim
     finally:
-        _turn.reset(token)
-        t.end()
+        _lease.reset(token)
+        claim.end()
 
 
 class _Slot:
@@ -75,7 +82,7 @@ class _Slot:
     def __init__(self):
         self.busy = False
         self.ids = np.zeros(0, dtype=np.int64)   # the prompt of the last request sent to it
-        self.holder: Turn | None = None
+        self.holder: Lease | None = None
         self.idle_since = 0.0                    # also the least-recently-used order
 
 
@@ -96,31 +103,62 @@ class SlotLeases:
         self.slots = [_Slot() for _ in range(count)]
         self.idle_s = idle_s
         self._cond = threading.Condition()
+        self._queue: collections.deque[int] = collections.deque()   # tickets of the requests waiting, in order
+        self._tickets = itertools.count()
 
-    def acquire(self, ids: Sequence[int]) -> int:
-        arr = np.asarray(ids, dtype=np.int64)
-        t = _turn.get()
+    @property
+    def waiting(self) -> int:
+        """Requests waiting for a slot now."""
         with self._cond:
-            while True:
-                now = time.monotonic()
-                self._lapse(now)
-                mine = t.slots.get(id(self)) if t is not None else None
-                if mine is not None and self.slots[mine].holder is t and not self.slots[mine].busy:
-                    self.slots[mine].busy = True
-                    return mine
-                free = [i for i, s in enumerate(self.slots) if not s.busy and s.holder is None]
-                if free:
-                    best = max(free, key=lambda i: (common_prefix(self.slots[i].ids, arr),
-                                                    -self.slots[i].idle_since))
-                    slot = self.slots[best]
-                    slot.busy = True
-                    if t is not None and (mine is None or self.slots[mine].holder is not t):
-                        slot.holder = t   # the turn's first request (or its claim lapsed): the slot is the turn's
-                        t.slots[id(self)] = best
-                        if self._ended not in t._on_end:
-                            t._on_end.append(self._ended)
-                    return best
-                self._cond.wait(timeout=self._next_lapse(now))
+            return len(self._queue)
+
+    def acquire(self, ids: Sequence[int], timeout: float | None = None) -> int:
+        arr = np.asarray(ids, dtype=np.int64)
+        claim = _lease.get()
+        if claim is not None and claim.ended:
+            claim = None
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            mine = claim.slots.get(self) if claim is not None else None
+            if self._own_idle(claim, mine):
+                self.slots[mine].busy = True
+                return mine
+            ticket = next(self._tickets)
+            if mine is not None:   # the lease's slot is busy with its reply: ahead of new turns
+                self._queue.appendleft(ticket)
+            else:
+                self._queue.append(ticket)
+            try:
+                while True:
+                    now = time.monotonic()
+                    self._lapse(now)
+                    if self._own_idle(claim, mine):
+                        self.slots[mine].busy = True
+                        return mine
+                    free = [i for i, s in enumerate(self.slots) if not s.busy and s.holder is None]
+                    if free and self._queue[0] == ticket:
+                        break
+                    if deadline is not None and now >= deadline:
+                        raise TimeoutError(f"no slot of the server's {len(self.slots)} came free in {timeout:g} s")
+                    wait = self._next_lapse(now)
+                    if deadline is not None:
+                        wait = min(wait if wait is not None else deadline - now, deadline - now)
+                    self._cond.wait(timeout=wait)
+            finally:
+                self._queue.remove(ticket)
+                self._cond.notify_all()   # the next in the queue may go now
+            best = max(free, key=lambda i: (common_prefix(self.slots[i].ids, arr), -self.slots[i].idle_since))
+            slot = self.slots[best]
+            slot.busy = True
+            if claim is not None and (mine is None or self.slots[mine].holder is not claim):
+                with claim._lock:   # the lease's first request (or its claim lapsed): the slot is the lease's
+                    if not claim.ended:
+                        slot.holder = claim
+                        claim.slots[self] = best
+            return best
+
+    def _own_idle(self, claim: Lease | None, mine: int | None) -> bool:
+        return mine is not None and self.slots[mine].holder is claim and not self.slots[mine].busy
 
     def release(self, slot: int, ids: Sequence[int]) -> None:
         with self._cond:
@@ -128,10 +166,11 @@ class SlotLeases:
             s.busy, s.ids, s.idle_since = False, np.asarray(ids, dtype=np.int64), time.monotonic()
             self._cond.notify_all()
 
-    def _ended(self, t: Turn) -> None:
+    def give_back(self, claim: Lease) -> None:
+        """``claim`` ended: its slot is free for any request."""
         with self._cond:
-            slot = t.slots.pop(id(self), None)
-            if slot is not None and self.slots[slot].holder is t:
+            slot = claim.slots.pop(self, None)
+            if slot is not None and self.slots[slot].holder is claim:
                 self.slots[slot].holder = None
             self._cond.notify_all()
 
@@ -143,3 +182,16 @@ class SlotLeases:
     def _next_lapse(self, now: float) -> float | None:
         held = [s.idle_since + self.idle_s - now for s in self.slots if s.holder is not None and not s.busy]
         return max(0.01, min(held)) if held else None
+
+
+_servers: dict[str, SlotLeases] = {}
+_servers_lock = threading.Lock()
+
+
+def for_server(url: str, count: int) -> SlotLeases:
+    """The one ``SlotLeases`` of the server at ``url`` in this process (a new one if its slot count changed)."""
+    with _servers_lock:
+        leases = _servers.get(url)
+        if leases is None or len(leases.slots) != count:
+            leases = _servers[url] = SlotLeases(count)
+        return leases

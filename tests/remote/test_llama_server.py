@@ -274,7 +274,7 @@ def test_a_turn_keeps_its_slot_so_another_conversation_cannot_swap_it_out(tmp_pa
             done["reading"] = engine.read(theirs)
             done["at"] = time.monotonic()
 
-        with slots.turn():
+        with slots.lease():
             engine.read(ours)
             th = threading.Thread(target=contextvars.Context().run, args=(other,), daemon=True)
             th.start()
