@@ -348,16 +348,21 @@ def warm(server_root: str, engine, alias: str, history: list[dict], chat: bool =
         engine.read(engine.encode_messages(history), task="warm")
 
 
-def per_turn(server: LlamaServer, flash_dir: Path, nemo_dir: Path, alias: str, contexts: list[int], reply: int,
-             repeats: int) -> list[dict]:
+def per_turn(server: LlamaServer, flash_dir: Path, nemo_dir: Path, alias: str, contexts: list[int],
+             replies: list[int], repeats: int) -> list[dict]:
     from nemoguardrails import LLMRails, RailsConfig
 
     flash = LLMRails(RailsConfig.from_path(str(flash_dir)))
     nemo = LLMRails(RailsConfig.from_path(str(nemo_dir)))
     engine = _engine(flash)
     prose = prose_ids(engine.tokenizer)
+    # one untimed turn each way first: a first call pays NeMo's and the client's start-up (0.67 s for NeMo's first
+    # self check on the H200, 0.03 s after), which is not what a rail costs a conversation
+    short = conversation(engine.encode_messages, engine.tokenizer, prose, 256, seed=1)
+    flash_turn(flash, short + [question(300)], replies[0])
+    nemo_turn(nemo, short + [question(301)], replies[0], "I cannot say.")
     rows = []
-    for ctx in contexts:
+    for ctx, reply in ((c, r) for c in contexts for r in replies):
         history = conversation(engine.encode_messages, engine.tokenizer, prose, ctx, seed=ctx)
         runs: dict[str, list[dict]] = {"reused": [], "no_cache": [], "nemo": []}
         for r in range(repeats):
@@ -372,11 +377,12 @@ def per_turn(server: LlamaServer, flash_dir: Path, nemo_dir: Path, alias: str, c
             warm(server.root, engine, alias, history, chat=True)
             runs["nemo"].append(nemo_turn(nemo, history + [question(200 + r)], reply,
                                           runs["reused"][-1]["reply"] or "I cannot say."))
-            print(json.dumps({"context": ctx, "repeat": r, **{k: {kk: vv for kk, vv in v[-1].items() if kk != "reply"}
-                                                              for k, v in runs.items()}}), flush=True)
+            last = {k: {kk: vv for kk, vv in v[-1].items() if kk != "reply"} for k, v in runs.items()}
+            print(json.dumps({"context": ctx, "reply": reply, "repeat": r, **last}), flush=True)
         med = {k: {f: statistics.median(x[f] for x in v) for f in v[0] if isinstance(v[0][f], (int, float))
                    and not isinstance(v[0][f], bool)} for k, v in runs.items()}
-        rows.append({"context": ctx, "prompt_tokens": len(engine.encode_messages(history + [question(0)])),
+        rows.append({"context": ctx, "reply": reply,
+                     "prompt_tokens": len(engine.encode_messages(history + [question(0)])),
                      "repeats": repeats, "median": med, "runs": runs,
                      "blocked_or_cut": sum(not x["generated"] or not x["output_rail_ran"]
                                            for k in ("reused", "no_cache") for x in runs[k])})
@@ -498,15 +504,16 @@ def load_part(flash_on: Path, flash_off: Path, alias: str, encode, tokenizer, co
 
 # ---- tables ------------------------------------------------------------------------------------------------------
 def turn_table(rows: list[dict]) -> str:
-    out = ["| context (prompt tokens) | turn wall s | generation s | input + output rail s (prefix reused) | of which "
-           "the server's own (its timings) | rails' share of the turn | rails' prompt tokens reused | rails s, "
-           "`cache_prompt: false` | NeMo self-check rails s | NeMo self-check / flashguard rails |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
+    out = ["| context (prompt tokens) | reply tokens | turn wall s | generation s | input + output rail s (prefix "
+           "reused) | of which the server's own (its timings) | rails' share of the turn | rails' prompt tokens "
+           "reused | rails s, `cache_prompt: false` | NeMo self-check rails s | NeMo self-check / flashguard rails |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         m = r["median"]
         a, nc, nm = m["reused"], m["no_cache"], m["nemo"]
         reuse = a["rail_reused_tokens"] / a["rail_prompt_tokens"] if a.get("rail_prompt_tokens") else float("nan")
-        out.append(f"| {r['context']:,} ({r['prompt_tokens']:,}) | {a['wall_s']:.3f} | {a['generation_s']:.3f} | "
+        out.append(f"| {r['context']:,} ({r['prompt_tokens']:,}) | {r.get('reply', '')} | {a['wall_s']:.3f} | "
+                   f"{a['generation_s']:.3f} | "
                    f"{a['input_rail_s']:.3f} + {a['output_rail_s']:.3f} = **{a['rails_s']:.3f}** | "
                    f"{a.get('rails_server_s', float('nan')):.3f} | {100 * a['rails_s'] / a['wall_s']:.1f}% | "
                    f"{100 * reuse:.1f}% | {nc['rails_s']:.3f} ({nc['rails_s'] / a['rails_s']:.1f}x) | "
@@ -549,6 +556,8 @@ def main(argv=None) -> int:
     p.add_argument("--load-context", type=int, default=1024)
     p.add_argument("--load-turns", type=int, default=2)
     p.add_argument("--reply", type=int, default=32, help="tokens in every reply (the server runs --ignore-eos)")
+    p.add_argument("--turn-replies", type=int, nargs="*", default=None,
+                   help="the per-turn part's reply lengths, each a row (default: --reply)")
     p.add_argument("--check-tokens", type=int, default=3, help="max_tokens of NeMo's self-check prompts")
     p.add_argument("--parallel", type=int, default=4, help="llama-server --parallel")
     p.add_argument("--ngl", type=int, default=0, help="llama-server -ngl (99 on a GPU)")
@@ -575,7 +584,8 @@ def main(argv=None) -> int:
     work = Path(args.workdir or tempfile.mkdtemp(prefix="flashguard-remote-load-"))
     work.mkdir(parents=True, exist_ok=True)
     gguf = args.gguf or str(embedded_gguf())
-    slot = max(args.contexts + [args.load_context]) + args.reply * (args.load_turns + 1) + 1024
+    replies = args.turn_replies or [args.reply]
+    slot = max(args.contexts + [args.load_context]) + max([args.reply * (args.load_turns + 1)] + replies) + 1024
     t_start = time.perf_counter()
     server = LlamaServer(args.server, gguf, args.alias, args.parallel, slot, args.ngl, args.threads,
                          work / "llama-server.log", args.server_args.split())
@@ -604,7 +614,7 @@ def main(argv=None) -> int:
         flash_on, _ = configs(args.slot_leases[0])
         nemo_dir = self_check_config(work / "nemo", server.url, args.alias, args.check_tokens)
         if args.contexts:
-            result["per_turn"] = per_turn(server, flash_on, nemo_dir, args.alias, args.contexts, args.reply,
+            result["per_turn"] = per_turn(server, flash_on, nemo_dir, args.alias, args.contexts, replies,
                                           args.repeats)
             save()
         if args.concurrency:
