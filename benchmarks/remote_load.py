@@ -36,7 +36,9 @@ What runs (all through the product's code paths; nothing is simulated):
   turns each, sent at once by ``httpx`` to a ``flashguard serve`` process (backend openai, the same config), and
   the same load to a second ``flashguard serve`` with no rails (other conversations, so neither run finds the
   other's in the cache), once for each ``--slot-leases`` value (flashguard's ``slot_leases``: ``auto``, a turn's
-  requests keep one server slot; ``off``, the server picks a slot for each request): turns a second, generated
+  requests keep one server slot; ``off``, the server picks a slot for each request) and each
+  ``--cache-idle-slots`` value (llama-server's own switch, on by default: at every task's start it copies each idle
+  slot's KV to its host-RAM cache; ``off`` restarts the server with ``--no-cache-idle-slots``): turns a second, generated
   tokens a second, p50 / p95 turn time, the rails' share of turn time (the server's ``/v1/flashguard/memory``
   rail seconds over the sum of turn times), HTTP 5xx, and replies checked against their requests
   (``ownership_mismatches``): each request's prompt is made unique in length (``unique_prompt``) and its reply's
@@ -481,14 +483,14 @@ async def load(serve: Serve, alias: str, encode, tokenizer, prose, conversations
 
 def load_part(flash_on: Path, flash_off: Path, alias: str, encode, tokenizer, concurrency: list[int], turns: int,
               context: int, reply: int, logs: Path, rows: list[dict], done=lambda: None,
-              slot_leases: str = "auto", seed_base: int = 0) -> list[dict]:
+              slot_leases: str = "auto", seed_base: int = 0, idle_cache: str = "on") -> list[dict]:
     prose = prose_ids(tokenizer)
-    on = Serve(flash_on, logs / f"serve-rails-{slot_leases}.log")
-    off = Serve(flash_off, logs / f"serve-norails-{slot_leases}.log")
+    on = Serve(flash_on, logs / f"serve-rails-{slot_leases}-{idle_cache}.log")
+    off = Serve(flash_off, logs / f"serve-norails-{slot_leases}-{idle_cache}.log")
     try:
         on.ready(), off.ready()
         for k, c in enumerate(concurrency):
-            row = {"concurrency": c, "slot_leases": slot_leases}
+            row = {"concurrency": c, "slot_leases": slot_leases, "cache_idle_slots": idle_cache}
             for name, serve, seed in (("rails", on, seed_base + 10_000 + 1000 * k),
                                       ("no_rails", off, seed_base + 50_000 + 1000 * k)):
                 res = asyncio.run(load(serve, alias, encode, tokenizer, prose, c, turns, context, reply, seed))
@@ -523,16 +525,16 @@ def turn_table(rows: list[dict]) -> str:
 
 
 def load_table(rows: list[dict]) -> str:
-    out = ["| conversations at once | slot_leases | rails | turns | turns/s | generated tok/s | turn p50 s | turn p95 "
+    out = ["| conversations at once | slot_leases | server caches idle slots | rails | turns | turns/s | generated tok/s | turn p50 s | turn p95 "
            "s | p95 vs rails off | rails' share of turn time | 5xx | wrong reply | blocked |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         for name in ("rails", "no_rails"):
             x = r[name]
             ratio = f"{x['p95_s'] / r['no_rails']['p95_s']:.2f}x" if name == "rails" else ""
             share = f"{100 * x['rail_share']:.1f}%" if name == "rails" else ""
             leases, on = r.get("slot_leases", "off"), "on" if name == "rails" else "off"
-            out.append(f"| {r['concurrency']} | {leases} | {on} | "
+            out.append(f"| {r['concurrency']} | {leases} | {r.get('cache_idle_slots', 'on')} | {on} | "
                        f"{x['ok']}/{x['requests']} | "
                        f"{x['turns_per_s']:.2f} | {x['gen_tok_per_s']:.1f} | {x['p50_s']:.3f} | {x['p95_s']:.3f} | "
                        f"{ratio} | {share} | {x['http_5xx']} | {x['wrong_reply']} | {x['blocked']} |")
@@ -566,6 +568,10 @@ def main(argv=None) -> int:
     p.add_argument("--threshold", type=float, default=0.9999, help="both rails' threshold (see the docstring)")
     p.add_argument("--slot-leases", nargs="+", choices=("auto", "off"), default=["auto"],
                    help="flashguard's slot_leases; the load part runs once for each (the per-turn part: the first)")
+    p.add_argument("--cache-idle-slots", nargs="+", choices=("on", "off"), default=["on"],
+                   help="llama-server's --cache-idle-slots (on, its default: every task's start copies the idle "
+                   "slots' KV to its host-RAM prompt cache) or --no-cache-idle-slots; the load part runs once for "
+                   "each, on a server started with it (the per-turn part: the first)")
     p.add_argument("--config", default=str(ROOT / "configs" / "flash"), help="the flashguard config to copy")
     p.add_argument("--workdir", default=None)
     p.add_argument("--make-gguf", metavar="DIR", help="make the GPU run's model in DIR and stop (see above)")
@@ -587,8 +593,12 @@ def main(argv=None) -> int:
     replies = args.turn_replies or [args.reply]
     slot = max(args.contexts + [args.load_context]) + max([args.reply * (args.load_turns + 1)] + replies) + 1024
     t_start = time.perf_counter()
-    server = LlamaServer(args.server, gguf, args.alias, args.parallel, slot, args.ngl, args.threads,
-                         work / "llama-server.log", args.server_args.split())
+    def start_server(idle_cache: str) -> LlamaServer:
+        flag = ["--no-cache-idle-slots"] if idle_cache == "off" else []
+        return LlamaServer(args.server, gguf, args.alias, args.parallel, slot, args.ngl, args.threads,
+                           work / f"llama-server-{idle_cache}.log", args.server_args.split() + flag)
+
+    server = start_server(args.cache_idle_slots[0])
     result = {"server": server.args, "gguf": gguf, "model_path": args.model_path, "host": platform.node(),
               "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "args": vars(args)}
     def save() -> str:
@@ -623,10 +633,16 @@ def main(argv=None) -> int:
                 params["model_path"] = args.model_path
             engine = get_engine(EngineConfig.from_parameters(params), args.alias)
             result["load"] = []
-            for k, leases in enumerate(args.slot_leases):   # other conversations each time (seed_base)
-                load_part(*configs(leases), args.alias, engine.encode_messages, engine.tokenizer, args.concurrency,
-                          args.load_turns, args.load_context, args.reply, work, result["load"], save,
-                          slot_leases=leases, seed_base=100_000 * k)
+            for j, idle_cache in enumerate(args.cache_idle_slots):
+                if j:   # a fresh server started with this value (the engine above only encodes)
+                    server.stop()
+                    server = start_server(idle_cache)
+                    result.setdefault("servers", []).append(server.args)
+                for k, leases in enumerate(args.slot_leases):   # other conversations each time (seed_base)
+                    load_part(*configs(leases), args.alias, engine.encode_messages, engine.tokenizer,
+                              args.concurrency, args.load_turns, args.load_context, args.reply, work,
+                              result["load"], save, slot_leases=leases,
+                              seed_base=100_000 * (k + len(args.slot_leases) * j), idle_cache=idle_cache)
     finally:
         server.stop()
         text = save()
