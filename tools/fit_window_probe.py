@@ -87,6 +87,7 @@ def main(argv=None) -> int:
     from flashguard.engine.engine import Engine
     from flashguard.rails import calibrate as C, moderation as M
     from flashguard.rails.moderation import ModerationSettings
+    from flashguard.rails.probe import Probe
 
     t0 = time.time()
     rng = random.Random(0)   # the shuffle, then each piece's ask
@@ -136,6 +137,7 @@ def main(argv=None) -> int:
                         "bias": fitted.long_bias, "threshold": fitted.long_threshold,
                         "weight": list(fitted.long_weight)}
         shipped_file.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
+        Probe.load(shipped_file).save(shipped_file)   # in the probe file's own form (its numbers' rounding)
         print(f"window probe written into {shipped_file}")
     return 0
 
