@@ -37,8 +37,9 @@ What runs (all through the product's code paths; nothing is simulated):
   the same load to a second ``flashguard serve`` with no rails (other conversations, so neither run finds the
   other's in the cache), once for each ``--slot-leases`` value (flashguard's ``slot_leases``: ``auto``, a turn's
   requests keep one server slot; ``off``, the server picks a slot for each request) and each
-  ``--cache-idle-slots`` value (llama-server's own switch, on by default: at every task's start it copies each idle
-  slot's KV to its host-RAM cache; ``off`` restarts the server with ``--no-cache-idle-slots``): turns a second, generated
+  ``--cache-idle-slots`` value (llama-server's own switch, on in llama-server by default: at every task's start it
+  copies each idle slot's KV to its host-RAM cache; ``off``, this benchmark's default and the README's advice with
+  slot leases, starts the server with ``--no-cache-idle-slots``; docs/benchmarks/remote.md has both): turns a second, generated
   tokens a second, p50 / p95 turn time, the rails' share of turn time (the server's ``/v1/flashguard/memory``
   rail seconds over the sum of turn times), HTTP 5xx, and replies checked against their requests
   (``ownership_mismatches``): each request's prompt is made unique in length (``unique_prompt``) and its reply's
@@ -568,10 +569,11 @@ def main(argv=None) -> int:
     p.add_argument("--threshold", type=float, default=0.9999, help="both rails' threshold (see the docstring)")
     p.add_argument("--slot-leases", nargs="+", choices=("auto", "off"), default=["auto"],
                    help="flashguard's slot_leases; the load part runs once for each (the per-turn part: the first)")
-    p.add_argument("--cache-idle-slots", nargs="+", choices=("on", "off"), default=["on"],
-                   help="llama-server's --cache-idle-slots (on, its default: every task's start copies the idle "
-                   "slots' KV to its host-RAM prompt cache) or --no-cache-idle-slots; the load part runs once for "
-                   "each, on a server started with it (the per-turn part: the first)")
+    p.add_argument("--cache-idle-slots", nargs="+", choices=("on", "off"), default=["off"],
+                   help="llama-server's --cache-idle-slots (on, llama-server's default: every task's start copies the "
+                   "idle slots' KV to its host-RAM prompt cache) or --no-cache-idle-slots (off, the default here, as "
+                   "the README advises with slot leases); the load part runs once for each, on a server started "
+                   "with it (the per-turn part: the first)")
     p.add_argument("--config", default=str(ROOT / "configs" / "flash"), help="the flashguard config to copy")
     p.add_argument("--workdir", default=None)
     p.add_argument("--make-gguf", metavar="DIR", help="make the GPU run's model in DIR and stop (see above)")
