@@ -282,7 +282,7 @@ def _turns(args, rails, engine, tok, context: int, out: list):
                 spilled = engine.store.spill()   # every page on disk: the new session reads what it needs from L3
         counts0 = engine.store.tier_counts() if engine is not None and engine.store is not None else {}
         cuda = torch.cuda.is_available()   # (the CPU runs it too, without the memory columns: a smoke test)
-        if engine is not None and cuda:
+        if cuda:   # (turn 1 loads the engine: its peak is the load's and the turn's, not the checkpoint's making)
             torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
         if args.profile and context == max(args.contexts):   # where the serving thread's time goes (bench.sampler)
