@@ -90,7 +90,8 @@ class RemoteEngine:
         if count:
             self.leases = slots.for_server(self.config.base_url, count)
             log.info("flashguard: the server has %d slots; each turn keeps one from its first request to its last "
-                     "(slot_leases: auto)", count)
+                     "(slot_leases: auto; start llama-server with --no-cache-idle-slots, else it copies the idle "
+                     "slots' KV to host RAM at every request: README, 'Past one machine')", count)
 
     @contextlib.contextmanager
     def _slot(self, ids: list[int]):
