@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import random
 import subprocess
 import sys
@@ -109,9 +108,12 @@ def main(argv=None) -> int:
                      ("with the policy pieces", long)):
         best = C.choose_window_probe(lg, short=short)[0]
         w, b = C.fit_window_probe(lg, best, short=short)
+        metrics = {k: v for k, v in shipped.metrics.items() if k != "windows"}   # (a count of the old fit's)
+        metrics.update(long_messages=len(lg["message_labels"]), long_l2=best["l2"],
+                       long_cv_accuracy=round(best["cv_accuracy"], 4))
         probes[name] = dataclasses.replace(
             shipped, stride=best["window"] // 2, long_window=best["window"], long_layer=best["layer"],
-            long_weight=tuple(float(v) for v in w), long_bias=b, long_threshold=best["threshold"])
+            long_weight=tuple(float(v) for v in w), long_bias=b, long_threshold=best["threshold"], metrics=metrics)
         print(f"{name}: windows of {best['window']}, layer {best['layer']}, l2 {best['l2']}, threshold "
               f"{best['threshold']:.2f}, cross-validated balanced accuracy {best['cv_accuracy']:.4f}", flush=True)
     layers = sorted({q.long_layer for q in probes.values()})
@@ -129,16 +131,16 @@ def main(argv=None) -> int:
     print("|---|" + "---|" * len(tally["shipped"]))
     for name, t in tally.items():
         print(f"| {name} | " + " | ".join(f"{a}/{n} ({a / n:.0%})" for a, n in t.values()) + " |")
-    if args.write:
+    if args.write:   # the shipped file with the new window probe and its numbers; the short-message probe as it was
         shipped_file = Path(str(SHIPPED).format(weights=args.weights))
-        data = json.loads(shipped_file.read_text(encoding="utf-8"))
-        fitted = probes["with the policy pieces"]
-        data["long"] = {"layer": fitted.long_layer, "window": fitted.long_window, "stride": fitted.stride,
-                        "bias": fitted.long_bias, "threshold": fitted.long_threshold,
-                        "weight": list(fitted.long_weight)}
-        shipped_file.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
-        Probe.load(shipped_file).save(shipped_file)   # in the probe file's own form (its numbers' rounding)
-        print(f"window probe written into {shipped_file}")
+        fitted, old = probes["with the policy pieces"], Probe.load(shipped_file)
+        dataclasses.replace(old, stride=fitted.stride, long_window=fitted.long_window, long_layer=fitted.long_layer,
+                            long_weight=fitted.long_weight, long_bias=fitted.long_bias,
+                            long_threshold=fitted.long_threshold, long_strictness={},   # (fitted for the threshold)
+                            metrics={**{k: v for k, v in old.metrics.items() if k != "windows"},
+                                     **{k: v for k, v in fitted.metrics.items() if k.startswith("long")}}
+                            ).save(shipped_file)
+        print(f"window probe written into {shipped_file} (say where it came from in its metrics.window_probe_from)")
     return 0
 
 
