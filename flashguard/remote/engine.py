@@ -31,6 +31,7 @@ import logging
 import time
 from typing import Iterator, Sequence
 
+import numpy as np
 import torch
 
 from ..config import EngineConfig
@@ -189,7 +190,8 @@ class RemoteEngine:
         if not top:
             raise RemoteError(f"the server returned no logprobs for the {task} question: {str(answer)[:200]}")
         floor = min(top.values())
-        logprobs = torch.full((len(self.tokenizer),), floor, dtype=torch.float32)
+        # (numpy's fill: torch's splits a vocabulary-sized fill over its threads, ~15 ms on a busy 2-core host)
+        logprobs = torch.from_numpy(np.full(len(self.tokenizer), floor, dtype=np.float32))
         for token, lp in top.items():
             if 0 <= token < logprobs.numel():
                 logprobs[token] = lp
