@@ -51,6 +51,7 @@ log = logging.getLogger("flashguard")
 
 class RemoteEngine:
     reads_states = False
+    MISSES = 3          # rail requests in a row that reuse under half of a long prompt before the log says so
     TOP_LOGPROBS = 20   # the most llama-server, vLLM (--max-logprobs) and SGLang return by default
 
     def __init__(self, config: EngineConfig, model: str, source: loader.ModelSource | None = None):
@@ -69,7 +70,7 @@ class RemoteEngine:
         self.stats = EngineStats()
         self.turns: list[Turn] = []
         self.client = Client(config.base_url, config.api_key_env, config.timeout_s)
-        self._prefix_warned = False
+        self._prefix_misses = 0   # long rail requests in a row that reused under half (a warning at MISSES)
         self.leases: slots.SlotLeases | None = None
         self._check_server()
 
@@ -199,14 +200,16 @@ class RemoteEngine:
         reused = cached or 0
         # the output rail's request follows the turn the server just generated: a long one mostly cached, if the
         # cache is on (a server that does not report it says nothing here; the input rail's first request of a
-        # conversation has nothing to reuse yet)
-        if not self._prefix_warned and task == "moderation" and cached is not None and len(ids) > 256 and \
-                reused < len(ids) // 2:
-            self._prefix_warned = True
-            log.warning("flashguard: the server at %s reused %d of a rail's %d prompt tokens: its prefix cache is not "
-                        "being hit (llama-server: --cache-reuse / slots; vLLM: --enable-prefix-caching; SGLang: the "
-                        "radix cache on); each rail then prefills the whole conversation", self.config.base_url,
-                        reused, len(ids))
+        # conversation has nothing to reuse yet). One miss is ordinary (a streamed reply's chunk check while the
+        # reply still holds its slot, a slot another conversation took over); MISSES in a row are a cache that is off
+        if task == "moderation" and cached is not None and len(ids) > 256:
+            self._prefix_misses = self._prefix_misses + 1 if reused < len(ids) // 2 else 0
+            if self._prefix_misses == self.MISSES:
+                log.warning("flashguard: the server at %s reused under half of %d rail requests' prompts in a row "
+                            "(the last: %d of %d tokens): its prefix cache is not being hit (llama-server: the slots' "
+                            "prompt cache, on unless --no-cache-prompt; vLLM: --enable-prefix-caching; SGLang: the "
+                            "radix cache, on unless --disable-radix-cache); each rail then prefills the whole "
+                            "conversation", self.config.base_url, self.MISSES, reused, len(ids))
         seconds = time.perf_counter() - t0
         self.stats.record(task, prompt=len(ids), prefilled=len(ids) - reused, reused=reused, generated=0,
                           seconds=seconds, first_token_s=seconds, server_seconds=self._server_s(answer))

@@ -288,3 +288,27 @@ def test_a_turn_keeps_its_slot_so_another_conversation_cannot_swap_it_out(tmp_pa
         assert done["at"] >= ended and done["reading"].reused <= shared   # ran after the turn, on a slot holding ours
     finally:
         own.stop()
+
+
+def test_a_prefix_cache_that_is_never_hit_is_said_once_after_a_few_misses(llama_server, caplog):
+    """One rail request that misses the server's cache is ordinary (a streamed reply's chunk check while the reply
+    still holds its slot); three in a row are a cache that is off: one warning naming the servers' switches."""
+    import logging
+
+    from flashguard import EngineConfig
+    from flashguard.engine import get_engine
+
+    engine = get_engine(EngineConfig.from_parameters({"backend": "openai", "base_url": llama_server.url,
+                                                      "timeout_s": 61}), "smollm2")   # (an engine of its own)
+    engine.client.extra_body = {"cache_prompt": False}   # llama-server's switch: nothing taken from the cache
+    try:
+        ids = engine.encode_messages([{"role": "user", "content": "Summarise this. " + "The tide comes in. " * 60}])
+        assert len(ids) > 256
+        with caplog.at_level(logging.WARNING, logger="flashguard"):
+            for n in range(1, 5):
+                assert engine.read(ids, task="moderation").reused == 0
+                said = [r.getMessage() for r in caplog.records if "prefix cache is not being hit" in r.getMessage()]
+                assert len(said) == (1 if n >= 3 else 0), (n, said)
+        assert "--no-cache-prompt" in said[0] and "--enable-prefix-caching" in said[0]
+    finally:
+        engine.client.extra_body = {}
