@@ -153,8 +153,9 @@ def cmd_chat(args) -> int:
             continue
         if line == PASTE_FENCE:   # a message of several lines, up to the next fence
             block = []
+            more_prompt = "... " if sys.stdin.isatty() else ""   # (a piped paste: no prompt a line)
             try:
-                while (more := input("... ")).strip() != PASTE_FENCE:
+                while (more := input(more_prompt)).strip() != PASTE_FENCE:
                     block.append(more)
             except (EOFError, KeyboardInterrupt):
                 print()

@@ -127,7 +127,26 @@ class RequestBounds:
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                       or not 0 < value <= self.limits.max_tokens):
                 return f"{key} must be an integer between 1 and {self.limits.max_tokens}", key
-        return _unsupported(body)
+        return _sampling_problem(body) or _unsupported(body)
+
+
+def _sampling_problem(body: dict) -> tuple[str, str] | None:
+    """The sampling fields the engine reads (``SamplingParams``' own bounds), checked before any work so the 400
+    names the field as the others do."""
+    def number(value) -> bool:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+    temperature, top_p, seed, stop = (body.get(k) for k in ("temperature", "top_p", "seed", "stop"))
+    if temperature is not None and not (number(temperature) and temperature >= 0):
+        return f"temperature must be a number >= 0 (0 is greedy), got {temperature!r}", "temperature"
+    if top_p is not None and not (number(top_p) and 0 < top_p <= 1):
+        return f"top_p must be a number in (0, 1], got {top_p!r}", "top_p"
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        return f"seed must be an integer, got {seed!r}", "seed"
+    if stop is not None and not (isinstance(stop, str) and stop or isinstance(stop, list)
+                                 and all(isinstance(x, str) and x for x in stop)):
+        return f"stop must be a non-empty string or a list of them, got {stop!r}", "stop"
+    return None
 
 
 def _content_problem(content, where: str) -> tuple[str, str] | None:
