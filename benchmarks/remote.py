@@ -12,6 +12,13 @@ server's default, ``classifier: auto``; in process the same shipped file named w
 verdicts' agreement, the p(unsafe) difference, the classifier's features (each question's log-odds) compared on the
 first ``--feature-rows`` rows, and for the output rail the prompt tokens the server took from its cache (the turn
 was generated on the server first, as in a real turn, so the rail's request starts with the turn's tokens).
+
+``--noise-rows N``: the noise floor of that agreement. The single question's p over the same token ids (the
+conversation, then the question as one more user turn) read three ways: the in-process engine with int4 weights
+(the CPU's default), the in-process engine with float weights (the same Q4_1 codes dequantized), and the server;
+the verdicts' agreement at the rail's threshold for each pair, and how many rows the server puts within 0.03 of it.
+Where the in-process engine's two kernels disagree as often as it does with the server, the gap is arithmetic (the
+rows sit at the cut), not the remote path.
 """
 
 from __future__ import annotations
@@ -69,8 +76,9 @@ def main(argv=None) -> int:
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--server", default=str(user_cache_dir() / "llama-server" / "bin" / "llama-server"))
-    p.add_argument("--rows", type=int, default=400)
+    p.add_argument("--rows", type=int, default=400, help="rows a rail for the agreement table (0: none)")
     p.add_argument("--feature-rows", type=int, default=10)
+    p.add_argument("--noise-rows", type=int, default=0, help="rows a rail for the noise-floor table (0: none)")
     p.add_argument("--out")
     args = p.parse_args(argv)
     log = Path(tempfile.gettempdir()) / "flashguard-remote-bench.log"
@@ -82,6 +90,8 @@ def main(argv=None) -> int:
 
         result = {}
         for side, pattern in (("output", "moderation_test*.jsonl"), ("input", "moderation_input_test*.jsonl")):
+            if not args.rows:   # (--rows 0: the noise-floor table alone)
+                break
             shipped = C.SHIPPED_DIR / C.file_name(local, side)
             make = ModerationSettings if side == "output" else ModerationSettings.input_defaults
             question = make(probe="off", classifier="off")
@@ -92,6 +102,11 @@ def main(argv=None) -> int:
                 result[(side, kind)] = _compare(local, remote, side, data, local_settings, remote_settings)
             result[(side, "features")] = _features(local, remote, side, data[:args.feature_rows],
                                                    C.Classifier.load(shipped))
+        noise = {}
+        if args.noise_rows:
+            engines = {"int4": local, "float": get_engine(EngineConfig(weights="float")), "server": remote}
+            for side, pattern in (("output", "moderation_test*.jsonl"), ("input", "moderation_input_test*.jsonl")):
+                noise[side] = _noise_floor(engines, side, rows(pattern, args.noise_rows))
     finally:
         proc.kill()
     lines = ["| rail | verdict | rows | same verdict | blocked in process / server | mean / max |p local - p server| | "
@@ -109,6 +124,14 @@ def main(argv=None) -> int:
         if kind == "features":
             for j, (mean, worst) in enumerate(r["diff"]):
                 lines.append(f"| {side} | {r['rows']} | {j} | {mean:.3f} / {worst:.3f} |")
+    if noise:
+        lines += ["", "| rail | rows | threshold | int4 vs server | float vs server | int4 vs float (in process) | "
+                  "mean abs(p int4 - p float) | rows within 0.03 of the threshold (server) |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for side, r in noise.items():
+            lines.append(f"| {side} | {r['rows']} | {r['threshold']:.2f} | {100 * r['int4/server']:.1f}% | "
+                         f"{100 * r['float/server']:.1f}% | {100 * r['int4/float']:.1f}% | {r['int4_float_abs']:.3f} | "
+                         f"{r['near']} |")
     table = "\n".join(lines)
     print(table)
     if args.out:
@@ -158,6 +181,36 @@ def _compare(local, remote, side, data, local_settings, remote_settings) -> dict
     if seconds:
         out["rail_s_median"] = statistics.median(seconds)
     return out
+
+
+def _noise_floor(engines: dict, side: str, data: list[dict]) -> dict:
+    """The single question's p for each row read by each engine over the same ids (see the module docstring)."""
+    import math
+
+    from flashguard.rails.moderation import ModerationSettings, answer_ids
+    from flashguard.rails.probe import answer_log_odds
+
+    settings = ModerationSettings() if side == "output" else ModerationSettings.input_defaults()
+    p: dict = {name: [] for name in engines}
+    for row in data:
+        msgs = [{"role": "user", "content": row["user"]}]
+        if side == "output":
+            msgs.append({"role": "assistant", "content": row["bot"]})
+        for name, engine in engines.items():
+            ids = engine.encode_messages(msgs + [{"role": "user", "content": settings.prompt}])
+            lp = engine.read(ids, task="moderation").logprobs
+            x = answer_log_odds(lp, answer_ids(engine, settings.unsafe_answer),
+                                answer_ids(engine, settings.safe_answer))
+            p[name].append(1.0 / (1.0 + math.exp(-x)))
+    th = settings.threshold
+
+    def agree(a: str, b: str) -> float:
+        return sum((x >= th) == (y >= th) for x, y in zip(p[a], p[b])) / len(data)
+
+    return {"rows": len(data), "threshold": th, "int4/server": agree("int4", "server"),
+            "float/server": agree("float", "server"), "int4/float": agree("int4", "float"),
+            "int4_float_abs": statistics.mean(abs(x - y) for x, y in zip(p["int4"], p["float"])),
+            "near": sum(abs(x - th) < 0.03 for x in p["server"])}
 
 
 def _features(local, remote, side, data, clf) -> dict:
