@@ -24,26 +24,18 @@ QWEN2_PRES = ("qwen2", "deepseek-r1-qwen")
 QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
                r"|\s+(?!\S)|\s+")
 CONTROL, USER_DEFINED = 3, 4
+# pre-tokenizer names transformers' GGUF conversion turns into plain byte-level BPE for a gpt2-model file (its
+# converter reads no pre name); llama.cpp splits digits for "smollm", transformers does not: the ids here are
+# transformers' (those the probes were fitted on)
+BYTE_LEVEL_PRES = ("smollm",)
 
 
 def read_header(path: str) -> dict[str, Any]:
-    import gguf
+    """The header's ``{key: value}``, token arrays as lists (``gguf_load.read_gguf`` with arrays: as gguf-py's
+    ``field.contents()`` gives them, in a tenth of the time); tensor data is not read or checked."""
+    from ..quant.gguf_load import read_gguf
 
-    class _HeaderOnly(gguf.GGUFReader):
-        def _build_tensor_info(self, offs, count):  # noqa: D401 - skip tensor metadata and data
-            return offs, []
-
-        def _build_tensors(self, start_offs, fields):
-            self.tensors = []
-
-    reader = _HeaderOnly(path)
-    out: dict[str, Any] = {}
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF."):
-            continue
-        value = field.contents()
-        out[key] = value
-    return out
+    return read_gguf(path, arrays=True, tensors=False)[0]
 
 
 def uses_qwen2_bpe(header: dict) -> bool:
@@ -80,6 +72,39 @@ def tokenizer_from_header(header: dict):
         chat_template=header.get("tokenizer.chat_template"),
         add_bos_token=bool(header.get("tokenizer.ggml.add_bos_token", False)), clean_up_tokenization_spaces=False,
         model_max_length=int(header.get("qwen2.context_length", 32768)))
+
+
+def uses_byte_level_bpe(header: dict) -> bool:
+    return header.get("tokenizer.ggml.model") == "gpt2" and header.get("tokenizer.ggml.pre") in BYTE_LEVEL_PRES
+
+
+def gpt2_tokenizer_from_header(header: dict):
+    """The tokenizer transformers' GGUF conversion builds for a ``gpt2``-model GGUF whose pre-tokenizer it reads as
+    plain byte-level BPE (``tokenizer.ggml.pre`` in ``BYTE_LEVEL_PRES``: the embedded SmolLM2), from the header
+    alone: the same tokenizer.json and tokenizer_config.json (tests/engine/test_gguf_tokenizer.py compares them),
+    without transformers' second reading of the header (~2-5 s on the first start)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    if not uses_byte_level_bpe(header):
+        raise ValueError(f"tokenizer.ggml.pre is {header.get('tokenizer.ggml.pre')!r}; built here for "
+                         f"{', '.join(BYTE_LEVEL_PRES)}")
+    tokens: list[str] = header["tokenizer.ggml.tokens"]
+    types: list[int] = header["tokenizer.ggml.token_type"]
+    merges = [tuple(m.split(" ", 1)) for m in header["tokenizer.ggml.merges"]]
+    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False,
+                               byte_fallback=False, continuing_subword_prefix="", end_of_word_suffix=""))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)
+    tok.decoder = decoders.ByteLevel(add_prefix_space=True, trim_offsets=True, use_regex=True)
+    tok.post_processor = processors.TemplateProcessing(single="$A", pair="$A $B:1", special_tokens=[])
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types)
+                            if ty in (CONTROL, USER_DEFINED)])
+    special = lambda key: tokens[header[key]] if key in header else None  # noqa: E731
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token=special("tokenizer.ggml.bos_token_id"),
+        eos_token=special("tokenizer.ggml.eos_token_id"), pad_token=special("tokenizer.ggml.padding_token_id"),
+        unk_token=special("tokenizer.ggml.unknown_token_id"), chat_template=header.get("tokenizer.chat_template"),
+        add_bos_token=bool(header.get("tokenizer.ggml.add_bos_token", False)))
 
 
 def config_from_header(header: dict):

@@ -184,7 +184,9 @@ def _write_atomically(target: Path, fill) -> None:
 
 def gguf_tokenizer(source: ModelSource):
     """The GGUF's tokenizer with its own ids: built from the header for Qwen2-family BPE (DeepSeek-R1-Distill-Qwen,
-    whose control tokens transformers' conversion renumbers), else transformers' GGUF conversion."""
+    whose control tokens transformers' conversion renumbers) and, as transformers' conversion builds it, for plain
+    byte-level BPE (the embedded SmolLM2: without transformers' slower second reading of the header); else
+    transformers' GGUF conversion."""
     from transformers import AutoTokenizer
 
     from . import gguf_header
@@ -192,8 +194,11 @@ def gguf_tokenizer(source: ModelSource):
     from ..quant.gguf_load import read_gguf
 
     path = os.path.join(source.folder, source.gguf_file)
-    if gguf_header.uses_qwen2_bpe(read_gguf(path)[0]):   # the check needs strings only: no token list read
+    meta = read_gguf(path)[0]   # the checks need strings only (no token list read); a truncated file fails here
+    if gguf_header.uses_qwen2_bpe(meta):
         return gguf_header.tokenizer_from_header(gguf_header.read_header(path))
+    if gguf_header.uses_byte_level_bpe(meta):
+        return gguf_header.gpt2_tokenizer_from_header(gguf_header.read_header(path))
     return AutoTokenizer.from_pretrained(source.folder, gguf_file=source.gguf_file)
 
 

@@ -59,11 +59,13 @@ def read_tensors(path: str) -> tuple[str, list[GgufTensor]]:
     return str(meta.get("general.architecture") or ""), tensors
 
 
-def read_gguf(path: str) -> tuple[dict, list[GgufTensor]]:
-    """``(metadata, tensors)`` of a GGUF file (versions 2 and 3): metadata numbers and strings (arrays, such as the
-    token list, are skipped and read as None). Reads the header with ``struct``,
-    skipping metadata values (gguf-py's reader decodes every token string, which takes seconds on a 49K vocabulary);
-    tensor data stays memory-mapped. A truncated or malformed file is a ``ValueError`` naming it."""
+def read_gguf(path: str, arrays: bool = False, tensors: bool = True) -> tuple[dict, list[GgufTensor]]:
+    """``(metadata, tensors)`` of a GGUF file (versions 2 and 3): metadata numbers and strings; arrays (the token
+    list, its types, the merges) are read as None, or with ``arrays`` as lists (gguf-py's ``field.contents()``:
+    strings as ``str``, numbers as Python numbers). Reads the header with ``struct`` (gguf-py's reader builds numpy
+    views of every token string, which takes seconds on a 49K vocabulary; this, a tenth of a second); tensor data
+    stays memory-mapped; ``tensors=False``: the metadata alone (``[]`` for the tensors, their data unchecked, as for
+    a file of which only the first part is present). A truncated or malformed file is a ``ValueError`` naming it."""
     import struct
 
     from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGMLQuantizationType
@@ -87,12 +89,17 @@ def read_gguf(path: str) -> tuple[dict, list[GgufTensor]]:
                 return text()
             if kind == _ARRAY:
                 inner, count = take("<I"), take("<Q")
-                if inner in _SCALAR:   # numbers: skipped in one seek
-                    fh.seek(count * struct.calcsize(_SCALAR[inner]), os.SEEK_CUR)
-                    return None
-                for _ in range(count):
-                    value(inner)
-                return None
+                if inner in _SCALAR:   # numbers: skipped in one seek, or read in one
+                    width = struct.calcsize(_SCALAR[inner])
+                    if not arrays:
+                        fh.seek(count * width, os.SEEK_CUR)
+                        return None
+                    raw = fh.read(count * width)
+                    if len(raw) < count * width:
+                        raise ValueError(f"{path}: the file ends inside its GGUF header; it is truncated")
+                    return np.frombuffer(raw, dtype=np.dtype(_SCALAR[inner])).tolist()
+                items = [value(inner) for _ in range(count)]
+                return items if arrays else None
             if kind not in _SCALAR:
                 raise ValueError(f"{path}: unknown GGUF value type {kind}; the file is damaged")
             return take(_SCALAR[kind])
@@ -107,6 +114,8 @@ def read_gguf(path: str) -> tuple[dict, list[GgufTensor]]:
         for _ in range(n_kv):
             key = text()
             meta[key] = value(take("<I"))
+        if not tensors:
+            return meta, []
         infos = []
         for _ in range(n_tensors):
             name = text()

@@ -111,3 +111,49 @@ def test_the_embedded_llama_config_from_the_numbers_is_transformers_own():
     assert {k: v for k, v in ours.items() if k not in names} == {k: v for k, v in theirs.items() if k not in names}
     assert gguf_header.llama_config({**meta, "llama.rope.scaling.type": "linear"}, []) is None
     assert gguf_header.llama_config({**meta, "general.architecture": "gemma3"}, []) is None
+
+
+def _gguf_py_header(path: str) -> dict:
+    """The header as gguf-py reads it (``field.contents()``), tensor infos skipped: the reference for read_header."""
+    import gguf
+
+    class HeaderOnly(gguf.GGUFReader):
+        def _build_tensor_info(self, offs, count):
+            return offs, []
+
+        def _build_tensors(self, start_offs, fields):
+            self.tensors = []
+
+    return {k: f.contents() for k, f in HeaderOnly(path).fields.items() if not k.startswith("GGUF.")}
+
+
+def test_read_header_is_gguf_pys_reading(header):
+    """flashguard's own header reader (a tenth of the time) gives what gguf-py gives, token lists included, for the
+    embedded SmolLM2 and the DeepSeek-R1-Distill header."""
+    source = loader.embedded_model_source()
+    embedded = os.path.join(source.folder, source.gguf_file)
+    assert gguf_header.read_header(embedded) == _gguf_py_header(embedded)
+    folder = list(importlib.util.find_spec(PACKAGE).submodule_search_locations)[0]
+    assert header == _gguf_py_header(os.path.join(folder, "model_part_0000"))
+
+
+def test_the_embedded_tokenizer_from_the_header_is_transformers_conversion(tmp_path):
+    """The embedded SmolLM2's tokenizer built from the header saves the same tokenizer.json and tokenizer_config.json
+    as transformers' GGUF conversion (what the cache held before, and what the probes were fitted with)."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    source = loader.embedded_model_source()
+    ours = loader.gguf_tokenizer(source)
+    assert len(ours) == 49152
+    theirs = AutoTokenizer.from_pretrained(source.folder, gguf_file=source.gguf_file)
+    ours.save_pretrained(tmp_path / "ours")
+    theirs.save_pretrained(tmp_path / "theirs")
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        a, b = ((tmp_path / side / name).read_text(encoding="utf-8") for side in ("ours", "theirs"))
+        if name.endswith(".json"):   # (where from_pretrained loaded it from: not the tokenizer)
+            a, b = ({k: v for k, v in json.loads(x).items() if k not in ("is_local", "local_files_only")} for x in (a, b))
+        assert a == b, name
+    text = "Hello <|im_start|>user\n12345 naïve café 東京 🌤️\t  x<|im_end|>"
+    assert ours(text)["input_ids"] == theirs(text)["input_ids"]
