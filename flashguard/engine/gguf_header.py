@@ -42,6 +42,12 @@ def uses_qwen2_bpe(header: dict) -> bool:
     return header.get("tokenizer.ggml.model") == "gpt2" and header.get("tokenizer.ggml.pre") in QWEN2_PRES
 
 
+def _bpe_lists(header: dict) -> tuple[list[str], list[int], list[tuple[str, str]]]:
+    """A BPE vocabulary's token strings in id order, their types and its merges, from the header."""
+    return (header["tokenizer.ggml.tokens"], header["tokenizer.ggml.token_type"],
+            [tuple(m.split(" ", 1)) for m in header["tokenizer.ggml.merges"]])
+
+
 def tokenizer_from_header(header: dict):
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -49,9 +55,7 @@ def tokenizer_from_header(header: dict):
     if not uses_qwen2_bpe(header):
         raise ValueError(f"tokenizer.ggml.pre is {header.get('tokenizer.ggml.pre')!r}; flashguard builds Qwen2-family "
                          f"BPE tokenizers ({', '.join(QWEN2_PRES)}) from GGUF headers")
-    tokens: list[str] = header["tokenizer.ggml.tokens"]
-    types: list[int] = header["tokenizer.ggml.token_type"]
-    merges = [tuple(m.split(" ", 1)) for m in header["tokenizer.ggml.merges"]]
+    tokens, types, merges = _bpe_lists(header)
     vocab = {tok: i for i, tok in enumerate(tokens)}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
     tok.normalizer = normalizers.NFC()
@@ -89,9 +93,7 @@ def gpt2_tokenizer_from_header(header: dict):
     if not uses_byte_level_bpe(header):
         raise ValueError(f"tokenizer.ggml.pre is {header.get('tokenizer.ggml.pre')!r}; built here for "
                          f"{', '.join(BYTE_LEVEL_PRES)}")
-    tokens: list[str] = header["tokenizer.ggml.tokens"]
-    types: list[int] = header["tokenizer.ggml.token_type"]
-    merges = [tuple(m.split(" ", 1)) for m in header["tokenizer.ggml.merges"]]
+    tokens, types, merges = _bpe_lists(header)
     tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False,
                                byte_fallback=False, continuing_subword_prefix="", end_of_word_suffix=""))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)
