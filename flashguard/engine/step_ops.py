@@ -35,7 +35,10 @@ state between steps but preallocated buffers.
   the MLP's product written in bf16 the same way; rotary as a small matmul (``x @ (diag(cos) + R diag(sin))``, the
   matrix made once a step); a resident TieredCache (``static_view``: every token in its L1 buffer) written and
   attended by ``baddbmm`` / ``softmax`` / ``bmm`` (one query: faster here than the CPU flash kernel, 13 against 19 us
-  at 64 keys, 62 against 73 at 512, one thread), any other cache through ``DecodeStep._attend``. The residual
+  at 64 keys, 62 against 73 at 512, one thread), any other cache through ``DecodeStep._attend``. Over a resident
+  cache the step is ``CpuOps.resident_step``: the same calls as ``DecodeStep._run`` with this set, bit for bit, in
+  one loop over per-layer plans (the generic layer's method calls cost 8-15% of the embedded model's step on 1-2
+  threads: the one place the layer is written twice, for that reason). The residual
   stream, rotary, the MLP's activation and the attention stay in fp32, so the logits are the model's forward's up
   to fp32 rounding (tests/engine/test_cpu_decode.py).
 """
@@ -163,6 +166,7 @@ class CpuOps(StepOps):
     def __init__(self, step, int4: dict, norms: dict):
         super().__init__(step)
         self.int4, self.norms = int4, norms
+        self.plan = self._plan()   # per layer, what ``resident_step`` reads (None: it runs the generic layer)
         self.final_norm = _norm(step.norm)
         self.buffers: dict = {}   # bf16 inputs of the int4 kernels (RMSNorm's output, the MLP's activation)
         self.zero = torch.zeros(())
@@ -190,6 +194,19 @@ class CpuOps(StepOps):
                     return None
                 norms[id(n)] = _norm(n)
         return cls(step, int4, norms)
+
+    def _plan(self) -> list | None:
+        """Per layer ``(qkv, its bias, o_proj, gate_up, down, input norm, post-attention norm)`` with each int4 call's
+        ``(packed, group, scale_zeros)``: ``resident_step``'s loop reads them as locals. None where a layer is not
+        the plain case (a Q8_0 layer as an int4 pair, a bias past q/k/v): the generic layer runs it."""
+        plan = []
+        for layer, fused in zip(self.step.layers, self.step.fused):
+            calls = [self.int4[id(m)] for m in (fused[0], layer.self_attn.o_proj, fused[2], layer.mlp.down_proj)]
+            if any(c[4] for c in calls) or any(c[3] is not None for c in calls[1:]):
+                return None
+            plan.append((*(c[:3] for c in calls), calls[0][3], self.norms[id(layer.input_layernorm)],
+                         self.norms[id(layer.post_attention_layernorm)], fused[1]))
+        return plan
 
     def _buffer(self, name: str, n: int) -> torch.Tensor:
         buf = self.buffers.get(name)
@@ -262,6 +279,41 @@ class CpuOps(StepOps):
 
     def finish(self, h: torch.Tensor) -> torch.Tensor:
         return self.step.lm_head(self._rms(h, self.final_norm))[0]
+
+    def resident_step(self, view) -> torch.Tensor:
+        """The step over ``view`` (``resident``'s StaticKV) with the arithmetic of ``DecodeStep._run(self, attend)``
+        call for call, bit for bit (tests/engine/test_cpu_decode.py), as one loop over ``plan``: on a CPU the Python
+        between the int4 calls is the step's other cost, and it grows in place (each kernel streams its codes
+        through the caches the interpreter runs from): the generic layer's method calls and lookups cost 8-9% of
+        an idle one-thread step of the embedded model, 15% at two threads (docs/benchmarks/cpu_decode.md). The
+        caller advances the cache after."""
+        if self.plan is None:
+            return self.step._run(self, lambda i, q, k, v, rot: self.attend(None, view, i, q, k, v, rot))
+        mm, dot, mul, silu = self.mm, torch.dot, torch.mul, torch.nn.functional.silu
+        s, pos = self.step, view.length
+        d, scaling, zero = s.head_dim, s.scaling, self.zero
+        h, rot = self.start()
+        x = self._buffer("x", h.shape[1])
+        act = self._buffer("act", self.plan[0][2][0].shape[0] // 2)   # gate_up's rows: [gate, up]
+        for (qkv, o, gate_up, down, bias, (w1, e1), (w2, e2), (nq, nk, nv)), keys, values in \
+                zip(self.plan, view.keys, view.values):
+            v = h.view(-1)
+            mul(mul(h, w1), dot(v, v).add_(e1).rsqrt_(), out=x)
+            out = mm(x, *qkv)
+            out = (torch.add(bias, out) if bias is not None else out).to(torch.float32)
+            qk = torch.mm(out[:, :nq + nk].view(-1, d), rot)
+            kvh = keys.shape[0]
+            keys.select(1, pos).copy_(qk[nq // d:])
+            values.select(1, pos).copy_(out[:, nq + nk:].view(kvh, d))
+            scores = torch.baddbmm(zero, qk[:nq // d].view(kvh, -1, d), keys[:, :pos + 1].transpose(1, 2),
+                                   beta=0, alpha=scaling)
+            attn = torch.bmm(torch.softmax(scores, -1), values[:, :pos + 1]).view(1, -1)
+            h = h + mm(attn.to(torch.bfloat16), *o)
+            v = h.view(-1)
+            mul(mul(h, w2), dot(v, v).add_(e2).rsqrt_(), out=x)
+            gate, up = mm(x, *gate_up).to(torch.float32).chunk(2, -1)
+            h = h + mm(mul(silu(gate), up, out=act), *down)
+        return self.finish(h)
 
 
 def _norm(module) -> tuple:

@@ -93,3 +93,45 @@ def test_the_cpu_step_over_a_tiered_cache_is_the_models_forward(tmp_path):
         token = int(want.argmax())
     assert 0 < statics < 60 and ours.length == 150 and ours.layers[0].win_start > 16
     ours.check_integrity()
+
+
+@pytest.mark.parametrize("arch,down", [("llama", "Q4_1"), ("qwen2", "Q4_1"), ("llama", "Q8_0")])
+def test_the_cpu_resident_step_is_the_generic_layer_bit_for_bit(tmp_path, arch, down):
+    """``CpuOps.resident_step`` (the resident cache's loop over per-layer plans) computes what ``DecodeStep._run``
+    with ``CpuOps`` computes, call for call: the same logits and the same K/V written, exactly. qwen2: q/k/v
+    biases; a Q8_0 ffn_down (an int4 pair) has no plan and runs the generic layer."""
+    from transformers import AutoConfig
+
+    from flashguard import CacheConfig
+    from flashguard.engine.decode_step import DecodeStep
+    from flashguard.kv.cache import TieredCache
+    from flashguard.quant import gguf_load
+    from tests.engine.test_gguf_load import VOCAB, T, write_tiny_gguf
+
+    write_tiny_gguf(tmp_path / "tiny.gguf", arch, v_type=T.Q4_1, down_type=getattr(T, down))
+    config = AutoConfig.from_pretrained(tmp_path, gguf_file="tiny.gguf")
+    model = gguf_load.load_int4(str(tmp_path / "tiny.gguf"), config, torch.device("cpu"), torch.float32, "cpu")
+    step = DecodeStep(model)
+    assert step.cpu is not None and (step.cpu.plan is None) == (down == "Q8_0")
+    ids = torch.randint(0, len(VOCAB), (20,), generator=torch.Generator().manual_seed(7)).tolist()
+    caches = [TieredCache(config, CacheConfig(page_size=16, sink_tokens=16, l1_tokens=96, l1_max_tokens=96,
+                                              l2_tokens=512, policy="exact", l2_codec="fp16")).attach(model)
+              for _ in range(2)]
+    with torch.inference_mode():
+        for cache in caches:
+            with forwarding(cache, ids):
+                model(input_ids=torch.tensor([ids]), past_key_values=cache)
+        for token in (3, 9, 1, 4, 7):
+            got = []
+            for cache, tight in zip(caches, (True, False)):
+                with forwarding(cache, [token]):
+                    view = step.cpu.resident(cache)
+                    assert view is not None
+                    got.append(step.cpu.resident_step(view) if tight else
+                               step._run(step.cpu, lambda i, q, k, v, rot: step.cpu.attend(cache, view, i, q, k, v,
+                                                                                            rot)))
+                    cache.advance(1)
+            assert torch.equal(got[0], got[1])
+    for a, b in zip(caches[0].layers, caches[1].layers):
+        assert torch.equal(a.l1_k[:, :a.length], b.l1_k[:, :b.length])
+        assert torch.equal(a.l1_v[:, :a.length], b.l1_v[:, :b.length])

@@ -49,9 +49,11 @@ def random_blocks(rng, rows: int, cols: int, qtype) -> np.ndarray:
     return raw.reshape(rows, -1)
 
 
-def write_tiny_gguf(path, arch: str = "llama", seed: int = 0, output_type=None, odd_type=None, v_type=T.Q6_K) -> None:
+def write_tiny_gguf(path, arch: str = "llama", seed: int = 0, output_type=None, odd_type=None, v_type=T.Q6_K,
+                    down_type=T.Q8_0) -> None:
     """A 2-layer ``arch`` model whose matrices are Q4_K (q, gate), Q4_0 (k, up), Q4_1 (o), Q6_K (v), Q8_0
-    (down, embeddings); ``output_type``: an untied output.weight of that type; ``odd_type``: ffn_down's type."""
+    (down, embeddings); ``output_type``: an untied output.weight of that type; ``odd_type``: ffn_down's type (zero
+    blocks); ``v_type`` / ``down_type``: attn_v's / ffn_down's type, quantized from random weights."""
     rng = np.random.default_rng(seed)
     normal = lambda *shape: (rng.standard_normal(shape) * 0.05).astype(np.float32)  # noqa: E731
     w = gguf.GGUFWriter(str(path), arch)
@@ -99,7 +101,7 @@ def write_tiny_gguf(path, arch: str = "llama", seed: int = 0, output_type=None, 
             block, nbytes = GGML_QUANT_SIZES[odd_type]
             w.add_tensor(b + "ffn_down.weight", np.zeros((H, FF // block * nbytes), np.uint8), raw_dtype=odd_type)
         else:
-            quant(b + "ffn_down.weight", normal(H, FF), T.Q8_0)
+            quant(b + "ffn_down.weight", normal(H, FF), down_type)
         if arch == "qwen2":
             for proj, n in (("attn_q", H), ("attn_k", kv), ("attn_v", kv)):
                 w.add_tensor(b + proj + ".bias", normal(n))
