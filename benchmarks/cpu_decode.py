@@ -9,7 +9,8 @@ int4 pair). Prefill: a ``--prompt-tokens`` prompt from a fresh session (every to
 Decode: ``--decode`` greedy tokens after a short prompt, as the engine streams them (sampling and detokenization
 included, which llama-bench's tg128 does not have). Medians of ``--repeats`` runs, rows alternating.
 
-``--breakdown`` adds, for the int4 row, the decode step's milliseconds with its int4 layers skipped (each returns
+``--generic-layer`` adds an int4 row whose resident step runs the generic layer (``DecodeStep._run``, as before
+``CpuOps.resident_step``; the same logits). ``--breakdown`` adds, for the int4 row, the decode step's milliseconds with its int4 layers skipped (each returns
 zeros of its output shape; an ablation for this line only, the model is restored after): what the step spends
 outside the int4 kernels.
 """
@@ -65,6 +66,9 @@ def main(argv=None) -> int:
     p.add_argument("--lm-head", nargs="+", default=["auto"],
                    help="lm_head keys to run each int4 row with (a row per key; auto: the engine's timed pick)")
     p.add_argument("--breakdown", action="store_true", help="int4: the step's ms with its int4 layers skipped")
+    p.add_argument("--generic-layer", action="store_true",
+                   help="a row more: int4 with the resident step on the generic layer (CpuOps.plan None), as before "
+                        "CpuOps.resident_step")
     p.add_argument("--llamacpp", help="llama-bench's markdown output (bench_cpu.sh) on the same GGUF and threads")
     p.add_argument("--out")
     p.add_argument("--json")
@@ -78,6 +82,12 @@ def main(argv=None) -> int:
             t0 = time.perf_counter()
             engines[name] = Engine(EngineConfig(device="cpu", weights=w, lm_head=head))
             engines[name].load_seconds = time.perf_counter() - t0
+    if args.generic_layer:
+        t0 = time.perf_counter()
+        e = engines["int4, generic layer"] = Engine(EngineConfig(device="cpu", weights="int4"))
+        e.load_seconds = time.perf_counter() - t0
+        if e.decode_step is not None and e.decode_step.cpu is not None:
+            e.decode_step.cpu.plan = None   # CpuOps.resident_step then runs DecodeStep._run: the same arithmetic
     first = next(iter(engines.values()))
     text = "\n".join(topics.topics[k] for k in sorted(topics.topics))
     prompt_ids = first.tokenizer(text)["input_ids"][:args.prompt_tokens]
