@@ -10,9 +10,12 @@ Decode: ``--decode`` greedy tokens after a short prompt, as the engine streams t
 included, which llama-bench's tg128 does not have). Medians of ``--repeats`` runs, rows alternating.
 
 ``--generic-layer`` adds an int4 row whose resident step runs the generic layer (``DecodeStep._run``, as before
-``CpuOps.resident_step``; the same logits). ``--breakdown`` adds, for the int4 row, the decode step's milliseconds with its int4 layers skipped (each returns
-zeros of its output shape; an ablation for this line only, the model is restored after): what the step spends
-outside the int4 kernels.
+``CpuOps.resident_step``; the same logits).
+
+``--breakdown`` adds two lines for the int4 row. In place: the decode step with a clock around each of its int4
+layer calls and around the final norm + lm_head (``CpuOps.finish``), the rest being the host work between them.
+Ablated: the step with its int4 layers skipped (each returns zeros of its output shape; the model is restored
+after), which runs the host work from warm caches and so reads it lower than in place.
 """
 
 from __future__ import annotations
@@ -49,6 +52,39 @@ def measure(engine, prompt_ids, story_ids, decode: int) -> tuple[float, float, i
     return prefill, steps / max(1e-9, last["seconds"] - last["first_token_s"]), steps
 
 
+def in_place(engine, ids, decode: int) -> tuple[float, float, float]:
+    """``(step, int4 layer calls, final norm + lm_head)`` in ms a token, a clock around each call of ``engine``'s
+    CPU step (``CpuOps.mm`` and ``CpuOps.finish``) while it decodes ``decode`` tokens after ``ids``."""
+    import time
+
+    from flashguard.engine.sampling import SamplingParams
+
+    cpu = engine.decode_step.cpu
+    clock = {"mm": 0.0, "finish": 0.0}
+    mm, finish = cpu.mm, cpu.finish
+
+    def timed(key, fn):
+        def call(*a):
+            t = time.perf_counter()
+            try:
+                return fn(*a)
+            finally:
+                clock[key] += time.perf_counter() - t
+        return call
+
+    engine.reset_session(keep_pages=False)
+    engine.generate(ids[:-1], SamplingParams(max_tokens=1))   # then every token of the next call is a step
+    cpu.mm, cpu.finish = timed("mm", mm), timed("finish", finish)
+    try:
+        t0 = time.perf_counter()
+        engine.generate(ids, SamplingParams(max_tokens=decode + 1))
+        total = time.perf_counter() - t0
+    finally:
+        del cpu.mm, cpu.finish   # the class's again
+    steps = engine.stats.last["generation"]["generated"]
+    return total / steps * 1e3, clock["mm"] / steps * 1e3, clock["finish"] / steps * 1e3
+
+
 def main(argv=None) -> int:
     import pydoc_data.topics as topics
     import torch
@@ -65,10 +101,11 @@ def main(argv=None) -> int:
     p.add_argument("--weights", nargs="+", default=["float", "int4"])
     p.add_argument("--lm-head", nargs="+", default=["auto"],
                    help="lm_head keys to run each int4 row with (a row per key; auto: the engine's timed pick)")
-    p.add_argument("--breakdown", action="store_true", help="int4: the step's ms with its int4 layers skipped")
+    p.add_argument("--breakdown", action="store_true",
+                   help="int4: the step's ms timed in place by call, and with its int4 layers skipped")
     p.add_argument("--generic-layer", action="store_true",
-                   help="a row more: int4 with the resident step on the generic layer (CpuOps.plan None), as before "
-                        "CpuOps.resident_step")
+                   help="a row more: int4 with the resident step on the generic layer (CpuOps.layer_args None), as "
+                        "before CpuOps.resident_step")
     p.add_argument("--llamacpp", help="llama-bench's markdown output (bench_cpu.sh) on the same GGUF and threads")
     p.add_argument("--out")
     p.add_argument("--json")
@@ -86,8 +123,10 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         e = engines["int4, generic layer"] = Engine(EngineConfig(device="cpu", weights="int4"))
         e.load_seconds = time.perf_counter() - t0
-        if e.decode_step is not None and e.decode_step.cpu is not None:
-            e.decode_step.cpu.plan = None   # CpuOps.resident_step then runs DecodeStep._run: the same arithmetic
+        cpu = e.decode_step.cpu if e.decode_step is not None else None
+        if cpu is None or cpu.layer_args is None:
+            raise SystemExit("--generic-layer: this model's int4 step has no resident_step loop to compare with")
+        cpu.layer_args = None   # CpuOps.resident_step then runs DecodeStep._run: the same arithmetic
     first = next(iter(engines.values()))
     text = "\n".join(topics.topics[k] for k in sorted(topics.topics))
     prompt_ids = first.tokenizer(text)["input_ids"][:args.prompt_tokens]
@@ -122,6 +161,14 @@ def main(argv=None) -> int:
         from flashguard.quant.int4_linear import Int4Linear
 
         real = 1e3 / statistics.median(r[1] for r in got["int4"])
+        if engines["int4"].decode_step is not None and engines["int4"].decode_step.cpu is not None:
+            runs = [in_place(engines["int4"], story_ids, args.decode) for _ in range(args.repeats)]
+            step_ms, mm_ms, head_ms = (statistics.median(r[i] for r in runs) for i in range(3))
+            lines += ["", f"int4 decode step in place: {step_ms:.1f} ms a token, of which the int4 layer calls "
+                          f"{mm_ms:.1f} ms, the final norm + lm_head {head_ms:.1f} ms, the rest (host work, "
+                          f"attention, sampling) {step_ms - mm_ms - head_ms:.1f} ms"]
+            rows.append({"in_place_step_ms": step_ms, "in_place_int4_layers_ms": mm_ms,
+                         "in_place_final_norm_lm_head_ms": head_ms})
         forward = Int4Linear.forward
         Int4Linear.forward = lambda self, x: x.new_zeros(*x.shape[:-1], self.out_features)
         step = engines["int4"].decode_step   # its CpuOps (engine/step_ops.py) call the kernel themselves
@@ -135,7 +182,7 @@ def main(argv=None) -> int:
             Int4Linear.forward = forward
             if cpu is not None:
                 del cpu.mm   # the class's kernel again
-        lines += ["", f"int4 decode step: {real:.1f} ms a token; with the int4 layers skipped {skipped:.1f} ms "
+        lines += ["", f"int4 decode step ablated: {real:.1f} ms a token; with the int4 layers skipped {skipped:.1f} ms "
                       f"(outside the int4 kernels); the int4 layers {real - skipped:.1f} ms"]
         rows.append({"int4_step_ms": real, "without_int4_layers_ms": skipped})
     emit("\n".join(lines) + "\n", rows, args.out, args.json)

@@ -10,7 +10,8 @@ parts run eagerly (the tests compare them with the model's forward).
 
 The layer is written once (``_before``: norm, q/k/v, rotary; ``_after``: o_proj, residual, norm, gated MLP,
 residual) and runs on one of three kernel sets (``step_ops.py``): torch's (``TorchOps``: the eager step and the
-per-part graphs), the Triton step kernels (``KernelOps``: the one-graph step) or the CPU's int4 calls (``CpuOps``).
+per-part graphs), the Triton step kernels (``KernelOps``: the one-graph step) or the CPU's int4 calls (``CpuOps``;
+over a resident cache its ``resident_step``, the same calls in one loop, which a CPU's Python cost asks for).
 
 Contract:
 - ``DecodeStep.supports(model)``: a plain causal Llama / Qwen2 decoder (``attention.plain_causal``) whose modules

@@ -1,5 +1,6 @@
 """The kernels a decode step's layer runs, one set per device path: ``DecodeStep`` writes the layer once
-(``_before`` / ``_after`` in ``decode_step.py``) and plugs one of these in.
+(``_before`` / ``_after`` in ``decode_step.py``) and plugs one of these in (one exception, for speed:
+``CpuOps.resident_step``, below).
 
 Why: a Llama / Qwen2 layer is the same arithmetic everywhere (RMSNorm, q/k/v, rotary, attention, o_proj and the
 residual, RMSNorm, the gated MLP and the residual), but what is fast differs by device. On a GPU without the step
@@ -9,7 +10,7 @@ the pool write (``kv/step_kernels.py``). On a CPU an int4 step is bound by the h
 fewest PyTorch calls a layer (SmolLM2-135M's 30 layers ran ~60 aten calls each through the model's modules, ~7 ms
 of a 16 ms step on 2 cores, docs/benchmarks/cpu_decode.md).
 
-Each set has the same five methods:
+Each set has the same five methods (``CpuOps`` adds ``resident_step`` and its ``layer_args``):
 - ``start() -> (h, rot)``: this token's embedding (``step.token`` at ``step.position``) and its rotary angles in the
   form the set's ``rope`` takes (``KernelOps`` also sets ``step.used``, the key count its attention reads);
 - ``norm(module, h)``: an RMSNorm (or any norm module);
@@ -37,8 +38,8 @@ state between steps but preallocated buffers.
   attended by ``baddbmm`` / ``softmax`` / ``bmm`` (one query: faster here than the CPU flash kernel, 13 against 19 us
   at 64 keys, 62 against 73 at 512, one thread), any other cache through ``DecodeStep._attend``. Over a resident
   cache the step is ``CpuOps.resident_step``: the same calls as ``DecodeStep._run`` with this set, bit for bit, in
-  one loop over per-layer plans (the generic layer's method calls cost 8-15% of the embedded model's step on 1-2
-  threads: the one place the layer is written twice, for that reason). The residual
+  one loop over per-layer argument tuples (``layer_args``): 8.5% / 16% faster than the generic layer on the embedded
+  model at one / two threads, the one place the layer is written twice, for that reason. The residual
   stream, rotary, the MLP's activation and the attention stay in fp32, so the logits are the model's forward's up
   to fp32 rounding (tests/engine/test_cpu_decode.py).
 """
@@ -166,7 +167,7 @@ class CpuOps(StepOps):
     def __init__(self, step, int4: dict, norms: dict):
         super().__init__(step)
         self.int4, self.norms = int4, norms
-        self.plan = self._plan()   # per layer, what ``resident_step`` reads (None: it runs the generic layer)
+        self.layer_args = self._layer_args()   # per layer, what ``resident_step`` reads (None: the generic layer)
         self.final_norm = _norm(step.norm)
         self.buffers: dict = {}   # bf16 inputs of the int4 kernels (RMSNorm's output, the MLP's activation)
         self.zero = torch.zeros(())
@@ -195,18 +196,19 @@ class CpuOps(StepOps):
                 norms[id(n)] = _norm(n)
         return cls(step, int4, norms)
 
-    def _plan(self) -> list | None:
-        """Per layer ``(qkv, its bias, o_proj, gate_up, down, input norm, post-attention norm)`` with each int4 call's
-        ``(packed, group, scale_zeros)``: ``resident_step``'s loop reads them as locals. None where a layer is not
-        the plain case (a Q8_0 layer as an int4 pair, a bias past q/k/v): the generic layer runs it."""
-        plan = []
+    def _layer_args(self) -> list | None:
+        """Per layer ``(qkv, o_proj, gate_up, down, qkv's bias, input norm, post-attention norm, (q, k, v sizes))``,
+        each int4 call as its ``(packed, group, scale_zeros)`` and each norm as ``_norm``'s pair: ``resident_step``'s
+        loop reads them as locals. None where a layer is not the plain case (a Q8_0 matrix as an int4 pair, a bias
+        past q/k/v): the generic layer runs every layer then (a mixed file keeps the generic speed)."""
+        args = []
         for layer, fused in zip(self.step.layers, self.step.fused):
             calls = [self.int4[id(m)] for m in (fused[0], layer.self_attn.o_proj, fused[2], layer.mlp.down_proj)]
             if any(c[4] for c in calls) or any(c[3] is not None for c in calls[1:]):
                 return None
-            plan.append((*(c[:3] for c in calls), calls[0][3], self.norms[id(layer.input_layernorm)],
+            args.append((*(c[:3] for c in calls), calls[0][3], self.norms[id(layer.input_layernorm)],
                          self.norms[id(layer.post_attention_layernorm)], fused[1]))
-        return plan
+        return args
 
     def _buffer(self, name: str, n: int) -> torch.Tensor:
         buf = self.buffers.get(name)
@@ -282,23 +284,24 @@ class CpuOps(StepOps):
 
     def resident_step(self, view) -> torch.Tensor:
         """The step over ``view`` (``resident``'s StaticKV) with the arithmetic of ``DecodeStep._run(self, attend)``
-        call for call, bit for bit (tests/engine/test_cpu_decode.py), as one loop over ``plan``: on a CPU the Python
-        between the int4 calls is the step's other cost, and it grows in place (each kernel streams its codes
-        through the caches the interpreter runs from): the generic layer's method calls and lookups cost 8-9% of
-        an idle one-thread step of the embedded model, 15% at two threads (docs/benchmarks/cpu_decode.md). The
-        caller advances the cache after."""
-        if self.plan is None:
+        call for call, bit for bit (tests/engine/test_cpu_decode.py), as one loop over ``layer_args``: on a CPU the
+        Python between the int4 calls is the step's other cost, and it grows in place (each kernel streams its codes
+        through the caches the interpreter runs from): without the generic layer's method calls and lookups the
+        embedded model decodes 8.5% faster at one thread, 16% at two (docs/benchmarks/cpu_decode.md). The MLP's
+        activation is ``F.silu`` (what both ``_SILUS`` classes run); every layer has layer 0's sizes (Llama, Qwen2).
+        The caller advances the cache after."""
+        if self.layer_args is None:
             return self.step._run(self, lambda i, q, k, v, rot: self.attend(None, view, i, q, k, v, rot))
         mm, dot, mul, silu = self.mm, torch.dot, torch.mul, torch.nn.functional.silu
         s, pos = self.step, view.length
         d, scaling, zero = s.head_dim, s.scaling, self.zero
         h, rot = self.start()
         x = self._buffer("x", h.shape[1])
-        act = self._buffer("act", self.plan[0][2][0].shape[0] // 2)   # gate_up's rows: [gate, up]
+        act = self._buffer("act", self.layer_args[0][2][0].shape[0] // 2)   # gate_up's rows: [gate, up]
         for (qkv, o, gate_up, down, bias, (w1, e1), (w2, e2), (nq, nk, nv)), keys, values in \
-                zip(self.plan, view.keys, view.values):
-            v = h.view(-1)
-            mul(mul(h, w1), dot(v, v).add_(e1).rsqrt_(), out=x)
+                zip(self.layer_args, view.keys, view.values):
+            flat = h.view(-1)
+            mul(mul(h, w1), dot(flat, flat).add_(e1).rsqrt_(), out=x)
             out = mm(x, *qkv)
             out = (torch.add(bias, out) if bias is not None else out).to(torch.float32)
             qk = torch.mm(out[:, :nq + nk].view(-1, d), rot)
@@ -309,8 +312,8 @@ class CpuOps(StepOps):
                                    beta=0, alpha=scaling)
             attn = torch.bmm(torch.softmax(scores, -1), values[:, :pos + 1]).view(1, -1)
             h = h + mm(attn.to(torch.bfloat16), *o)
-            v = h.view(-1)
-            mul(mul(h, w2), dot(v, v).add_(e2).rsqrt_(), out=x)
+            flat = h.view(-1)
+            mul(mul(h, w2), dot(flat, flat).add_(e2).rsqrt_(), out=x)
             gate, up = mm(x, *gate_up).to(torch.float32).chunk(2, -1)
             h = h + mm(mul(silu(gate), up, out=act), *down)
         return self.finish(h)

@@ -97,9 +97,10 @@ def test_the_cpu_step_over_a_tiered_cache_is_the_models_forward(tmp_path):
 
 @pytest.mark.parametrize("arch,down", [("llama", "Q4_1"), ("qwen2", "Q4_1"), ("llama", "Q8_0")])
 def test_the_cpu_resident_step_is_the_generic_layer_bit_for_bit(tmp_path, arch, down):
-    """``CpuOps.resident_step`` (the resident cache's loop over per-layer plans) computes what ``DecodeStep._run``
-    with ``CpuOps`` computes, call for call: the same logits and the same K/V written, exactly. qwen2: q/k/v
-    biases; a Q8_0 ffn_down (an int4 pair) has no plan and runs the generic layer."""
+    """``DecodeStep.step`` over a resident cache runs ``CpuOps.resident_step`` (one loop over ``layer_args``), which
+    computes what the generic layer (``DecodeStep._run`` with ``CpuOps``, ``layer_args`` None) computes, call for
+    call: the same logits and the same K/V written, exactly, step after step at moving positions (rotary). qwen2:
+    q/k/v biases; a Q8_0 ffn_down (an int4 pair) has no ``layer_args`` and runs the generic layer."""
     from transformers import AutoConfig
 
     from flashguard import CacheConfig
@@ -112,7 +113,8 @@ def test_the_cpu_resident_step_is_the_generic_layer_bit_for_bit(tmp_path, arch, 
     config = AutoConfig.from_pretrained(tmp_path, gguf_file="tiny.gguf")
     model = gguf_load.load_int4(str(tmp_path / "tiny.gguf"), config, torch.device("cpu"), torch.float32, "cpu")
     step = DecodeStep(model)
-    assert step.cpu is not None and (step.cpu.plan is None) == (down == "Q8_0")
+    layer_args = step.cpu.layer_args
+    assert (layer_args is None) == (down == "Q8_0")
     ids = torch.randint(0, len(VOCAB), (20,), generator=torch.Generator().manual_seed(7)).tolist()
     caches = [TieredCache(config, CacheConfig(page_size=16, sink_tokens=16, l1_tokens=96, l1_max_tokens=96,
                                               l2_tokens=512, policy="exact", l2_codec="fp16")).attach(model)
@@ -121,17 +123,21 @@ def test_the_cpu_resident_step_is_the_generic_layer_bit_for_bit(tmp_path, arch, 
         for cache in caches:
             with forwarding(cache, ids):
                 model(input_ids=torch.tensor([ids]), past_key_values=cache)
-        for token in (3, 9, 1, 4, 7):
-            got = []
-            for cache, tight in zip(caches, (True, False)):
-                with forwarding(cache, [token]):
-                    view = step.cpu.resident(cache)
-                    assert view is not None
-                    got.append(step.cpu.resident_step(view) if tight else
-                               step._run(step.cpu, lambda i, q, k, v, rot: step.cpu.attend(cache, view, i, q, k, v,
-                                                                                            rot)))
-                    cache.advance(1)
-            assert torch.equal(got[0], got[1])
+    calls = []
+    loop = step.cpu.resident_step
+    step.cpu.resident_step = lambda view: calls.append(step.cpu.layer_args is not None) or loop(view)
+    token = 3
+    for _ in range(8):
+        got = []
+        for cache, args in zip(caches, (layer_args, None)):
+            step.cpu.layer_args = args
+            with forwarding(cache, [token]):
+                assert step.cpu.resident(cache) is not None
+                got.append(step.step(token, cache))
+        assert torch.equal(got[0], got[1])
+        token = int(got[0].argmax())
+    assert calls == [layer_args is not None, False] * 8   # the step went through the loop, and without it
+    assert caches[0].length == caches[1].length == 28
     for a, b in zip(caches[0].layers, caches[1].layers):
         assert torch.equal(a.l1_k[:, :a.length], b.l1_k[:, :b.length])
         assert torch.equal(a.l1_v[:, :a.length], b.l1_v[:, :b.length])

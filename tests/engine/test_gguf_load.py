@@ -53,7 +53,8 @@ def write_tiny_gguf(path, arch: str = "llama", seed: int = 0, output_type=None, 
                     down_type=T.Q8_0) -> None:
     """A 2-layer ``arch`` model whose matrices are Q4_K (q, gate), Q4_0 (k, up), Q4_1 (o), Q6_K (v), Q8_0
     (down, embeddings); ``output_type``: an untied output.weight of that type; ``odd_type``: ffn_down's type (zero
-    blocks); ``v_type`` / ``down_type``: attn_v's / ffn_down's type, quantized from random weights."""
+    blocks; ``down_type`` is then unused); ``v_type`` / ``down_type``: attn_v's / ffn_down's type, quantized from
+    random weights."""
     rng = np.random.default_rng(seed)
     normal = lambda *shape: (rng.standard_normal(shape) * 0.05).astype(np.float32)  # noqa: E731
     w = gguf.GGUFWriter(str(path), arch)
