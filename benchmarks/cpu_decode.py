@@ -52,14 +52,11 @@ def measure(engine, prompt_ids, story_ids, decode: int) -> tuple[float, float, i
     return prefill, steps / max(1e-9, last["seconds"] - last["first_token_s"]), steps
 
 
-def in_place(engine, ids, decode: int) -> tuple[float, float, float]:
+def in_place(engine, cpu, ids, decode: int) -> tuple[float, float, float]:
     """``(step, int4 layer calls, final norm + lm_head)`` in ms a token, a clock around each call of ``engine``'s
-    CPU step (``CpuOps.mm`` and ``CpuOps.finish``) while it decodes ``decode`` tokens after ``ids``."""
-    import time
-
+    CPU step ``cpu`` (``CpuOps.mm`` and ``CpuOps.finish``) while it decodes ``decode`` tokens after ``ids``."""
     from flashguard.engine.sampling import SamplingParams
 
-    cpu = engine.decode_step.cpu
     clock = {"mm": 0.0, "finish": 0.0}
     mm, finish = cpu.mm, cpu.finish
 
@@ -161,8 +158,10 @@ def main(argv=None) -> int:
         from flashguard.quant.int4_linear import Int4Linear
 
         real = 1e3 / statistics.median(r[1] for r in got["int4"])
-        if engines["int4"].decode_step is not None and engines["int4"].decode_step.cpu is not None:
-            runs = [in_place(engines["int4"], story_ids, args.decode) for _ in range(args.repeats)]
+        step = engines["int4"].decode_step   # its CpuOps (engine/step_ops.py) call the kernel themselves
+        cpu = step.cpu if step is not None else None
+        if cpu is not None:
+            runs = [in_place(engines["int4"], cpu, story_ids, args.decode) for _ in range(args.repeats)]
             step_ms, mm_ms, head_ms = (statistics.median(r[i] for r in runs) for i in range(3))
             lines += ["", f"int4 decode step in place: {step_ms:.1f} ms a token, of which the int4 layer calls "
                           f"{mm_ms:.1f} ms, the final norm + lm_head {head_ms:.1f} ms, the rest (host work, "
@@ -171,8 +170,6 @@ def main(argv=None) -> int:
                          "in_place_final_norm_lm_head_ms": head_ms})
         forward = Int4Linear.forward
         Int4Linear.forward = lambda self, x: x.new_zeros(*x.shape[:-1], self.out_features)
-        step = engines["int4"].decode_step   # its CpuOps (engine/step_ops.py) call the kernel themselves
-        cpu = step.cpu if step is not None else None
         if cpu is not None:   # the cpu backend's packed codes are [N, K / 2]
             cpu.mm = lambda x, packed, group, scale_zeros: x.new_zeros(x.shape[0], packed.shape[0])
         try:
@@ -182,8 +179,8 @@ def main(argv=None) -> int:
             Int4Linear.forward = forward
             if cpu is not None:
                 del cpu.mm   # the class's kernel again
-        lines += ["", f"int4 decode step ablated: {real:.1f} ms a token; with the int4 layers skipped {skipped:.1f} ms "
-                      f"(outside the int4 kernels); the int4 layers {real - skipped:.1f} ms"]
+        lines += ["", f"int4 decode step ablated: {real:.1f} ms a token; with the int4 layers skipped "
+                      f"{skipped:.1f} ms (outside the int4 kernels); the int4 layers {real - skipped:.1f} ms"]
         rows.append({"int4_step_ms": real, "without_int4_layers_ms": skipped})
     emit("\n".join(lines) + "\n", rows, args.out, args.json)
     return 0

@@ -308,10 +308,12 @@ class DecodeStep:
             self._capture()
         if self.graphs is None and self.cpu is not None:   # the CPU's int4 calls
             view = self.cpu.resident(cache)
-            if view is None:
-                return self._run(self.cpu, functools.partial(self.cpu.attend, cache, None))
-            logits = self.cpu.resident_step(view)
-            cache.advance(1)
+            if view is not None and self.cpu.layer_args is not None:   # the generic layer's calls in one loop
+                logits = self.cpu.resident_step(view)
+            else:
+                logits = self._run(self.cpu, functools.partial(self.cpu.attend, cache, view))
+            if view is not None:
+                cache.advance(1)
             return logits
         if self.graphs is None:  # eager: the same parts
             return self._layers(self._attend, cache)

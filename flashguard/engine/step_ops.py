@@ -38,8 +38,8 @@ state between steps but preallocated buffers.
   attended by ``baddbmm`` / ``softmax`` / ``bmm`` (one query: faster here than the CPU flash kernel, 13 against 19 us
   at 64 keys, 62 against 73 at 512, one thread), any other cache through ``DecodeStep._attend``. Over a resident
   cache the step is ``CpuOps.resident_step``: the same calls as ``DecodeStep._run`` with this set, bit for bit, in
-  one loop over per-layer argument tuples (``layer_args``): 8.5% / 16% faster than the generic layer on the embedded
-  model at one / two threads, the one place the layer is written twice, for that reason. The residual
+  one loop over per-layer argument tuples (``layer_args``): 4-9% / 12-16% faster than the generic layer on the
+  embedded model at one / two threads, the one place the layer is written twice, for that reason. The residual
   stream, rotary, the MLP's activation and the attention stay in fp32, so the logits are the model's forward's up
   to fp32 rounding (tests/engine/test_cpu_decode.py).
 """
@@ -197,17 +197,18 @@ class CpuOps(StepOps):
         return cls(step, int4, norms)
 
     def _layer_args(self) -> list | None:
-        """Per layer ``(qkv, o_proj, gate_up, down, qkv's bias, input norm, post-attention norm, (q, k, v sizes))``,
-        each int4 call as its ``(packed, group, scale_zeros)`` and each norm as ``_norm``'s pair: ``resident_step``'s
-        loop reads them as locals. None where a layer is not the plain case (a Q8_0 matrix as an int4 pair, a bias
-        past q/k/v): the generic layer runs every layer then (a mixed file keeps the generic speed)."""
-        args = []
-        for layer, fused in zip(self.step.layers, self.step.fused):
-            calls = [self.int4[id(m)] for m in (fused[0], layer.self_attn.o_proj, fused[2], layer.mlp.down_proj)]
+        """Per layer ``(qkv, o_proj, gate_up, down, qkv's bias, input norm, post-attention norm, q heads, q + k
+        columns)``, each int4 call as its ``(packed, group, scale_zeros)`` and each norm as ``_norm``'s pair:
+        ``resident_step``'s loop reads them as locals. None where a layer is not the plain case (a Q8_0 matrix as an
+        int4 pair, a bias past q/k/v): ``DecodeStep.step`` then runs the generic layer for every layer (a mixed
+        file keeps the generic speed)."""
+        args, d = [], self.step.head_dim
+        for layer, (qkv, (nq, nk, _), gate_up) in zip(self.step.layers, self.step.fused):
+            calls = [self.int4[id(m)] for m in (qkv, layer.self_attn.o_proj, gate_up, layer.mlp.down_proj)]
             if any(c[4] for c in calls) or any(c[3] is not None for c in calls[1:]):
                 return None
             args.append((*(c[:3] for c in calls), calls[0][3], self.norms[id(layer.input_layernorm)],
-                         self.norms[id(layer.post_attention_layernorm)], fused[1]))
+                         self.norms[id(layer.post_attention_layernorm)], nq // d, nq + nk))
         return args
 
     def _buffer(self, name: str, n: int) -> torch.Tensor:
@@ -287,28 +288,26 @@ class CpuOps(StepOps):
         call for call, bit for bit (tests/engine/test_cpu_decode.py), as one loop over ``layer_args``: on a CPU the
         Python between the int4 calls is the step's other cost, and it grows in place (each kernel streams its codes
         through the caches the interpreter runs from): without the generic layer's method calls and lookups the
-        embedded model decodes 8.5% faster at one thread, 16% at two (docs/benchmarks/cpu_decode.md). The MLP's
+        embedded model decodes 4-9% faster at one thread, 12-16% at two (docs/benchmarks/cpu_decode.md). The MLP's
         activation is ``F.silu`` (what both ``_SILUS`` classes run); every layer has layer 0's sizes (Llama, Qwen2).
-        The caller advances the cache after."""
-        if self.layer_args is None:
-            return self.step._run(self, lambda i, q, k, v, rot: self.attend(None, view, i, q, k, v, rot))
+        Only with ``layer_args``; the caller advances the cache after."""
         mm, dot, mul, silu = self.mm, torch.dot, torch.mul, torch.nn.functional.silu
         s, pos = self.step, view.length
         d, scaling, zero = s.head_dim, s.scaling, self.zero
         h, rot = self.start()
         x = self._buffer("x", h.shape[1])
         act = self._buffer("act", self.layer_args[0][2][0].shape[0] // 2)   # gate_up's rows: [gate, up]
-        for (qkv, o, gate_up, down, bias, (w1, e1), (w2, e2), (nq, nk, nv)), keys, values in \
+        for (qkv, o, gate_up, down, bias, (w1, e1), (w2, e2), q_heads, qk_cols), keys, values in \
                 zip(self.layer_args, view.keys, view.values):
             flat = h.view(-1)
             mul(mul(h, w1), dot(flat, flat).add_(e1).rsqrt_(), out=x)
             out = mm(x, *qkv)
             out = (torch.add(bias, out) if bias is not None else out).to(torch.float32)
-            qk = torch.mm(out[:, :nq + nk].view(-1, d), rot)
+            qk = torch.mm(out[:, :qk_cols].view(-1, d), rot)
             kvh = keys.shape[0]
-            keys.select(1, pos).copy_(qk[nq // d:])
-            values.select(1, pos).copy_(out[:, nq + nk:].view(kvh, d))
-            scores = torch.baddbmm(zero, qk[:nq // d].view(kvh, -1, d), keys[:, :pos + 1].transpose(1, 2),
+            keys.select(1, pos).copy_(qk[q_heads:])
+            values.select(1, pos).copy_(out[:, qk_cols:].view(kvh, d))
+            scores = torch.baddbmm(zero, qk[:q_heads].view(kvh, -1, d), keys[:, :pos + 1].transpose(1, 2),
                                    beta=0, alpha=scaling)
             attn = torch.bmm(torch.softmax(scores, -1), values[:, :pos + 1]).view(1, -1)
             h = h + mm(attn.to(torch.bfloat16), *o)
