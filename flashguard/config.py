@@ -138,6 +138,16 @@ class EngineConfig:
     temperature    0 = greedy (default); > 0 samples.
     top_p          nucleus sampling mass when sampling.
     seed           sampling seed for reproducible sampled output; None = random.
+    repetition_penalty  each token the reply already holds has its logit divided by this where positive, multiplied
+                   where negative (transformers' and llama.cpp's definition, over the reply's own tokens, not the
+                   prompt's); 1 = off. The default, 1.0, stops the embedded 135M model's loops: of 40 everyday
+                   prompts, greedy decoding ran ? into max_tokens repeating a 4-gram, ? with it
+                   (docs/benchmarks/replies.md). The server's and LLMRails' ``repetition_penalty`` overrides it.
+    frequency_penalty  OpenAI's: subtracted from a token's logit once per time the reply holds it; 0 = off
+                   (default); -2 to 2.
+    presence_penalty   OpenAI's: subtracted from the logit of every token the reply holds; 0 = off (default); -2 to 2.
+    no_repeat_ngram  a token that would repeat an n-gram of this many tokens the reply already holds is never chosen
+                   (transformers' no_repeat_ngram_size); 0 = off (default).
     prefill_chunk  tokens per prefill forward pass (bounds activation memory). None (YAML ``auto``, the default):
                    2048 on a GPU (a 32K-token prompt then prefills at llama.cpp's rate on an H200; the budget
                    planner halves it when memory is short), 512 on the CPU.
@@ -170,6 +180,12 @@ class EngineConfig:
     system_prompt  system message used when the conversation has none; None = the template's default.
     lora_path      a PEFT LoRA adapter folder (adapter_config.json + adapter_model.safetensors) applied on top of the
                    float or int4 linears (engine/lora.py); None = the base model alone. Its content keys the KV pages.
+    guard_adapter  the rails' guard: an activated LoRA folder (PEFT files with ``alora_invocation_tokens`` and
+                   flashguard's ``guard.json``) that runs only on the rails' suffixes, over the conversation's own
+                   pages (engine/alora.py, rails/guard.py). "auto" (default): the one made for this model if there is
+                   one (shipped for the embedded SmolLM2; ``flashguard train-guard`` writes one to the user cache);
+                   "off": none (the rails decide by probe or question); or a folder's path. A guard for another
+                   model, or a corrupt one, is an error naming this key, never a silent fall back.
     backend        "local" (default: this process runs the model) or "openai": an OpenAI-compatible server runs it
                    (llama-server, vLLM, SGLang; flashguard/remote/): the requests name the models entry's ``model``,
                    and the model's tokenizer and chat template (``model_path``) render the conversation here, so the
@@ -193,6 +209,10 @@ class EngineConfig:
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    no_repeat_ngram: int = 0
     prefill_chunk: int | None = None
     max_context: int | None = None
     kv_cache: str = "tiered"
@@ -204,6 +224,7 @@ class EngineConfig:
     cuda_graphs: bool = True
     system_prompt: str | None = None
     lora_path: str | None = None
+    guard_adapter: str = "auto"
     backend: str = "local"
     base_url: str | None = None
     api_key_env: str | None = None
@@ -215,6 +236,10 @@ class EngineConfig:
             object.__setattr__(self, "model_path", os.path.expanduser(str(self.model_path)))
         if self.lora_path is not None:
             object.__setattr__(self, "lora_path", os.path.expanduser(str(self.lora_path)))
+        if isinstance(self.guard_adapter, bool) or self.guard_adapter is None:   # YAML 1.1 reads a bare off as false
+            object.__setattr__(self, "guard_adapter", "auto" if self.guard_adapter else "off")
+        if self.guard_adapter not in ("auto", "off"):
+            object.__setattr__(self, "guard_adapter", os.path.expanduser(str(self.guard_adapter)))
         _check_choice(self.dtype, ("auto", "float32", "float16", "bfloat16"), "dtype")
         _check_choice(self.kv_cache, KV_CACHES, "kv_cache")
         if isinstance(self.vram_budget, str) and self.vram_budget != "auto":
@@ -232,6 +257,13 @@ class EngineConfig:
             raise ConfigError(f"must be >= 0, got {self.temperature!r}", key="temperature")
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"must be in (0, 1], got {self.top_p!r}", key="top_p")
+        if not self.repetition_penalty > 0:
+            raise ConfigError(f"must be > 0 (1 is off), got {self.repetition_penalty!r}", key="repetition_penalty")
+        for key in ("frequency_penalty", "presence_penalty"):
+            if not -2 <= getattr(self, key) <= 2:
+                raise ConfigError(f"must be in [-2, 2] (0 is off), got {getattr(self, key)!r}", key=key)
+        if self.no_repeat_ngram < 0:
+            raise ConfigError(f"must be an integer >= 0 (0 is off), got {self.no_repeat_ngram!r}", key="no_repeat_ngram")
         if self.prefill_chunk is not None and self.prefill_chunk <= 0:
             raise ConfigError(f"must be a positive integer, got {self.prefill_chunk!r}", key="prefill_chunk")
         if self.max_context is not None and self.max_context <= 0:
@@ -261,8 +293,9 @@ class EngineConfig:
             params["reasoning_tokens"] = None
         if params.get("prefill_chunk") == "auto":
             params["prefill_chunk"] = None
-        if isinstance(params.get("slot_leases"), bool):   # YAML 1.1 reads a bare off / on as a boolean
-            params["slot_leases"] = "auto" if params["slot_leases"] else "off"
+        for key in ("slot_leases", "guard_adapter"):   # YAML 1.1 reads a bare off / on as a boolean
+            if isinstance(params.get(key), bool):
+                params[key] = "auto" if params[key] else "off"
         if params.get("vram_budget") not in (None, "auto"):
             params["vram_budget"] = parse_bytes(params["vram_budget"], key="vram_budget")
         values = _typed_values(cls, params, prefix="", skip={"kv"})

@@ -138,6 +138,8 @@ class Engine:
 
             self.adapter = lora.read_adapter(config.lora_path, self.model)
             lora.apply_adapter(self.model, self.adapter, self.dtype)
+        # guard_adapter: the rails' activated LoRA, on only for their suffixes (read(adapter_from=...))
+        self.guard = self._load_guard(config, weights)
         self.lock = threading.RLock()
         self.messages = MessageEncoder(self.tokenizer, config.system_prompt)
         self.stats = EngineStats()
@@ -163,6 +165,20 @@ class Engine:
         if self.device.type == "cuda":   # after sizing: the kernels of the pool and pages as planned
             self._warm_up()
             self.budget.settle(self.weights_placement, self.context_length, self.sessions.forget_pool)
+
+    def _load_guard(self, config: EngineConfig, weights: str):
+        """The guard of ``guard_adapter`` (engine/alora.py), or None: ``off``, or ``auto`` with none for this model."""
+        from . import alora
+
+        if config.guard_adapter == "off":
+            return None
+        folder = alora.find(self.source) if config.guard_adapter == "auto" else config.guard_adapter
+        if folder is None:
+            return None
+        guard = alora.load(folder, self.source, self.model, weights, self.device, self.dtype)
+        log.info("flashguard: guard adapter %s (rank %d on %d modules, %.1f MB)", guard.folder, guard.adapter.rank,
+                 len(guard.adapter.layers), guard.bytes / 1e6)
+        return guard
 
     def _warm_up(self) -> None:
         """At start on a GPU: one 8-token forward (the int4 prompt kernels) and the decode step's kernels
@@ -375,7 +391,8 @@ class Engine:
         return r.logprobs, r.hidden, r.reused
 
     def read(self, ids: Sequence[int], task: str = "moderation", *, hidden: bool = False, layers=(),
-             mean_from: int | None = None, keep_states: bool = False, keep: int | None = None) -> Reading:
+             mean_from: int | None = None, keep_states: bool = False, keep: int | None = None,
+             adapter_from: int | None = None) -> Reading:
         """The rails' one call: run the part of ``ids`` the session does not hold (its pages reused, the rest
         prefilled; the last token always runs, so the states are this call's) and return what a verdict reads
         (``reading.Reading``):
@@ -386,10 +403,16 @@ class Engine:
           past it are run again). ``keep_states``: every position's state over that span too.
         - ``keep``: afterwards the session holds at most ``ids[:keep]`` (a branch: the question the rail asked is
           dropped, the generation continues from ``keep``); None keeps all of ``ids``. Only the engine crops.
+        - ``adapter_from``: ``ids[adapter_from:]`` (the guard's invocation and question) run with the guard adapter
+          on (``guard_adapter``: an activated LoRA, engine/alora.py); the tokens before are the base model's, reused
+          or prefilled as usual. Afterwards the session holds at most ``ids[:adapter_from]``: nothing the adapter
+          computed stays or is ever adopted by another sequence. No states are read then.
         """
         from .reading import Tap
 
         ids = self._check_prompt(ids)
+        if adapter_from is not None:
+            return self._read_guarded(ids, task, adapter_from, keep)
         with self.lock:
             t0 = time.perf_counter()
             faults0 = self.sessions.l3_reads()
@@ -418,6 +441,30 @@ class Engine:
                            hidden=tap.hidden() if hidden else None, mean=mean, states=states, reused=reused,
                            prefilled=len(ids) - reused)
 
+
+    def _read_guarded(self, ids: list[int], task: str, start: int, keep: int | None) -> Reading:
+        """``read(adapter_from=start)``: the session brought to ``ids[:start]`` (base), the rest run with the guard's
+        deltas in one private forward, then cropped back to ``min(keep, start)``."""
+        if self.guard is None:
+            raise ConfigError("no guard adapter is loaded for this model (guard_adapter is off, or none was found); "
+                              "the rails' guard verdict needs one: `flashguard train-guard`", key="guard_adapter")
+        if not 0 < start < len(ids):
+            raise ValueError(f"adapter_from must fall inside the ids (0 < {start} < {len(ids)})")
+        back = start if keep is None else min(keep, start)
+        with self.lock:
+            t0 = time.perf_counter()
+            faults0 = self.sessions.l3_reads()
+            reused = self.sessions.bring_to(ids[:start])
+            try:
+                logits = self.sessions.forward(ids[start:], self.guard.deltas)
+            finally:
+                self.sessions.branch_back(ids, back)
+            seconds = time.perf_counter() - t0
+            self.stats.record(task, prompt=len(ids), prefilled=len(ids) - reused, reused=reused, generated=0,
+                              seconds=seconds, first_token_s=seconds, l3_reads=self.sessions.l3_reads() - faults0)
+            self.budget.give_back()
+            return Reading(logprobs=torch.log_softmax(logits.float(), dim=-1), hidden=None, mean=None, states=None,
+                           reused=reused, prefilled=len(ids) - reused)
 
     def teacher_force(self, prompt_ids: Sequence[int], output_ids: Sequence[int], text: str | None = None) -> Turn:
         """Run ``prompt_ids + output_ids`` through the model as if it had generated ``output_ids``.
@@ -475,7 +522,8 @@ class Engine:
                "placement": self.placement(),
                "decode_bytes": self.decode_bytes(),
                "lora": None if self.adapter is None else {"path": self.adapter.path, "rank": self.adapter.rank,
-                                                          "modules": len(self.adapter.layers)}}
+                                                          "modules": len(self.adapter.layers)},
+               "guard": None if self.guard is None else self.guard.info()}
         with self.lock:
             session = self.session.stats() if self.session is not None else {}
         if self.config.kv_cache == "tiered":

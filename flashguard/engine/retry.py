@@ -12,7 +12,8 @@ Contract:
 - A page lost in a forward (``PageLost``: a stored page failed verification, or the forward's pages could not be
   settled): the session is dropped without keeping its pages and the whole sequence is recomputed by prefill,
   adopting the stored pages before the lost one, up to ``RECOMPUTE_TRIES`` times (pages adopted by a try can be
-  found bad too; each try drops them). Then the last PageLost propagates.
+  found bad too; each try drops them). Then the last PageLost propagates. A guarded forward's tokens (an adapter's
+  ``deltas``) run again with the adapter, the sequence before them without.
 - A page lost while a new session adopts stored pages: the store has dropped it (never used); the next try adopts
   the pages before it, up to ``ADOPT_TRIES`` times, then the session starts empty.
 - A page lost while a session is cropped: the session is dropped without keeping its pages (the caller prefills
@@ -47,22 +48,26 @@ class RetryPolicy:
         self.sessions = sessions
         self.oom_retries = 0
 
-    def forward(self, tokens: Sequence[int]) -> torch.Tensor:
-        """One forward over ``tokens`` in the session (logits of the last), with both failures retried."""
+    def forward(self, tokens: Sequence[int], deltas=None) -> torch.Tensor:
+        """One forward over ``tokens`` in the session (logits of the last), with both failures retried;
+        ``deltas``: an adapter on for ``tokens`` alone."""
         try:
-            return self._fitting(list(tokens))
+            return self._fitting(list(tokens), deltas=deltas)
         except PageLost as exc:
             sessions = self.sessions
             ids = sessions.ids + list(tokens)
+            base = len(sessions.ids) if deltas is not None else len(ids)   # the tokens run without the adapter
             for _ in range(self.RECOMPUTE_TRIES):
                 log.warning("flashguard: %s; recomputing %d tokens by prefill", exc, len(ids))
                 sessions.drop(keep_pages=False)
                 try:
-                    reused = self.start(ids)
+                    reused = self.start(ids[:base])
                     logits = None
                     chunk = sessions.budget.prefill_chunk   # (an out-of-memory below halves it for later calls)
-                    for a in range(reused, len(ids), chunk):
+                    for a in range(reused, base, chunk):
                         logits = self._fitting(ids[a:a + chunk])
+                    if base < len(ids):
+                        return self._fitting(ids[base:], deltas=deltas)
                     if logits is None:  # every token was adopted: run the last one again for its logits
                         sessions.session.crop(len(ids) - 1)
                         logits = self._fitting(ids[-1:])
@@ -71,12 +76,12 @@ class RetryPolicy:
                     exc = again
             raise exc
 
-    def _fitting(self, tokens: list[int], tries_left: int | None = None) -> torch.Tensor:
+    def _fitting(self, tokens: list[int], tries_left: int | None = None, deltas=None) -> torch.Tensor:
         """The forward, with an out-of-memory run again in halves (one token: tried again after the step graphs
         are given back)."""
         sessions = self.sessions
         try:
-            return sessions.forward_once(tokens)
+            return sessions.forward_once(tokens, deltas)
         except OUT_OF_MEMORY as exc:
             self.oom_retries += 1   # (session.forward brought every layer back to the tokens before this call; a
             # failure while the pages settled after it arrives as PageLost instead, and forward recomputes)
@@ -87,7 +92,7 @@ class RetryPolicy:
                     # and the step graphs' pools: a new session's long-context decode step ran out of memory
                     # recording its graph beside the graphs of earlier sessions
                     self._give_back(step_graphs=True)
-                    return self._fitting(tokens, tries_left - 1)
+                    return self._fitting(tokens, tries_left - 1, deltas)
                 budget = sessions.budget.vram_budget
                 raise GpuMemoryError(
                     f"out of GPU memory for a {len(tokens)}-token step"
@@ -97,8 +102,8 @@ class RetryPolicy:
             half = len(tokens) // 2
             sessions.budget.prefill_chunk = max(self.MIN_CHUNK, min(sessions.budget.prefill_chunk, half))
             log.warning("flashguard: out of GPU memory on %d tokens; retrying in chunks of %d", len(tokens), half)
-            self._fitting(tokens[:half])
-            return self._fitting(tokens[half:])
+            self._fitting(tokens[:half], deltas=deltas)
+            return self._fitting(tokens[half:], deltas=deltas)
 
     def _give_back(self, step_graphs: bool) -> None:
         """What goes back to the device between two tries: the allocator's cached blocks, and with

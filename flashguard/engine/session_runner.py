@@ -9,7 +9,10 @@ Contract:
   tokens reused). ``forward(tokens)`` runs more tokens after what the session holds. Both go through the retry
   policy (retry.py) for out-of-memory and lost pages; ``forward_once`` is the bare forward it retries.
 - A single token runs as a decode step (``DecodeStep``: one graph per step where the pages are resident) unless a
-  ``tap`` (``reading.Tap``, set by ``Engine.read``) collects states.
+  ``tap`` (``reading.Tap``, set by ``Engine.read``) collects states or the forward is guarded.
+- ``bring_to(ids)`` leaves the session holding exactly ``ids``; ``forward(tokens, deltas)`` with an activated
+  adapter's ``deltas`` (engine/alora.py) runs ``tokens`` through the model's forward with the adapter on, as a
+  private forward (its pages never keyed by content: ``KVSession.forward``); the caller crops them away after.
 - The tiered cache's PageStore and the GPU pool's buffers (``kv/pool.py``) live here, from one session to the
   next; ``forget_pool`` lets the buffers and the graphs recorded over them go (a new plan sizes them again).
 - Callers hold the engine's lock.
@@ -167,6 +170,16 @@ class SessionRunner:
             else:
                 self.drop(keep_pages=True)
 
+    def bring_to(self, ids: list[int]) -> int:
+        """The session holding exactly ``ids``: cropped to them where it holds more of them, else the rest run
+        (``prefill``); returns the tokens reused."""
+        held = self.ids
+        n = len(ids)
+        if self.session is not None and len(held) >= n and held[:n] == ids:
+            if self.retry.crop(n):
+                return n
+        return self.prefill(ids)[1]
+
     def branch_back(self, ids: list[int], keep: int) -> None:
         """After a read: the session back to ``ids[:keep]`` when it holds more of ``ids`` (``keep`` > 0)."""
         held = self.ids
@@ -174,19 +187,24 @@ class SessionRunner:
             self.retry.crop(keep)
 
     # ---- forwards ------------------------------------------------------------------------------------------
-    def forward(self, tokens: Sequence[int]) -> torch.Tensor:
-        """``tokens`` run after the ones the session holds; the last one's logits (retried: retry.py)."""
-        return self.retry.forward(tokens)
+    def forward(self, tokens: Sequence[int], deltas=None) -> torch.Tensor:
+        """``tokens`` run after the ones the session holds; the last one's logits (retried: retry.py). ``deltas``:
+        an activated adapter's (engine/alora.py), on for these tokens only."""
+        return self.retry.forward(tokens, deltas)
 
-    def forward_once(self, tokens: list[int]) -> torch.Tensor:
+    def forward_once(self, tokens: list[int], deltas=None) -> torch.Tensor:
         """One forward over ``tokens`` in the session (``KVSession.forward``: settled after, undone on a failure):
-        a single token runs as a decode step (graphs or the lean eager path) unless a read taps the states."""
+        a single token runs as a decode step (graphs or the lean eager path) unless a read taps the states or an
+        adapter's ``deltas`` are on (then the model's forward runs them, as a private forward)."""
+        from .alora import activated
+
         session, tap = self.session, self.tap
-        with session.forward(tokens) as cache:
-            if len(tokens) == 1 and self.step is not None and tap is None:
+        with session.forward(tokens, private=deltas is not None) as cache:
+            if len(tokens) == 1 and self.step is not None and tap is None and deltas is None:
                 return self.step.step(tokens[0], cache)
             inp = torch.tensor([tokens], dtype=torch.long, device=self.device)
-            with tap.forward(self.model, len(session.ids)) if tap is not None else contextlib.nullcontext():
+            with tap.forward(self.model, len(session.ids)) if tap is not None else contextlib.nullcontext(), \
+                    activated(self.model, deltas) if deltas is not None else contextlib.nullcontext():
                 with torch.inference_mode():
                     out = self.model(input_ids=inp, **{self.cache_kwarg: cache}, use_cache=True, logits_to_keep=1)
             return out.logits[0, -1]

@@ -564,6 +564,10 @@ class TieredCache(Cache):
         self.stored: list[bool] = []            # per full page: the store holds it (and a reference for us)
         self.token_ids: list[int] = []
         self.length = 0
+        # positions from here on were run by a private forward (an activated adapter's suffix, engine/alora.py):
+        # their K/V are not the base model's, so the pages holding them are never keyed by content nor stored
+        # for another sequence to adopt; None while the cache holds no such position
+        self.private_from: int | None = None
         self.driven = False                     # forwards come with ``begin`` / ``end`` (the engine's sessions)
         self.page_reads = 0
         self._slot_table: dict[int, int] = {}   # page index -> L2 slot, valid for the store epoch below
@@ -600,13 +604,16 @@ class TieredCache(Cache):
         return self
 
     # ---- the forward protocol -------------------------------------------------------------
-    def begin(self, token_ids, start: int) -> None:
+    def begin(self, token_ids, start: int, private: bool = False) -> None:
         """A forward over ``token_ids`` at positions ``start``, ``start + 1``, ... is about to run. ``start`` must
         be the tokens this cache holds (a ``ValueError`` otherwise: K/V at the wrong positions would be attended
-        silently). The ids key the pages they fill by content (``page_key``)."""
+        silently). The ids key the pages they fill by content (``page_key``); a ``private`` forward's pages are
+        keyed at random and never stored for adoption (``private_from``)."""
         if start != self.length or len(self.token_ids) != start:
             raise ValueError(f"a forward from position {start} on a cache holding {self.length} tokens "
                              f"({len(self.token_ids)} ids)")
+        if private and self.private_from is None:
+            self.private_from = start
         self.driven = True
         self.token_ids.extend(int(t) for t in token_ids)
 
@@ -651,10 +658,10 @@ class TieredCache(Cache):
         p, n = self.page_size, end - first
         keys, parent = [], self.page_keys[-1] if self.page_keys else b"root"
         for i in range(first, end):
-            if len(self.token_ids) >= (i + 1) * p:
+            if len(self.token_ids) >= (i + 1) * p and (self.private_from is None or (i + 1) * p <= self.private_from):
                 parent = page_key(parent, self.token_ids[i * p:(i + 1) * p], self.namespace)
             else:
-                parent = os.urandom(16)  # no token ids: a private page
+                parent = os.urandom(16)  # no token ids, or a private forward's positions: a private page
             keys.append(parent)
         for layer in self.layers:
             layer.add_key_bounds(layer.tokens(first * p, end * p)[0])
@@ -1126,9 +1133,11 @@ class TieredCache(Cache):
         # the full pages the crop drops that are only in L1 (the window) go to the store first, as ``release`` does:
         # a later sequence with the same prefix adopts them (a crop to a few tokens, e.g. the output rail judging a
         # reply in windows, otherwise lost the whole window: 41K tokens re-prefilled at 128K)
-        keyed = min(len(self.page_keys), len(self.token_ids) // self.page_size)   # pages keyed by their token ids
+        keyed = min(self.public_pages(), len(self.token_ids) // self.page_size)   # pages keyed by their token ids
         if self.store is not None and self.layers[0].is_initialized and keyed > keep:
             self._store_pages(keep, keyed, to_peers=False)
+        if self.private_from is not None and length <= self.private_from:
+            self.private_from = None
         dropped = [k for k, kept in zip(self.page_keys[keep:], self.stored[keep:]) if kept]
         l0 = self.layers[0]
         if length >= l0.win_start or length <= self.sink_tokens:
@@ -1168,6 +1177,14 @@ class TieredCache(Cache):
             if layer.is_initialized and layer.length > length:
                 layer.length = length
         self.length = min(self.length, length)
+        if self.private_from is not None and length <= self.private_from:
+            self.private_from = None
+
+    def public_pages(self) -> int:
+        """Full pages keyed by content (before any private forward's positions: ``private_from``)."""
+        if self.private_from is None:
+            return len(self.page_keys)
+        return min(len(self.page_keys), self.private_from // self.page_size)
 
     def release(self, keep_pages: bool = True) -> None:
         """The end of this cache: with ``keep_pages`` its full pages still only in L1 are written to the store
@@ -1180,7 +1197,7 @@ class TieredCache(Cache):
         if keep_pages and self.store is not None and self.layers[0].is_initialized and self.page_keys:
             try:
                 self.settle_pages()
-                self._store_pages(0, len(self.page_keys))
+                self._store_pages(0, self.public_pages())
             except Exception:  # noqa: BLE001 - keeping pages is an optimisation; the references must go back
                 pass
         if self.store is not None:
@@ -1188,6 +1205,7 @@ class TieredCache(Cache):
                 if kept:
                     self.store.release(key)
         self.page_keys, self.stored, self.token_ids, self.length = [], [], [], 0
+        self.private_from = None
         if self.pool is not None:   # the next session takes them (kv/pool.py)
             from .pool import LayerBuffers
 

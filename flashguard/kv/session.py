@@ -4,10 +4,12 @@ The engine keeps one session (the last sequence it ran). Everything it does to t
 interface, so no caller needs to know which cache it is:
 
 - ``ids``: exactly the tokens whose K/V the cache holds.
-- ``forward(tokens)``: the one way K/V reaches the cache. ``with session.forward(tokens) as cache:`` run the
-  model (or the decode step) over ``tokens`` with ``cache``; they sit at positions ``len(ids)``, ... . On a normal
-  exit the forward is settled (a tiered cache keys, bounds and stores its pages: ``TieredCache.end``) and ``ids``
-  grows by ``tokens``; on an exception every layer goes back to ``ids`` and the exception propagates.
+- ``forward(tokens, private=False)``: the one way K/V reaches the cache. ``with session.forward(tokens) as cache:``
+  run the model (or the decode step) over ``tokens`` with ``cache``; they sit at positions ``len(ids)``, ... . On a
+  normal exit the forward is settled (a tiered cache keys, bounds and stores its pages: ``TieredCache.end``) and
+  ``ids`` grows by ``tokens``; on an exception every layer goes back to ``ids`` and the exception propagates. A
+  ``private`` forward's K/V are not the base model's (a guard adapter's suffix): its pages are never keyed by
+  content nor stored for another sequence (``TieredCache.private_from``); the caller crops them away after.
 - ``crop(n)`` keeps the first ``n`` tokens (a new turn that diverges, a moderation suffix cropped away).
 - ``release(keep_pages)`` ends the session: every page reference it holds goes back to the store (with
   ``keep_pages`` its resident pages are stored first, for a later session with the same prefix). Every path
@@ -59,10 +61,10 @@ class KVSession:
         return 0
 
     @contextlib.contextmanager
-    def forward(self, tokens: Sequence[int]) -> Iterator[object]:
+    def forward(self, tokens: Sequence[int], private: bool = False) -> Iterator[object]:
         """One forward over ``tokens`` (see the module docstring); yields the cache the model is given."""
         tokens = [int(t) for t in tokens]
-        self._begin(tokens)
+        self._begin(tokens, private)
         try:
             yield self.cache
         except BaseException:
@@ -79,7 +81,7 @@ class KVSession:
             raise PageLost(f"the forward's pages could not be settled ({type(exc).__name__}: {exc})") from exc
         self.ids.extend(tokens)
 
-    def _begin(self, tokens: list[int]) -> None:
+    def _begin(self, tokens: list[int], private: bool = False) -> None:
         """Before a forward over ``tokens`` (at position ``len(ids)``)."""
 
     def _end(self) -> None:
@@ -153,8 +155,8 @@ class TieredSession(KVSession):
         self.ids = [int(t) for t in ids[:reused]]
         return reused
 
-    def _begin(self, tokens: list[int]) -> None:
-        self.cache.begin(tokens, start=len(self.ids))
+    def _begin(self, tokens: list[int], private: bool = False) -> None:
+        self.cache.begin(tokens, start=len(self.ids), private=private)
 
     def _end(self) -> None:
         self.cache.end()
