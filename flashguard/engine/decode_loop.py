@@ -2,7 +2,8 @@
 
 Contract:
 - ``run(logits, step, params, ...)`` is a generator of Deltas: it chooses a token from ``logits`` (``choose``:
-  greedy or sampled), stops at an end-of-sequence id, a stop string or ``max_new`` tokens, otherwise calls
+  greedy or sampled, after the penalties of the ids generated so far: ``Penalties``), stops at an end-of-sequence
+  id, a stop string or ``max_new`` tokens, otherwise calls
   ``step(token)`` for the next logits. Text is yielded only up to where no stop string can still begin; the last
   Delta has ``finish_reason`` ("stop" | "length") and the token counts. The ids produced are appended to ``out``
   as they are chosen (the caller's stats see them even when the stream is closed early); the generator's return
@@ -18,7 +19,7 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
-from .sampling import IncrementalText, SamplingParams, StopMatcher, choose
+from .sampling import IncrementalText, Penalties, SamplingParams, StopMatcher, choose
 
 
 @dataclass(frozen=True)
@@ -55,13 +56,15 @@ def run(logits: torch.Tensor, step: Callable[[int], torch.Tensor], params: Sampl
     """The loop (see the module docstring); returns the final text."""
     stopper = StopMatcher(params.stop)
     incremental = IncrementalText(detokenize)
+    penalties = Penalties(params)
     emitted, finish = 0, "length"
     while len(out) < max_new:
-        token = choose(logits, params, generator)
+        token = choose(penalties.apply(logits), params, generator)
         if token in eos_ids:
             finish = "stop"
             break
         out.append(token)
+        penalties.add(token)
         text = incremental.add(token)
         cut = stopper.find(text)
         if cut is not None:

@@ -22,7 +22,8 @@ loads = 0  # how many times weights were loaded in this process (tests read it)
 
 # EngineConfig keys that are each request's defaults, not how the engine is built: engines differing only there are
 # one engine. Every other key is part of the engine's identity (a key added later is too, without a change here).
-REQUEST_KEYS = frozenset({"max_tokens", "reasoning_tokens", "temperature", "top_p", "seed"})
+REQUEST_KEYS = frozenset({"max_tokens", "reasoning_tokens", "temperature", "top_p", "seed", "repetition_penalty",
+                          "frequency_penalty", "presence_penalty", "no_repeat_ngram"})
 
 
 def engine_key(config: EngineConfig, source: loader.ModelSource) -> tuple:

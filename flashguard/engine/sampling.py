@@ -1,4 +1,23 @@
-"""Next-token choice and stop-string handling for the engine's decode loop."""
+"""Next-token choice and stop-string handling for the engine's decode loop.
+
+``SamplingParams`` is one call's decoding, exactly as given: its own defaults are plain greedy decoding with no
+penalty (what benchmarks and tools that time a fixed number of tokens want). The defaults a user gets (``flashguard
+generate`` / ``chat`` / ``serve``, ``LLMRails``) come from the config (``EngineConfig``: a repetition penalty that
+stops a small model's loops, docs/benchmarks/replies.md) through ``SamplingParams.from_config``.
+
+Penalties (``Penalties``) look at the ids this call generated, never the prompt's (a reply may and must repeat the
+question's words), and change the logits before the choice:
+
+- ``repetition_penalty`` (``r``, as in transformers and llama.cpp): a generated token's logit ``l`` becomes
+  ``l / r`` where ``l > 0`` and ``l * r`` otherwise (1 = off);
+- ``frequency_penalty`` / ``presence_penalty`` (``f``, ``p``, as OpenAI defines them): ``l - f * count - p`` for a
+  token generated ``count >= 1`` times (0 = off);
+- ``no_repeat_ngram`` (``n``, transformers' ``no_repeat_ngram_size``): a token that would complete an n-gram the
+  reply already holds is never chosen (0 = off).
+
+Their cost is a gather and an ``index_add_`` over the distinct generated ids (a few hundred at most), not a pass
+over the vocabulary.
+"""
 
 from __future__ import annotations
 
@@ -11,13 +30,18 @@ from ..errors import PromptError
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How one call decodes. ``temperature == 0`` is greedy."""
+    """How one call decodes. ``temperature == 0`` is greedy; the penalties are described in the module docstring
+    (their defaults here are off: ``from_config`` gives the config's)."""
 
     max_tokens: int = 256
     temperature: float = 0.0
     top_p: float = 1.0
     stop: tuple[str, ...] = ()
     seed: int | None = None
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    no_repeat_ngram: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
@@ -28,15 +52,76 @@ class SamplingParams:
             raise PromptError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise PromptError(f"stop must be a list of non-empty strings, got {list(self.stop)!r}")
+        if not self.repetition_penalty > 0:
+            raise PromptError(f"repetition_penalty must be > 0 (1 is off), got {self.repetition_penalty!r}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise PromptError(f"{name} must be in [-2, 2] (0 is off), got {getattr(self, name)!r}")
+        if isinstance(self.no_repeat_ngram, bool) or not isinstance(self.no_repeat_ngram, int) \
+                or self.no_repeat_ngram < 0:
+            raise PromptError(f"no_repeat_ngram must be an integer >= 0 (0 is off), got {self.no_repeat_ngram!r}")
+
+    @property
+    def penalized(self) -> bool:
+        return (self.repetition_penalty != 1 or self.frequency_penalty != 0 or self.presence_penalty != 0
+                or self.no_repeat_ngram > 0)
 
     @classmethod
-    def from_config(cls, config, *, max_tokens=None, temperature=None, top_p=None, seed=None,
-                    stop=None) -> "SamplingParams":
+    def from_config(cls, config, *, max_tokens=None, temperature=None, top_p=None, seed=None, stop=None,
+                    repetition_penalty=None, frequency_penalty=None, presence_penalty=None,
+                    no_repeat_ngram=None) -> "SamplingParams":
         """A call's values where given (not None), the engine config's defaults otherwise."""
+        def given(value, default):
+            return default if value is None else value
+
         return cls(max_tokens=int(max_tokens or config.max_tokens),
-                   temperature=float(config.temperature if temperature is None else temperature),
+                   temperature=float(given(temperature, config.temperature)),
                    top_p=float(top_p or config.top_p), stop=tuple(stop or ()),
-                   seed=config.seed if seed is None else seed)
+                   seed=given(seed, config.seed),
+                   repetition_penalty=float(given(repetition_penalty, config.repetition_penalty)),
+                   frequency_penalty=float(given(frequency_penalty, config.frequency_penalty)),
+                   presence_penalty=float(given(presence_penalty, config.presence_penalty)),
+                   no_repeat_ngram=int(given(no_repeat_ngram, config.no_repeat_ngram)))
+
+
+class Penalties:
+    """One call's penalty state: the ids it generated (``add``) and the logits they change (``apply``)."""
+
+    def __init__(self, params: SamplingParams):
+        self.params = params
+        self.on = params.penalized
+        self.counts: dict[int, int] = {}          # generated id -> times
+        self.out: list[int] = []
+        self.follows: dict[tuple[int, ...], set[int]] = {}   # no_repeat_ngram: (n-1)-gram -> tokens seen after it
+
+    def add(self, token: int) -> None:
+        if not self.on:
+            return
+        self.counts[token] = self.counts.get(token, 0) + 1
+        self.out.append(token)
+        n = self.params.no_repeat_ngram
+        if n and len(self.out) >= n:
+            self.follows.setdefault(tuple(self.out[len(self.out) - n:-1]), set()).add(token)
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """``logits`` (1-D) as the penalties change them (a new tensor where they change anything)."""
+        if not self.on or not self.counts:
+            return logits
+        p = self.params
+        logits = logits.clone()
+        ids = torch.tensor(list(self.counts), device=logits.device)
+        if p.repetition_penalty != 1:
+            seen = logits[ids]
+            logits[ids] = torch.where(seen > 0, seen / p.repetition_penalty, seen * p.repetition_penalty)
+        if p.frequency_penalty or p.presence_penalty:
+            counts = torch.tensor(list(self.counts.values()), dtype=logits.dtype, device=logits.device)
+            logits.index_add_(0, ids, counts * -p.frequency_penalty - p.presence_penalty)
+        n = p.no_repeat_ngram
+        if n:
+            banned = self.follows.get(tuple(self.out[len(self.out) - (n - 1):]))
+            if banned:
+                logits[torch.tensor(sorted(banned), device=logits.device)] = float("-inf")
+        return logits
 
 
 def choose(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:

@@ -32,8 +32,10 @@ from .server import record_call, record_error
 log = logging.getLogger("flashguard")
 
 PROVIDER_NAME = "flashguard"
-_IGNORED_PARAMS = frozenset({"presence_penalty", "frequency_penalty", "n", "user", "logprobs", "tools",
-                             "tool_choice", "parallel_tool_calls"})
+_IGNORED_PARAMS = frozenset({"n", "user", "logprobs", "tools", "tool_choice", "parallel_tool_calls"})
+# a call's sampling keys (NeMo's ``llm_params``, the server's request fields): SamplingParams.from_config's
+SAMPLING_KEYS = ("temperature", "top_p", "max_tokens", "seed", "repetition_penalty", "frequency_penalty",
+                 "presence_penalty", "no_repeat_ngram")
 
 
 class FlashGuardModel:
@@ -94,15 +96,13 @@ class FlashGuardModel:
         return self.engine.encode_messages([_as_dict(m) for m in prompt])
 
     def sampling(self, stop: Optional[List[str]], kwargs: dict) -> SamplingParams:
-        unknown = set(kwargs) - {"temperature", "top_p", "max_tokens", "seed", "stop"} - _IGNORED_PARAMS
+        unknown = set(kwargs) - {*SAMPLING_KEYS, "stop"} - _IGNORED_PARAMS
         if unknown:
             log.debug("flashguard: ignoring generation parameters %s", sorted(unknown))
         stop = kwargs.get("stop", stop)
         if isinstance(stop, str):
             stop = [stop]
-        return SamplingParams.from_config(self.config, max_tokens=kwargs.get("max_tokens"),
-                                          temperature=kwargs.get("temperature"), top_p=kwargs.get("top_p"),
-                                          seed=kwargs.get("seed"), stop=stop)
+        return SamplingParams.from_config(self.config, stop=stop, **{k: kwargs.get(k) for k in SAMPLING_KEYS})
 
     async def _deltas(self, prompt, stop, kwargs):
         """``(reasoning, answer, delta)`` per engine Delta: a reasoning model's ``<think>`` text apart from the

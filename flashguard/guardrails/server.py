@@ -130,6 +130,12 @@ class RequestBounds:
         return _sampling_problem(body) or _unsupported(body)
 
 
+# the request's sampling fields handed to the provider (OpenAI's, and vLLM's repetition_penalty); unset ones take the
+# config's defaults (models[main].parameters)
+SAMPLING_FIELDS = ("temperature", "top_p", "seed", "stop", "frequency_penalty", "presence_penalty",
+                   "repetition_penalty")
+
+
 def _sampling_problem(body: dict) -> tuple[str, str] | None:
     """The sampling fields the engine reads (``SamplingParams``' own bounds), checked before any work so the 400
     names the field as the others do."""
@@ -139,6 +145,13 @@ def _sampling_problem(body: dict) -> tuple[str, str] | None:
     temperature, top_p, seed, stop = (body.get(k) for k in ("temperature", "top_p", "seed", "stop"))
     if temperature is not None and not (number(temperature) and temperature >= 0):
         return f"temperature must be a number >= 0 (0 is greedy), got {temperature!r}", "temperature"
+    for key in ("frequency_penalty", "presence_penalty"):
+        value = body.get(key)
+        if value is not None and not (number(value) and -2 <= value <= 2):
+            return f"{key} must be a number in [-2, 2] (0 is off), got {value!r}", key
+    penalty = body.get("repetition_penalty")
+    if penalty is not None and not (number(penalty) and penalty > 0):
+        return f"repetition_penalty must be a number > 0 (1 is off), got {penalty!r}", "repetition_penalty"
     if top_p is not None and not (number(top_p) and 0 < top_p <= 1):
         return f"top_p must be a number in (0, 1], got {top_p!r}", "top_p"
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
@@ -312,7 +325,7 @@ class ChatCompletions:
 
         body = json.loads(await request.body())
         messages = [{"role": m["role"], "content": message_text(m.get("content"))} for m in body["messages"]]
-        params = {k: body[k] for k in ("temperature", "top_p", "seed", "stop") if body.get(k) is not None}
+        params = {k: body[k] for k in SAMPLING_FIELDS if body.get(k) is not None}
         max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
         if max_tokens:
             params["max_tokens"] = max_tokens
@@ -516,6 +529,18 @@ _usage: contextvars.ContextVar[RequestUsage | None] = contextvars.ContextVar("fl
 def current_usage() -> RequestUsage:
     """The running request's ``RequestUsage`` (a fresh one outside a request: adding to it is harmless)."""
     return _usage.get() or RequestUsage()
+
+
+@contextlib.contextmanager
+def usage_scope():
+    """A ``RequestUsage`` that the LLM calls made inside the block count toward (as a server request's do): how
+    ``flashguard generate`` and ``chat`` learn that a reply was cut at max_tokens (``finish_reason``)."""
+    usage = RequestUsage()
+    token = _usage.set(usage)
+    try:
+        yield usage
+    finally:
+        _usage.reset(token)
 
 
 def record_call(prompt_tokens: int, completion_tokens: int, finish_reason: str | None) -> None:
