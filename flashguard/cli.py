@@ -2,7 +2,7 @@
 
     flashguard chat       [--config DIR]                 interactive, streaming, through the rails
     flashguard generate   "question" [--config DIR]      one guarded answer
-    flashguard serve      [--config DIR] [--host 127.0.0.1] [--port 8000]
+    flashguard serve      [--config DIR] [--host 127.0.0.1] [--port 8000] [--open]   (chat page at /)
     flashguard quantize   SRC DST [--group-size 64]       AWQ int4 checkpoint (gemm format) of a float model
     flashguard plan       --model M --gpu-mem 4GiB --context 131072   will it fit, and what to change
     flashguard smi        [--url URL] [--watch S] [--json]            GPU/host memory by category
@@ -206,7 +206,7 @@ def cmd_generate(args) -> int:
 
 
 def cmd_serve(args) -> int:
-    if not args.verbose:  # NeMo's server module warns about its chat UI at import; flashguard serve has none
+    if not args.verbose:  # NeMo's server module warns about its chat UI at import; flashguard serve has its own
         logging.getLogger("nemoguardrails").setLevel(logging.ERROR)
     from nemoguardrails.server import api
 
@@ -222,7 +222,7 @@ def cmd_serve(args) -> int:
               "put an authenticating reverse proxy in front for a LAN", file=sys.stderr)
     from .guardrails.server import serve
 
-    serve(rails, api.app, args.host, args.port, verbose=args.verbose)
+    serve(rails, api.app, args.host, args.port, verbose=args.verbose, open_page=args.open)
     return 0
 
 
@@ -464,6 +464,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", default=default_config_dir())
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--open", action="store_true", help="open the chat page (/) in the default browser once it is up")
     p.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
                    help="log prompts and replies (and NeMo's steps); without it, one line per request")
     p.set_defaults(func=cmd_serve)

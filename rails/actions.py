@@ -16,7 +16,7 @@ from nemoguardrails.actions.rail_outcome import RailOutcome
 
 from flashguard import notice
 from flashguard.errors import ConfigError
-from flashguard.guardrails.server import record_block
+from flashguard.guardrails.server import record_block, record_verdict
 
 from .moderation import ModerationSettings, Verdict, moderate, moderate_input
 
@@ -97,6 +97,7 @@ def _outcome(rail: str, verdict) -> RailOutcome:
     meta = {"p_unsafe": verdict.p_unsafe, "method": verdict.method, "threshold": verdict.threshold,
             "strictness": verdict.strictness, "path": verdict.path, "prefilled_tokens": verdict.prefilled_tokens,
             "reused_tokens": verdict.reused_tokens}
+    record_verdict(rail, verdict.allowed, {**meta, "reason": verdict.reason})   # flashguard serve reports it
     if verdict.allowed:
         return RailOutcome.allow(reason=verdict.reason, metadata=meta)
     if sink is None:   # one line a blocked turn (eval-guard's table counts them instead)

@@ -14,6 +14,8 @@ Contract:
   (``HARM`` for blocked rows, ``BENIGN`` for allowed ones); an unreadable file is a ``SourceError`` naming it.
 - ``Row.source`` names the source: leave-one-source-out validation (``rails/guard_fit.py``) groups by it.
 - A source whose license does not allow training (``train=False``) is read for evaluation only.
+- ``Row.context`` holds a multi-turn row's earlier turns (``(("user", text), ("assistant", text), ...)``) before
+  ``Row.user``; it is empty for a single message or exchange.
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ class Row:
     block: bool
     category: str
     source: str
+    context: tuple = ()  # earlier turns before ``user``: ((role, text), ...), role "user" or "assistant"
 
 
 @dataclass(frozen=True)
@@ -293,24 +296,26 @@ REFUSAL = re.compile(r"\b(I'm sorry|I am sorry|I can't|I cannot|I won't|I will n
 
 
 def _read_hh(src, blobs, rail):
-    """Red-team dialogues of one exchange (the human's request, two assistant replies), used where the chosen reply
-    refuses: it is allowed (``refusal``), and the rejected one, where it does not refuse, is blocked (the worker
-    preferred a refusal to it, so it helped with what was asked: ``general_harm``). A chosen reply that does not
-    refuse is only the more harmless of two and is left out (many still help with the red-team request)."""
+    """Red-team dialogues (the human's requests, the assistant's replies), used where the chosen last reply refuses:
+    it is allowed (``refusal``), and the rejected one, where it does not refuse, is blocked (the worker preferred a
+    refusal to it, so it helped with what was asked: ``general_harm``). A chosen reply that does not refuse is only
+    the more harmless of two and is left out (many still help with the red-team request). A dialogue of several
+    exchanges is one row: its earlier turns (the same in both) are the row's context."""
     out = []
     for line in _lines(gzip.decompress(blobs[0])):
         r = json.loads(line)
         chosen, rejected = _TURN.split(r["chosen"])[1:], _TURN.split(r["rejected"])[1:]
-        if len(chosen) != 2 or len(rejected) != 2 or chosen[0] != rejected[0]:
+        if len(chosen) < 2 or len(chosen) % 2 or len(rejected) != len(chosen) or chosen[:-1] != rejected[:-1]:
             continue
-        user, good, bad = chosen[0].strip(), chosen[1].strip(), rejected[1].strip()
-        if not good or not bad or good == bad:
+        user, good, bad = chosen[-2].strip(), chosen[-1].strip(), rejected[-1].strip()
+        if not user or not good or not bad or good == bad:
             continue
         if not REFUSAL.search(good):
             continue
-        out.append(Row(user, _clip(good), False, "refusal", src.name))
+        context = tuple(("user" if i % 2 == 0 else "assistant", _clip(t)) for i, t in enumerate(chosen[:-2]))
+        out.append(Row(user, _clip(good), False, "refusal", src.name, context))
         if not REFUSAL.search(bad):
-            out.append(Row(user, _clip(bad), True, "general_harm", src.name))
+            out.append(Row(user, _clip(bad), True, "general_harm", src.name, context))
     return out
 
 
@@ -373,8 +378,8 @@ SOURCES: tuple[Source, ...] = (
            "standard behavior and its optimizer target (a compliant opening): blocked, behavior's category",
            _read_targets),
     Source("hh_rlhf", _files("hh_rlhf"), "MIT (anthropics/hh-rlhf)", ("output",),
-           "one-exchange red-team dialogues whose chosen reply refuses: chosen allowed (refusal); rejected blocked "
-           "where it does not refuse (general_harm)", _read_hh, cap=900),
+           "red-team dialogues whose chosen last reply refuses: chosen allowed (refusal); rejected blocked where it "
+           "does not refuse (general_harm); earlier exchanges as context", _read_hh, cap=900),
 )
 BY_NAME = {s.name: s for s in SOURCES}
 
@@ -426,7 +431,7 @@ def _checked(data: bytes, f: File, where: str) -> bytes:
 
 def rows(source: Source, rail: str, folder: Optional[Path] = None, cap: Optional[int] = None) -> list[Row]:
     """``source``'s rows for ``rail`` ("input" or "output"), deterministic, at most ``cap`` (default the
-    source's), duplicates of a text dropped."""
+    source's), duplicates of a text (the message, the reply and the earlier turns) dropped."""
     if rail not in source.rails:
         return []
     blobs = [locate(f, folder) for f in source.files]
@@ -435,12 +440,21 @@ def rows(source: Source, rail: str, folder: Optional[Path] = None, cap: Optional
     except (KeyError, ValueError, TypeError, ET.ParseError, json.JSONDecodeError) as exc:
         raise SourceError(f"{source.name}: cannot read {source.files[0].path}: {exc!r}") from exc
     seen, out = set(), []
-    for r in sorted(got, key=lambda r: hashlib.sha256(f"{r.user}\0{r.bot}".encode()).hexdigest()):
-        text = (r.user, r.bot)
+    for r in sorted(got, key=_order):
+        text = (r.user, r.bot, r.context)
         if text not in seen:
             seen.add(text)
             out.append(r)
     return out[:cap if cap is not None else source.cap]
+
+
+def _order(r: Row) -> str:
+    """A row's place in its source's deterministic order: the sha256 of its text (a row without earlier turns keeps
+    the key it had before ``Row.context`` existed, so single-turn samples did not move)."""
+    key = f"{r.user}\0{r.bot}"
+    if r.context:
+        key += "\0" + "\0".join(f"{role}:{text}" for role, text in r.context)
+    return hashlib.sha256(key.encode()).hexdigest()
 
 
 def all_rows(rail: str, folder: Optional[Path] = None, names: Optional[list[str]] = None,

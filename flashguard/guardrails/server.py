@@ -8,9 +8,17 @@
   reply), content as a string or a list of text parts. A reply a rail blocks is the config's refusal
   (``bot refuse to respond``) with ``finish_reason: "content_filter"`` in both modes. A request the input rail
   blocks counts its prompt's tokens (the rail read them) and the refusal's as the completion (no LLM call made).
+  Beside OpenAI's fields, the response (and the last chunk of a stream, the one with ``finish_reason``) carries
+  ``flashguard``: ``{"blocked_by": {"rail": "input" | "output", "p_unsafe", "threshold", "method", "strictness",
+  "reason", ...} or null, "rails": [every verdict of the turn, with the tokens each rail prefilled and reused]}``
+  (clients that read OpenAI's fields only are unaffected).
 - ``GET /v1/models`` (and ``/v1/models/{id}``): the config's main model names. Any name is accepted in a
   request; it is a label, the weights come from ``model_path``.
-- ``GET /v1/flashguard/memory`` and ``/metrics``.
+- ``GET /v1/flashguard/memory`` and ``/metrics``; ``GET /v1/flashguard/stats``: the chat page's panel (memory by
+  category, the conversation's tokens in L1 / L2 / L3, the last turn's rails: ``chat/__init__.py``).
+- ``GET /``: the chat page (``chat/``: plain HTML, CSS and JS from the package, nothing from a CDN);
+  ``GET /health``: ``{"status": "ok"}``. FastAPI's ``/docs`` and ``/redoc`` are off (404): they load their CSS
+  and JS from a CDN, so they were blank offline; ``/openapi.json`` stays.
 
 Everything else (``/v1/rails/configs``, ``/v1/checks``, ...) goes to NeMo's server app.
 
@@ -273,10 +281,13 @@ def build_app(rails, nemo_app, limits: RequestLimits = RequestLimits(), verbose:
     from starlette.applications import Starlette
     from starlette.routing import Mount, Route
 
+    from . import chat as page
+
     chat = ChatCompletions(rails, verbose)
     routes = [Route("/v1/chat/completions", chat.complete, methods=["POST"]),
               Route("/v1/models", chat.models, methods=["GET"]),
               Route("/v1/models/{model_id:path}", chat.model, methods=["GET"]),
+              *page.routes(lambda: chat.last_turn),
               Mount("/", app=nemo_app)]
 
     @contextlib.asynccontextmanager
@@ -304,6 +315,7 @@ class ChatCompletions:
         self.model_names = mains or ["flashguard"]
         refusals = (rails.config.bot_messages or {}).get("refuse to respond") or [DEFAULT_REFUSAL]
         self.refusal = refusals[0]
+        self.last_turn: dict | None = None   # the last chat request's rails and tokens (GET /v1/flashguard/stats)
 
     async def models(self, request):
         from starlette.responses import JSONResponse
@@ -364,13 +376,27 @@ class ChatCompletions:
             failed = next(r.name for r in stopped if INTERNAL_ERROR in r.decisions)
             return Response(*_error_response(usage.error or RuntimeError(f"the {failed!r} rail failed")),
                             media_type="application/json")
-        blocked = any(r.type in ("input", "output") for r in stopped)
-        if blocked:
+        blocker = next((r for r in stopped if r.type in ("input", "output")), None)
+        if blocker is not None:
             content = self.refusal
             await self._count_refusal(usage, messages)
         if self.verbose:
             log.info("reply: %s", content)
-        return JSONResponse(reply.completion(content, "content_filter" if blocked else usage.finish_reason, usage))
+        finish = "content_filter" if blocker is not None else usage.finish_reason
+        extension = self._turn(usage, finish, None if blocker is None else (blocker.type, blocker.name))
+        return JSONResponse({**reply.completion(content, finish, usage), "flashguard": extension})
+
+    def _turn(self, usage: "RequestUsage", finish_reason: str | None, blocked: tuple[str, str] | None) -> dict:
+        """The response's ``flashguard`` field, kept as ``last_turn`` too. ``blocked``: (rail type, rail name) of
+        the rail that stopped the reply; its verdict is the last blocking one flashguard's rails recorded (another
+        rail's block says only its name)."""
+        blocked_by = None
+        if blocked is not None:
+            verdict = next((v for v in reversed(usage.verdicts) if v["blocked"] and v["rail"] == blocked[0]), None)
+            blocked_by = verdict or {"rail": blocked[0], "name": blocked[1]}
+        extension = {"blocked_by": blocked_by, "rails": usage.verdicts}
+        self.last_turn = {**extension, "finish_reason": finish_reason, **usage.openai()}
+        return extension
 
     async def _count_refusal(self, usage: "RequestUsage", messages: list[dict]) -> None:
         """A reply blocked before any LLM call (the input rail): the usage is the prompt's tokens, which the rail
@@ -412,7 +438,7 @@ class ChatCompletions:
                         log.error("chat completion failed mid-stream: %s", failed.get("message"))
                         yield f"data: {json.dumps({'error': failed})}\n\n"
                         return
-                    blocked = True
+                    blocked = ("output", failed.get("param") or "output rail")
                     yield reply.event({"content": self.refusal}, **usage_field)
                     break
                 if isinstance(piece, str) and piece:
@@ -425,12 +451,13 @@ class ChatCompletions:
         finally:
             await _close(stream)
         if usage.blocked == "input" and not blocked:   # NeMo streams an input rail's refusal as plain text
-            blocked = True
+            blocked = ("input", "flashguard moderate input")
         if blocked:
             await self._count_refusal(usage, messages)
         if self.verbose:
             log.info("reply: %s", self.refusal if blocked else "".join(parts))
-        yield reply.event({}, "content_filter" if blocked else usage.finish_reason or "stop", **usage_field)
+        finish = "content_filter" if blocked else usage.finish_reason or "stop"
+        yield reply.event({}, finish, **usage_field, flashguard=self._turn(usage, finish, blocked or None))
         if include_usage:
             yield reply.event(None, usage=usage.openai())
         yield "data: [DONE]\n\n"
@@ -511,6 +538,7 @@ class RequestUsage:
         self.finish_reason: str | None = None
         self.error: BaseException | None = None   # a flashguard error an LLM call raised (its status and message)
         self.blocked: str | None = None   # "input": flashguard's input rail blocked the request (record_block)
+        self.verdicts: list[dict] = []    # flashguard's rails' verdicts, in order (record_verdict)
 
     def add(self, prompt_tokens: int, completion_tokens: int, finish_reason: str | None) -> None:
         self.prompt_tokens += prompt_tokens
@@ -566,6 +594,15 @@ def record_block(rail: str) -> None:
         usage.blocked = rail
 
 
+def record_verdict(rail: str, allowed: bool, meta: dict) -> None:
+    """Called by flashguard's rails with each verdict (``rail``: "input" or "output"; ``meta``: p_unsafe,
+    threshold, method, strictness, path, prefilled_tokens, reused_tokens, reason): the response's ``flashguard``
+    field and the chat page's panel."""
+    usage = _usage.get()
+    if usage is not None:
+        usage.verdicts.append({"rail": rail, "blocked": not allowed, **meta})
+
+
 class RequestLog:
     """One log line per HTTP request: method, path, status, prompt/completion tokens, seconds."""
 
@@ -595,14 +632,19 @@ def _exit_on_signal(signum, frame) -> None:
     raise SystemExit(128 + signum)
 
 
-def serve(rails, nemo_app, host: str, port: int, verbose: bool = False) -> None:
-    """Run the app with uvicorn (its own access log off: ``RequestLog`` writes one line per request)."""
+def serve(rails, nemo_app, host: str, port: int, verbose: bool = False, open_page: bool = False) -> None:
+    """Run the app with uvicorn (its own access log off: ``RequestLog`` writes one line per request);
+    ``open_page``: open the chat page in the default browser once the server answers."""
     import uvicorn
 
     if not verbose:  # NeMo logs whole conversations (prompts, replies) in its warnings; the request log is enough
         logging.getLogger("nemoguardrails").setLevel(logging.CRITICAL)
-    print(f"flashguard: serving on http://{host}:{port}/v1 (OpenAI-compatible: /v1/chat/completions, /v1/models)",
-          file=sys.stderr, flush=True)
+    print(f"flashguard: serving on http://{host}:{port}/v1 (OpenAI-compatible: /v1/chat/completions, /v1/models); "
+          f"chat page: http://{host}:{port}/", file=sys.stderr, flush=True)
+    if open_page:
+        from .chat import open_when_up
+
+        open_when_up(host, port)
     # uvicorn shuts down gracefully on SIGTERM, then raises it again under the handler it found: with the default
     # one the process died there, before the atexit hooks that remove the KV pages' L3 folder (kv/disk.py)
     if threading.current_thread() is threading.main_thread():

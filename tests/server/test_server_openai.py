@@ -102,6 +102,31 @@ def _stream(client, **kwargs):
     return chunks, text
 
 
+def flashguard_field(chunks_or_reply) -> dict:
+    """The ``flashguard`` field (the rails' verdicts) of a reply, or of a stream's chunk that has finish_reason."""
+    if isinstance(chunks_or_reply, list):
+        last = [c for c in chunks_or_reply if c.choices and c.choices[0].finish_reason]
+        assert len(last) == 1 and all(getattr(c, "flashguard", None) is None for c in chunks_or_reply
+                                      if c is not last[0])
+        return last[0].flashguard
+    return chunks_or_reply.flashguard
+
+
+def test_an_allowed_reply_carries_both_rails_verdicts_and_their_tokens(client):
+    """Beside OpenAI's fields: every verdict of the turn (the input rail's, the output rail's), none blocking."""
+    r = client.chat.completions.create(model="flashguard", messages=Q)
+    chunks, _ = _stream(client)
+    for field in (flashguard_field(r), flashguard_field(chunks)):
+        assert field["blocked_by"] is None
+        rails = [v["rail"] for v in field["rails"]]
+        assert rails[0] == "input" and "output" in rails and not any(v["blocked"] for v in field["rails"])
+        for v in field["rails"]:
+            assert 0 <= v["p_unsafe"] < v["threshold"] and v["method"] and v["reason"]
+            assert v["prefilled_tokens"] >= 0 and v["reused_tokens"] >= 0
+        out = next(v for v in field["rails"] if v["rail"] == "output")
+        assert out["reused_tokens"] > 0   # the reply's check reads the generation's pages
+
+
 def test_models_list_names_the_configured_model(client):
     assert [m.id for m in client.models.list()] == ["flashguard"]
     assert client.models.retrieve("flashguard").id == "flashguard"
@@ -198,6 +223,10 @@ def test_a_blocked_reply_is_the_same_refusal_in_both_modes(blocking_server):
     assert text == refusal
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "content_filter"
     assert chunks[-1].usage.prompt_tokens == r.usage.prompt_tokens
+    for field in (flashguard_field(r), flashguard_field(chunks[:-1])):   # which rail blocked, and why
+        verdict = field["blocked_by"]
+        assert verdict["rail"] == "output" and verdict["blocked"] and verdict["p_unsafe"] >= verdict["threshold"]
+        assert verdict["method"] == "question" and verdict["threshold"] == 0.001
     # --verbose: the log shows the conversation (and the rail's verdict)
     log = blocking_server.log()
     assert "capital of France" in log and "flashguard moderation: BLOCK" in log
@@ -218,5 +247,9 @@ def test_a_question_the_input_rail_blocks_counts_its_prompt_and_the_refusal(inpu
     assert text == r.choices[0].message.content
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "content_filter"
     assert chunks[-1].choices == [] and chunks[-1].usage == u
+    for field in (flashguard_field(r), flashguard_field(chunks[:-1])):   # which rail blocked, and why
+        verdict = field["blocked_by"]
+        assert verdict["rail"] == "input" and verdict["p_unsafe"] >= verdict["threshold"] == 0.001
+        assert verdict["method"] == "question" and field["rails"] == [verdict]
     assert "POST /v1/chat/completions 200 prompt_tokens=%d completion_tokens=%d" % (
         u.prompt_tokens, u.completion_tokens) in input_blocking_server.log()
