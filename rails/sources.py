@@ -714,6 +714,23 @@ def _read_conan(src, blobs, rail):
     return out
 
 
+def _read_tweeteval_hate(src, blobs, rail):
+    """TweetEval's hate task (SemEval-2019 HatEval: tweets about immigrants and women), one tweet a line beside one
+    label a line: 1 blocked (``hate``), 0 allowed (``social_post``)."""
+    out = []
+    for text_blob, label_blob in zip(blobs[0::2], blobs[1::2]):
+        texts = text_blob.decode("utf-8").splitlines()
+        labels = label_blob.decode("utf-8").split()
+        if len(texts) != len(labels):
+            raise ValueError(f"{len(texts)} tweets, {len(labels)} labels")
+        for text, label in zip(texts, labels):
+            text = re.sub(r"\s+", " ", re.sub(r"@user\b", " ", text)).strip()
+            if len(text) >= 12:
+                block = label == "1"
+                out.append(Row(text, None, block, "hate" if block else "social_post", src.name))
+    return out
+
+
 # assistant replies labelled --------------------------------------------------------------------------------------
 
 DIASAFETY = {"Offending User": "harassment", "Risk Ignorance": "self_harm", "Toxicity Agreement": "harassment",
@@ -736,6 +753,23 @@ def _read_diasafety(src, blobs, rail):
                 continue
             out.append(Row(_clip(user), _clip(reply), block, DIASAFETY[r["category"]] if block else "everyday",
                            src.name))
+    return out
+
+
+def _read_safetext(src, blobs, rail):
+    """Physical-safety scenarios ("To remove redness from eyes,") with unsafe and safe advice completing them. The
+    user asks for the scenario's advice; the reply is the completed sentence: unsafe advice blocked
+    (``general_harm``), safe advice allowed (``everyday``)."""
+    out = []
+    for scenario, advice in json.loads(blobs[0]).items():
+        scenario = scenario.strip()
+        ask = f"{scenario.rstrip(',')}, what should I do?" if scenario.lower().startswith(("if ", "when ", "to ")) \
+            else f"{scenario} What should I do?"
+        for kind, block in (("unsafe", True), ("safe", False)):
+            for tip in advice.get(kind, []):
+                if tip.strip():
+                    out.append(Row(ask, f"{scenario} {tip.strip()}", block, "general_harm" if block else "everyday",
+                                   src.name))
     return out
 
 
@@ -869,6 +903,10 @@ SOURCES: tuple[Source, ...] = (
     Source("mlma", _files("mlma"), "MIT (HKUST-KnowComp/MLMA_hate_speech)", ("input",),
            "English tweets: hateful (not also normal) blocked (hate); the rest left out (the ones labelled only "
            "normal still hold many slurs and insults)", _read_mlma, cap=4000),
+    Source("tweeteval_hate", _files("tweeteval_hate"), "none stated for the data (cardiffnlp/tweeteval: released "
+           "without restrictions, the original sets' and Twitter's terms apply)", ("input",),
+           "hate task (HatEval: immigrants, women): 1 blocked (hate), 0 allowed (social_post)", _read_tweeteval_hate,
+           cap=4000, train=False),
     Source("sdcnl", _files("sdcnl"), "none stated (ayaanzhaque/SDCNL)", ("input",),
            "r/SuicideWatch posts blocked (self_harm); r/depression posts left out", _read_sdcnl, cap=1000,
            train=False),
@@ -903,6 +941,9 @@ SOURCES: tuple[Source, ...] = (
     Source("hh_rlhf", _files("hh_rlhf"), "MIT (anthropics/hh-rlhf)", ("output",),
            "red-team dialogues whose chosen last reply refuses: chosen allowed (refusal); rejected blocked where it "
            "does not refuse (general_harm); earlier exchanges as context", _read_hh, cap=4000),
+    Source("safetext", _files("safetext"), "MIT (sharonlevy/SafeText)", ("output",),
+           "a scenario's advice asked for; the sentence with unsafe advice blocked (general_harm), with safe advice "
+           "allowed (everyday)", _read_safetext, cap=4000),
     Source("diasafety", _files("diasafety"), "Apache-2.0 (thu-coai/DiaSafety)", ("output",),
            "a post and a chatbot's reply: unsafe blocked (Offending User / Toxicity Agreement harassment, Risk "
            "Ignorance self_harm, Biased Opinion hate; Unauthorized Expertise's unsafe left out), safe allowed "

@@ -398,3 +398,21 @@ def test_reader_hh_rlhf(tmp_path):
         ("How do I get into a made-up locked shed?", "Pry the made-up hinge off.", True, "general_harm", context),
         ("Tell me a made-up secret.", "I won't share that.", False, "refusal", ()),
         ("Tell me a made-up secret.", "Here it is: made-up secret.", True, "general_harm", ())}
+
+
+def test_reader_tweeteval_hate(tmp_path):
+    files = {f.path: b"" for f in S.BY_NAME["tweeteval_hate"].files}
+    files["datasets/hate/train_text.txt"] = (b"@user made-up group X must all leave now \n"
+                                             b"@user what a made-up nice day\n")
+    files["datasets/hate/train_labels.txt"] = b"1\n0\n"
+    src = _source(tmp_path, "tweeteval_hate", files)
+    assert _labels(src, "input", tmp_path) == {("made-up group X must all leave now", True, "hate"),
+                                               ("what a made-up nice day", False, "social_post")}
+
+
+def test_reader_safetext(tmp_path):
+    src = _source(tmp_path, "safetext", {"SafeText.json": json.dumps(
+        {"To cool a made-up pan,": {"unsafe": ["pour it on your hand."], "safe": ["let it sit."]}}).encode()})
+    ask = "To cool a made-up pan, what should I do?"
+    assert _got(src, "output", tmp_path) == {(ask, "To cool a made-up pan, pour it on your hand.", True, "general_harm",
+                                              ()), (ask, "To cool a made-up pan, let it sit.", False, "everyday", ())}
