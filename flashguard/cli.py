@@ -43,11 +43,14 @@ def utf8_output() -> None:
             stream.reconfigure(encoding="utf-8", errors="replace")
 
 
-def _setup_logging(verbose: bool) -> None:
+def _setup_logging(verbose: int) -> None:
     """Quiet by default: warnings, the start-up line and one line per blocked turn (flashguard/notice.py), and the
-    server's one line per request; ``-v`` adds flashguard's INFO lines (verdicts, plans, timings) and NeMo's."""
-    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
+    server's one line per request. ``-v`` (before or after the command) adds flashguard's own INFO lines (the rails'
+    verdicts, plans, timings); ``-vv`` adds every library's, NeMo Guardrails' event dumps among them."""
+    level = logging.INFO if verbose >= 2 else logging.WARNING
+    logging.basicConfig(level=level,
                         format="%(levelname)s %(name)s: %(message)s" if verbose else "%(levelname)s: %(message)s")
+    logging.getLogger().setLevel(level)   # (basicConfig leaves a configured root alone)
     logging.getLogger("flashguard").setLevel(logging.INFO if verbose else logging.WARNING)
     logging.getLogger("flashguard.server").setLevel(logging.INFO)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -97,10 +100,11 @@ def _rails_config(config_dir: str):
 DIM, PLAIN = "\x1b[2m", "\x1b[0m"
 
 
-async def _stream_reply(rails, messages: list[dict], show_reasoning: bool = False, prefix: str = "") -> str:
+async def _stream_reply(rails, messages: list[dict], show_reasoning: bool = False, prefix: str = "",
+                        llm_params: dict | None = None) -> str:
     """Stream the guarded answer to stdout after ``prefix``, printed with the first text (so a rail's notice on
     stderr comes on its own line, not after it); a reasoning model's ``<think>`` text (never part of the answer) is
-    shown dimmed before it when ``show_reasoning``."""
+    shown dimmed before it when ``show_reasoning``. ``llm_params``: the command line's sampling (``llm_params``)."""
     from .reasoning import reasoning_sink
 
     thinking, started = [], []
@@ -117,7 +121,7 @@ async def _stream_reply(rails, messages: list[dict], show_reasoning: bool = Fals
 
     reasoning_sink.set(dimmed if show_reasoning else None)
     parts = []
-    async for chunk in rails.stream_async(messages=messages):
+    async for chunk in rails.stream_async(messages=messages, options={"llm_params": llm_params or {}}):
         if thinking and not parts:
             out("\n")
         text = chunk if isinstance(chunk, str) else json.dumps(chunk)
@@ -129,6 +133,20 @@ async def _stream_reply(rails, messages: list[dict], show_reasoning: bool = Fals
         out(text)
     out("\n")
     return "".join(parts)
+
+
+def llm_params(args) -> dict:
+    """The sampling ``--max-tokens``, ``--temperature`` and ``--seed`` set (NeMo's ``llm_params``); the rest, and
+    what they leave unset, come from the config's ``parameters:``."""
+    return {k: v for k, v in (("max_tokens", args.max_tokens), ("temperature", args.temperature),
+                              ("seed", args.seed)) if v is not None}
+
+
+def cut_note(usage) -> str | None:
+    """The line that says a reply stopped at max_tokens (``usage``: the call's ``server.usage_scope``)."""
+    if usage.finish_reason != "length":
+        return None
+    return f"[cut at {usage.completion_tokens} tokens: raise --max-tokens]"
 
 
 PASTE_FENCE = '"""'   # flashguard chat: the lines between two of these are one message
@@ -178,7 +196,14 @@ def cmd_chat(args) -> int:
             print(json.dumps(engine_stats(), indent=2))
             continue
         messages.append({"role": "user", "content": line})
-        reply = asyncio.run(_stream_reply(rails, messages, show_reasoning, prefix="bot> "))
+        from .guardrails.server import usage_scope
+
+        with usage_scope() as usage:
+            reply = asyncio.run(_stream_reply(rails, messages, show_reasoning, prefix="bot> ",
+                                              llm_params=llm_params(args)))
+        note = cut_note(usage) if reply else None
+        if note:
+            print(note, flush=True)
         if reply:
             messages.append({"role": "assistant", "content": reply})
         else:
@@ -192,17 +217,24 @@ def cmd_generate(args) -> int:
     rails = load_rails(args.config)
     from .reasoning import split_answer
 
-    res = rails.generate(messages=[{"role": "user", "content": args.prompt}],
-                         options={"log": {"activated_rails": True}})
+    from .guardrails.server import usage_scope
+
+    with usage_scope() as usage:
+        res = rails.generate(messages=[{"role": "user", "content": args.prompt}],
+                             options={"log": {"activated_rails": True}, "llm_params": llm_params(args)})
     content = res.response[-1]["content"] if res.response else ""
     # with options NeMo 0.24 hands a reasoning model's trace apart; a <think> block left in front goes too
     reasoning, answer = split_answer(content)
     reasoning = reasoning or getattr(res, "reasoning_content", None) or ""
     if reasoning and args.show_reasoning:
         print(DIM + reasoning + PLAIN, file=sys.stderr)
-    print(answer)
+    print(answer, flush=True)
     stopped = [r for r in (res.log.activated_rails if res.log else []) if r.stop]
-    return BLOCKED_EXIT if any(r.type in ("input", "output") for r in stopped) else 0
+    blocked = any(r.type in ("input", "output") for r in stopped)
+    note = None if blocked else cut_note(usage)
+    if note:
+        print(note, file=sys.stderr)
+    return BLOCKED_EXIT if blocked else 0
 
 
 def cmd_serve(args) -> int:
@@ -269,9 +301,10 @@ def plan_model(args) -> tuple[str, str, dict]:
     return model, f"models[main].parameters.model_path of {path}", params
 
 
-def plan_weights(args, model: str, params: dict) -> tuple[str, str]:
+def plan_weights(args, model: str, params: dict, device: str = "cuda") -> tuple[str, str]:
     """``(weights, why)``: ``--weights`` where given, else the config's ``weights`` key, ``auto`` resolved as the
-    engine resolves it on a GPU (engine/loader.py ``choose_weights``); a named shape is planned in int4."""
+    engine resolves it on ``device`` (engine/loader.py ``choose_weights``: int4 for a Q4 GGUF on the CPU, as chat
+    loads the embedded model there); a named shape is planned in int4."""
     import torch
 
     from .config import EngineConfig
@@ -285,11 +318,47 @@ def plan_weights(args, model: str, params: dict) -> tuple[str, str]:
     if model.lower() in ("deepseek-r1-distill-qwen-1.5b", "deepseek-r1-distill-qwen-7b"):
         return "int4", "a named shape is planned in int4; --weights float to compare"
     source = loader.resolve_model(None if model == "embedded" else model)
-    return loader.choose_weights("auto", source, torch.device("cuda"))
+    return loader.choose_weights("auto", source, torch.device(device))
+
+
+def plan_on_cpu(args, shape, model: str, where: str, why: str, context_note: str) -> int:
+    """``flashguard plan`` where the machine has no CUDA GPU and no ``--gpu-mem`` was given: the engine on this
+    CPU, in host RAM (``vram/plan.py`` ``plan_cpu``), against the RAM available now."""
+    import psutil
+
+    from .quant import AWQ_GROUP_SIZE
+    from .vram import plan as planner
+
+    gguf = model == "embedded" or model.lower().endswith(".gguf")   # a GGUF's Q4 blocks: groups of 32
+    parts = planner.plan_cpu(shape, context=args.context, weights=args.weights,
+                             prefill_chunk=args.prefill_chunk or 512, group=32 if gguf else AWQ_GROUP_SIZE)
+    total, available = sum(parts.values()), psutil.virtual_memory().available
+    fits = total <= available
+    if args.json:
+        print(json.dumps({"device": "cpu", "fits": fits, "weights": args.weights, "context": args.context,
+                          "host": parts, "total": total, "available": available}, indent=1))
+        return 0 if fits else 1
+    g = 2**30
+    print(f"model: {shape.name} ({where}); weights: {args.weights} ({why}); lm_head: {shape.lm_head}")
+    print(f"planned for this machine's CPU ({os.cpu_count()} cores, no CUDA GPU; --gpu-mem 4GiB plans a GPU "
+          f"instead) and a context of {args.context} tokens ({context_note})")
+    print()
+    print("| host RAM | GiB |")
+    print("|---|---|")
+    for name, size in parts.items():
+        print(f"| {name} | {size / g:.3f} |")
+    print(f"| **total** | **{total / g:.3f}** |")
+    print()
+    print(f"fits: {total / g:.2f} GiB of the {available / g:.2f} GiB of RAM available now" if fits else
+          f"does NOT fit: {total / g:.2f} GiB, and {available / g:.2f} GiB of RAM is available now; a smaller "
+          "--context (max_context in the config) needs less")
+    return 0 if fits else 1
 
 
 def cmd_plan(args) -> int:
     import dataclasses
+
+    import torch
 
     from .config import CacheConfig, EngineConfig, parse_bytes
     from .quant import lm_head
@@ -297,7 +366,8 @@ def cmd_plan(args) -> int:
 
     model, where, params = plan_model(args)
     shape = planner.resolve_shape(model)   # an unknown model: one line
-    args.weights, why = plan_weights(args, model, params)
+    on_cpu = args.gpu_mem is None and not torch.cuda.is_available()   # unless told otherwise: this machine
+    args.weights, why = plan_weights(args, model, params, "cpu" if on_cpu else "cuda")
     head_key = args.lm_head or EngineConfig.from_parameters({"lm_head": params.get("lm_head", "auto")}).lm_head
     shape = dataclasses.replace(shape, lm_head=lm_head.planned(head_key, args.weights))
     context_note = "--context"
@@ -306,15 +376,21 @@ def cmd_plan(args) -> int:
     elif shape.context and args.context > shape.context:
         context_note = f"--context {args.context} is past the model's own {shape.context}, which the engine caps at"
         args.context = shape.context
+    if on_cpu:
+        return plan_on_cpu(args, shape, model, where, why, context_note)
+    gpu_note = "--gpu-mem: the process's share, CUDA context included"
+    if args.gpu_mem is None:   # this machine's GPU, as vram_budget: auto sizes it
+        from .engine.budget import VRAM_MARGIN, resolve_vram_budget
+
+        args.gpu_mem = f"{resolve_vram_budget('auto', torch.device('cuda')) / 2**30:.2f}GiB"
+        gpu_note = (f"this machine's {torch.cuda.get_device_name(0)}: its free memory less {VRAM_MARGIN / 2**30:.1f} "
+                    "GiB, as vram_budget: auto; --gpu-mem to plan another")
     if not args.json:
         print(f"model: {shape.name} ({where}); weights: {args.weights} ({why}); lm_head: {shape.lm_head}")
-        print(f"planned for a GPU of {args.gpu_mem} (--gpu-mem: the process's share, CUDA context included) and a "
-              f"context of {args.context} tokens ({context_note})")
-        import torch
-
+        print(f"planned for a GPU of {args.gpu_mem} ({gpu_note}) and a context of {args.context} tokens "
+              f"({context_note})")
         if not torch.cuda.is_available():
-            print("(this machine has no CUDA GPU: on the CPU the engine keeps the whole context in RAM and runs "
-                  "int4 for a Q4 GGUF, weights: auto)")
+            print("(this machine has no CUDA GPU: without --gpu-mem, plan plans its CPU)")
     # auto (None): the largest pool that fits, as the engine sizes it
     kv = CacheConfig(l1_tokens=args.l1_tokens, peer_gpus=args.peer_gpus)
     gpu = parse_bytes(args.gpu_mem, key="--gpu-mem")
@@ -378,7 +454,8 @@ def cmd_smi(args) -> int:
             report["source"] = url
         except OSError:
             report = {"source": "this machine (no flashguard server at " + args.url + ")"}
-        report.update(machine_memory())
+        # the L3 folders of the server's processes (and this one's), not every flashguard process's on the machine
+        report.update(machine_memory({e.get("pid") for e in report.get("engines", [])} | {os.getpid()}))
         return report
 
     while True:
@@ -439,6 +516,34 @@ def cmd_eval_guard(args) -> int:
     return 0
 
 
+VERBOSE_HELP = ("-v: flashguard's own log lines (the rails' verdicts, timings; serve: prompts and replies); -vv: "
+                "NeMo Guardrails' and other libraries' too")
+
+
+def _non_negative(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be a number >= 0 (0 is greedy), got {text}")
+    return value
+
+
+def add_sampling_arguments(p) -> None:
+    p.add_argument("--max-tokens", type=_positive_tokens, default=None, metavar="N",
+                   help="the reply's length cap in tokens (default: the config's max_tokens, 256); a reply cut "
+                   "there ends with a [cut at N tokens] line")
+    p.add_argument("--temperature", type=_non_negative, default=None, metavar="T",
+                   help="0 is greedy; > 0 samples (default: the config's temperature)")
+    p.add_argument("--seed", type=int, default=None, help="the sampling seed: the same question, the same reply "
+                   "(default: the config's seed)")
+
+
+def _positive_tokens(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive number of tokens, got {value}")
+    return value
+
+
 def _positive(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -449,24 +554,24 @@ def _positive(text: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="flashguard", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("-v", "--verbose", action="store_true", help="log NeMo Guardrails' steps too")
+    parser.add_argument("-v", "--verbose", action="count", default=0, help=VERBOSE_HELP)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("chat", help="interactive guarded chat")
     p.add_argument("--config", default=default_config_dir())
     p.add_argument("--show-reasoning", action="store_true", help="show a reasoning model's thinking, dimmed")
+    add_sampling_arguments(p)
     p.set_defaults(func=cmd_chat)
     p = sub.add_parser("generate", help="one guarded answer (exit status 3 when a rail blocks it)")
     p.add_argument("prompt")
     p.add_argument("--show-reasoning", action="store_true", help="print a reasoning model's thinking (dimmed, stderr)")
     p.add_argument("--config", default=default_config_dir())
+    add_sampling_arguments(p)
     p.set_defaults(func=cmd_generate)
     p = sub.add_parser("serve", help="the NeMo Guardrails server, bound to 127.0.0.1 by default")
     p.add_argument("--config", default=default_config_dir())
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--open", action="store_true", help="open the chat page (/) in the default browser once it is up")
-    p.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
-                   help="log prompts and replies (and NeMo's steps); without it, one line per request")
     p.set_defaults(func=cmd_serve)
     p = sub.add_parser("quantize", help="AWQ int4 (gemm format) checkpoint of a float HF folder or GGUF file")
     p.add_argument("src", help="HF model folder, .gguf file, or 'embedded' for the embedded SmolLM2")
@@ -484,8 +589,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="deepseek-r1-distill-qwen-1.5b, deepseek-r1-distill-qwen-7b, embedded, an HF folder or a .gguf "
                    "file (never downloaded); default: the model of --config")
     p.add_argument("--config", default=default_config_dir(), help="the config whose model and weights are planned")
-    p.add_argument("--gpu-mem", "--vram-budget", dest="gpu_mem", default="4GiB",
-                   help="the process's GPU memory (vram_budget), CUDA context included (default 4GiB)")
+    p.add_argument("--gpu-mem", "--vram-budget", dest="gpu_mem", default=None,
+                   help="plan a GPU of this much memory for the process (vram_budget), CUDA context included, e.g. "
+                   "4GiB (default: this machine: its GPU's free memory as vram_budget: auto does, or without a "
+                   "CUDA GPU its CPU and RAM)")
     p.add_argument("--context", type=int, default=None,
                    help="prompt + generation tokens (default: the model's own context length)")
     p.add_argument("--lm-head", choices=("auto", "float", "int8", "int4"), default=None,
@@ -560,8 +667,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default=None, metavar="OUT", help="write the report and every row's verdict "
                    "(p_unsafe, blocked) to this JSON file")
     p.set_defaults(func=cmd_eval_guard)
+    for p in set(sub.choices.values()):   # -v after the command as well as before it (they add up)
+        p.add_argument("-v", "--verbose", action="count", default=0, dest="verbose_after", help=VERBOSE_HELP)
     utf8_output()
     args = parser.parse_args(argv)
+    args.verbose += args.verbose_after
     _setup_logging(args.verbose)
     from .errors import FlashguardError
 

@@ -126,8 +126,8 @@ class Engine:
             # host RAM when int4 layers stream (Placement.place)
             where, kernel = load_target(config, self.source, self.device, self.budget, weights)
             self.model, self.tokenizer = loader.load(self.source, where, self.dtype, weights, kernel)
-        log.info("flashguard: loaded %s on %s (%s) in %.1fs", self.source.label, self.device,
-                 str(self.dtype).replace("torch.", ""), time.perf_counter() - t0)
+        log.info("flashguard: loaded %s on %s, %s weights (%s activations) in %.1f s", self.source.label, self.device,
+                 weights, str(self.dtype).replace("torch.", ""), time.perf_counter() - t0)
         if getattr(self.tokenizer, "chat_template", None) is None:   # a base model: one plain template for all
             log.warning("flashguard: %s has no chat template (a base model?): conversations are written as "
                         "'role: text' lines ending in 'assistant:'", self.source.label)

@@ -20,7 +20,8 @@ class TaskStats:
     server_seconds: float = 0.0   # backend openai: the server's own time for the calls (its timings), part of seconds
 
     def as_dict(self) -> dict:
-        return dict(self.__dict__)
+        """The counters, seconds to the millisecond (``/stats``, the server's memory report)."""
+        return {k: round(v, 3) if isinstance(v, float) else v for k, v in self.__dict__.items()}
 
 
 class EngineStats:

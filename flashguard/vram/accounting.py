@@ -6,8 +6,9 @@ tensors: a DynamicCache's K/V, or a TieredCache's window, sinks, summaries and h
 (NVML's figure for this process minus torch's reserved, where NVML is available; else absent).
 Host: L2 pages in RAM, L3 pages on disk (bytes of the sealed files), the process's resident set.
 
-Contract: ``engine_memory(engine)`` returns a JSON-ready dict; ``machine_memory()`` the same for the machine
-(GPUs and their processes via NVML, host RAM, L3 folders of flashguard processes); ``render(...)`` a rich table.
+Contract: ``engine_memory(engine)`` returns a JSON-ready dict; ``machine_memory(pids)`` the same for the machine
+(GPUs and their processes via NVML, host RAM, the L3 folders of the processes ``pids``: by default this one's, never
+another flashguard process's); ``render(...)`` plain text: sizes in GiB, counts of tokens and pages in words.
 """
 
 from __future__ import annotations
@@ -115,8 +116,19 @@ def engine_memory(engine) -> dict:
     return out
 
 
-def machine_memory() -> dict:
-    """GPUs (NVML, else torch), host RAM, and L3 folders of flashguard processes in the temp dir."""
+def l3_folder_owner(path: str) -> int | None:
+    """The pid an L3 folder was made for (its ``owner.pid``, kv/disk.py), or None where it says none."""
+    try:
+        with open(os.path.join(path, "owner.pid")) as fh:
+            return int(fh.read().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def machine_memory(pids=None) -> dict:
+    """GPUs (NVML, else torch), host RAM, and the L3 folders in the temp dir that the processes ``pids`` (default:
+    this one) made: not other flashguard processes' (another user's server, a crashed run's leftovers)."""
+    pids = {os.getpid()} if pids is None else set(pids)
     import tempfile
 
     import psutil
@@ -142,7 +154,7 @@ def machine_memory() -> dict:
     l3 = {}
     tmp = tempfile.gettempdir()
     for name in os.listdir(tmp):
-        if name.startswith("flashguard-l3-"):
+        if name.startswith("flashguard-l3-") and l3_folder_owner(os.path.join(tmp, name)) in pids:
             l3[os.path.join(tmp, name)] = folder_bytes(os.path.join(tmp, name))
     return {"gpus": gpus, "host": {"total": vm.total, "available": vm.available}, "l3_folders": l3}
 
@@ -151,8 +163,32 @@ def _gib(v) -> str:
     return f"{v / 2**30:.3f}" if isinstance(v, (int, float)) else str(v)
 
 
+def _tier_line(tier: str, t: dict) -> str:
+    """One cache tier of ``engine.info()["tiers"]`` in words."""
+    tokens = t.get("tokens")
+    if tier == "pool":
+        return f"KV pool: {tokens} tokens in {t.get('codec')}, {_gib(t.get('bytes') or 0)} GiB"
+    if tier == "l1":
+        return (f"L1 (the window kept in the pool): {tokens} tokens, the first {t.get('sink_tokens')} always kept; "
+                f"{_gib(t.get('bytes_now') or 0)} GiB in use now")
+    if tier == "l2":
+        return (f"L2 (host RAM): up to {tokens} tokens in {t.get('codec')}; now {t.get('pages_now')} pages, "
+                f"{_gib(t.get('bytes_now') or 0)} GiB")
+    if tier == "l3":
+        where = f" in {t['dir']}" if t.get("dir") else ""
+        error = f"; error: {t['error']}" if t.get("error") else ""
+        return f"L3 (disk): up to {tokens} tokens in {t.get('codec')}; now {t.get('pages_now')} pages{where}{error}"
+    extra = ", ".join(f"{k} {v}" for k, v in t.items() if k != "tokens" and v is not None)
+    return f"{tier}: {tokens} tokens ({extra})"
+
+
+HOST_ROWS = {"L2 bytes": "L2 pages in host RAM", "L3 disk bytes": "L3 pages on disk",
+             "process RSS": "the process's resident memory (RAM)"}
+
+
 def render(report: dict) -> str:
-    """Plain-text tables (also what ``rich`` prints) for a server/engine report or a machine report."""
+    """Plain text (also what ``rich`` prints) for a server/engine report or a machine report: the table holds
+    sizes only, in GiB; tokens and page counts are said in words on the tiers' lines."""
     lines = []
     if "gpus" in report:
         if not report["gpus"]:
@@ -168,8 +204,9 @@ def render(report: dict) -> str:
         info = eng.get("info") or {}
         if info:
             budget = info.get("vram_budget")
-            lines.append(f"  weights {info['weights']} ({info.get('int4_kernel') or 'float'}), cache {info['cache']}, "
-                         f"context {info['context']}, vram_budget {_gib(budget) + ' GiB' if budget else 'none'}")
+            kernel = f" ({info['int4_kernel']} kernel)" if info.get("int4_kernel") else ""
+            lines.append(f"  weights {info['weights']}{kernel}, cache {info['cache']}, context {info['context']} tokens, "
+                         f"GPU budget (vram_budget) {_gib(budget) + ' GiB' if budget else 'none'}")
             head = (info.get("placement") or {}).get("lm_head") or {}
             read = info.get("decode_bytes") or {}
             if read:
@@ -178,16 +215,16 @@ def render(report: dict) -> str:
                              f"({head.get('weights', '?')}), K/V {read['kv attended'] / 1e9:.3f})")
         for tier, t in (info.get("tiers") or {}).items():
             if isinstance(t, dict):
-                extra = ", ".join(f"{k} {v}" for k, v in t.items() if k != "tokens" and v is not None)
-                lines.append(f"  {tier}: {t.get('tokens')} tokens ({extra})")
-        lines.append("| category | GiB |")
+                lines.append("  " + _tier_line(tier, t))
+        lines.append("| memory | GiB |")
         lines.append("|---|---|")
         for k, v in (eng["gpu"] or {}).items():
             if v is not None:
                 lines.append(f"| GPU {k} | {_gib(v)} |")
         for k in ("cpu_weights", "cpu_kv cache"):
             if k in eng:
-                lines.append(f"| {k.replace('cpu_', 'CPU ')} | {_gib(eng[k])} |")
+                lines.append(f"| {k.replace('cpu_', 'CPU ').replace('kv', 'KV')} | {_gib(eng[k])} |")
         for k, v in eng["host"].items():
-            lines.append(f"| host {k} | {v if 'pages' in k else _gib(v)} |")
+            if "pages" not in k:   # (counts: on the tiers' lines above)
+                lines.append(f"| {HOST_ROWS.get(k, 'host ' + k)} | {_gib(v)} |")
     return "\n".join(lines) + "\n"

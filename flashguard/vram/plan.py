@@ -395,6 +395,38 @@ def suggest(shape: Shape, *, gpu_mem: int, context: int, weights: str, cache: st
                                             "prefill chunk and a 1024-token window; use a smaller model"}
 
 
+def plan_cpu(shape: Shape, *, context: int, weights: str, prefill_chunk: int = 512, group: int = AWQ_GROUP_SIZE,
+             l2_codec: str = "int8") -> dict:
+    """Host RAM by category for the engine on the CPU (``flashguard plan`` on a machine without a CUDA GPU): there
+    everything is in RAM and computed in float32, and the cache keeps the whole context resident (``Budget.fit``:
+    no budget), its pages copied to L2 when a conversation ends. ``weights``: "int4" (the decoder's linears as int4
+    codes; the embedding table in float32) or "float" (float32). Bytes, estimated the way ``plan`` estimates a
+    GPU's."""
+    s = shape
+    kvd = s.kv_heads * s.head_dim
+    linear = weight_bytes(s, "float", group)["decoder linears"] // 2   # parameters
+    table = s.vocab * s.hidden * 4
+    if weights == "int4":
+        head = 0 if s.tied and s.lm_head == "float" else (head_bytes(s, group) if s.lm_head != "float"
+                                                           else s.vocab * s.hidden * 4)
+        size = int4_bytes(linear, group) + table + head
+        what = "int4 decoder linears, float32 embedding table" + (
+            "" if s.tied and s.lm_head == "float" else f", {s.lm_head} lm_head")
+    else:
+        size, what = linear * 4 + table * (1 if s.tied else 2), "float32"
+    small = s.layers * (2 * s.hidden + ((s.heads * s.head_dim + 2 * kvd) if s.qkv_bias else 0)) + s.hidden
+    chunk = min(prefill_chunk, context)
+    out = {f"weights ({what})": size + small * 4}
+    out["KV cache (the whole context, float32)"] = context * s.layers * 2 * kvd * 4
+    out[f"L2 pages (a finished conversation's, {l2_codec})"] = context * s.layers * 2 * kvd * (
+        1 if l2_codec == "int8" else 2)
+    # a prefill chunk's activations in float32 and its attention scores against the context, the logits
+    out["activations (a prefill chunk)"] = (chunk * (3 * s.intermediate + 6 * s.hidden + (s.heads + 2 * s.kv_heads)
+                                                      * s.head_dim) * 4 + s.heads * chunk * context * 4
+                                             + s.vocab * 4 * 2)
+    return out
+
+
 NAMED_SHAPES = ("deepseek-r1-distill-qwen-1.5b", "deepseek-r1-distill-qwen-7b", "embedded")
 
 
