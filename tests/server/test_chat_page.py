@@ -6,7 +6,8 @@ The page paints soon after the server answers (first paint recorded), every requ
 (the browser's own network log), an everyday message gets a streamed reply, a message the input rail blocks shows
 which rail blocked it and why, a reply cut at max_tokens says so, Escape stops a reply, and "New conversation"
 empties it. The page's HTTP side (``/``, ``/health``, ``/docs`` off, ``/v1/flashguard/stats``) is checked without
-a browser first. Skipped, with the reason, where chromium or chromedriver is missing (``.ci/run`` installs both).
+a browser first. The browser test skips, with the reason, where chromium or chromedriver is missing (``.ci/run``
+installs both).
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ import time
 import httpx
 import pytest
 
-pytestmark = pytest.mark.slow
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 CHROMEDRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
 # a message configs/flash's input rail blocks (tests/rails/test_input_rail.py: p_unsafe ~0.95 >= 0.62, probe)
@@ -30,6 +30,57 @@ FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-
          "--disable-default-apps", "--disable-extensions", "--window-size=1366,768")
 
 
+# a GPU engine's report as ``engine_memory`` gives it (this machine has no GPU): what the panel draws for it
+GPU_REPORT = {"model": "m", "device": "cuda:0", "pid": 1, "cpu_weights": None,
+              "gpu": {"weights": 3 * 2**30, "kv cache": 2**30, "activations/workspace": 2**28,
+                      "allocator slack": 2**27, "cuda context/other": 2**29, "reserved": 5 * 2**30,
+                      "peak reserved": 6 * 2**30, "peak allocated": 5 * 2**30, "budget": 8 * 2**30},
+              "host": {"L2 pages": 4, "L2 bytes": 4 * 2**20, "L3 pages": 0, "L3 disk bytes": 0,
+                       "process RSS": 2**31}}
+
+
+def test_the_panel_of_a_gpu_engine_has_the_gpu_categories_and_the_host_rest():
+    from flashguard.guardrails.chat import GPU_CATEGORIES, summary
+
+    s = summary(GPU_REPORT, {"L1": 300, "L2": 256, "L3": 0}, ram_total=16 * 2**30, gpu_total=80 * 2**30)
+    assert list(s["gpu"]["categories"]) == list(GPU_CATEGORIES) and s["gpu"]["budget"] == 8 * 2**30
+    assert s["host"]["categories"] == {"L2 pages": 4 * 2**20, "other (Python, torch, NeMo)": 2**31 - 4 * 2**20}
+    assert s["tokens"]["L1"] == 300 and s["gpu"]["total"] == 80 * 2**30
+
+
+def test_serve_open_opens_the_page_once_health_answers(monkeypatch):
+    """``flashguard serve --open``: the default browser (``webbrowser``) gets the page's address on 127.0.0.1 once
+    ``/health`` answers (here a stand-in server, up after a moment)."""
+    import http.server
+    import threading
+    import webbrowser
+
+    from flashguard.guardrails.chat import open_when_up
+    from tests.conftest import free_port
+
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200 if self.path == "/health" else 404)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    opened, port = [], free_port()
+    monkeypatch.setattr(webbrowser, "open", lambda url: opened.append(url) or True)
+    thread = open_when_up("0.0.0.0", port, timeout=20)
+    time.sleep(0.5)
+    assert not opened   # nothing answers yet
+    httpd = http.server.HTTPServer(("127.0.0.1", port), Health)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        thread.join(20)
+    finally:
+        httpd.shutdown()
+    assert opened == [f"http://127.0.0.1:{port}/"]
+
+
+@pytest.mark.slow
 def test_the_page_and_its_files_come_from_the_server_with_a_same_origin_policy(server):
     page = httpx.get(server.url + "/", timeout=10)
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
@@ -46,6 +97,7 @@ def test_the_page_and_its_files_come_from_the_server_with_a_same_origin_policy(s
     assert httpx.get(server.url + "/openapi.json", timeout=10).status_code == 200
 
 
+@pytest.mark.slow
 def test_the_stats_endpoint_has_memory_tiers_and_the_last_turn(server):
     httpx.post(server.url + "/v1/chat/completions", timeout=300, json={
         "messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 3})
@@ -130,9 +182,12 @@ def _network(driver) -> tuple[list[str], dict[str, str]]:
     return urls, mimes
 
 
+@pytest.mark.slow
 def test_a_conversation_in_chromium(server, browser, record_property):
     from selenium.webdriver.common.by import By
     from selenium.webdriver.common.keys import Keys
+
+    from flashguard.guardrails.chat import summary
 
     browser.get(server.url + "/")
     paint = _wait(lambda: browser.execute_script(
@@ -186,12 +241,18 @@ def test_a_conversation_in_chromium(server, browser, record_property):
     assert browser.find_element(By.ID, "empty").is_displayed()
     assert browser.switch_to.active_element == browser.find_element(By.ID, "input")
 
-    # nothing left 127.0.0.1: the browser's network log and the page's resource entries (chrome://, data: and
-    # about: URLs are the browser's own, read from memory)
+    # a GPU engine's figures (this machine has none) are drawn as bars by category too
+    gpu = browser.execute_script("drawMemory(arguments[0]); return document.getElementById('memory').innerText",
+                                 summary(GPU_REPORT, {"L1": 0, "L2": 0, "L3": 0}, 16 * 2**30, 80 * 2**30))
+    assert "GPU cuda:0" in gpu and "of 8.00 GiB (vram_budget)" in gpu and "kv cache" in gpu, gpu
+    assert "CPU: no GPU memory" not in gpu
+
+    # nothing left 127.0.0.1: the browser's network log and the page's resource entries (URLs of other schemes,
+    # chrome://, data:, about:, are the browser's own, read from memory)
     urls, mimes = _network(browser)
     urls += browser.execute_script("return performance.getEntries().map(e => e.name).filter(n => n.includes(':'))")
     origin = server.url + "/"
-    network = [u for u in urls if u.split(":", 1)[0] not in ("chrome", "data", "about", "blob")]
+    network = [u for u in urls if u.split(":", 1)[0].lower() in ("http", "https", "ws", "wss", "ftp")]
     assert any(u == origin for u in network) and all(u.startswith(origin) for u in network), \
         [u for u in network if not u.startswith(origin)]
     assert mimes[server.url + "/v1/chat/completions"] == "text/event-stream"   # the replies came as a stream

@@ -2,19 +2,19 @@
 
 Contract: ``routes(last_turn)`` returns the Starlette routes ``build_app`` puts before NeMo's app:
 
-- ``GET /``: ``index.html`` (``chat.css``, ``chat.js``, ``GET /chat.css`` and ``/chat.js``), served with a
-  Content-Security-Policy that lets the page reach its own origin only. The page streams from
-  ``/v1/chat/completions`` and reads the ``flashguard`` field of the last chunk (server.py) for a blocked reply's
-  verdict.
+- ``GET /``, ``/chat.css``, ``/chat.js``: the page's three files, served with a Content-Security-Policy that lets
+  the page reach its own origin only. The page streams from ``/v1/chat/completions`` and reads the ``flashguard``
+  field of the last chunk (server.py) for a blocked reply's verdict.
 - ``GET /health``: ``{"status": "ok"}`` (``GET /`` was the health answer before the page).
 - ``GET /v1/flashguard/stats``: ``panel(last_turn())``, what the page's live panel draws.
 - ``GET /docs``, ``/docs/oauth2-redirect``, ``/redoc``: 404. FastAPI's pages load their CSS and JS from a CDN
   (blank offline); the schema stays at ``/openapi.json``.
 
 ``panel`` returns, per local engine: memory by category in bytes (``gpu``: the GPU categories of ``flashguard
-smi``, or None on a CPU; ``host``: the engine process's RAM split into weights, KV cache, L2 pages, other), and the tokens held in L1 (the live session), L2 (pages in RAM) and L3 (pages on disk); and the last chat
-request's rails (each verdict with the tokens it prefilled and reused). ``open_when_up(host, port)`` opens the
-page in the default browser (``webbrowser``) once ``/health`` answers.
+smi``, or None on a CPU; ``host``: the engine process's RAM as weights, KV cache, L2 pages and the rest) and the
+tokens held in L1 (the live session), L2 (pages in RAM) and L3 (pages on disk); and the last chat request's rails
+(each verdict with the tokens it prefilled and reused). ``open_when_up(host, port)`` opens the page in the default
+browser (``webbrowser``) once ``/health`` answers.
 """
 
 from __future__ import annotations
@@ -81,23 +81,29 @@ def engine_panel(engine) -> dict:
     from ...vram.accounting import engine_memory
 
     mem = engine_memory(engine)
-    gpu = None
+    gpu_total = None
     if mem["gpu"]:
         import torch
 
+        gpu_total = torch.cuda.get_device_properties(engine.device.index or 0).total_memory
+    return summary(mem, tier_tokens(engine), psutil.virtual_memory().total, gpu_total)
+
+
+def summary(mem: dict, tokens: dict, ram_total: int, gpu_total: int | None = None) -> dict:
+    """One engine's panel from its ``engine_memory`` report (what ``flashguard smi`` prints) and its tier tokens."""
+    gpu = None
+    if mem["gpu"]:
         g = mem["gpu"]
-        total = torch.cuda.get_device_properties(engine.device.index or 0).total_memory
         gpu = {"categories": {k: g[k] for k in GPU_CATEGORIES if g.get(k) is not None},
-               "budget": g.get("budget"), "total": total}
+               "budget": g.get("budget"), "total": gpu_total}
     host = mem["host"]
-    parts = {"weights": mem.get("cpu_weights", 0), "KV cache (L1)": mem.get("cpu_kv cache", 0),
-             "L2 pages": host.get("L2 bytes", 0)}
+    parts = {} if gpu else {"weights": mem.get("cpu_weights", 0), "KV cache (L1)": mem.get("cpu_kv cache", 0)}
+    parts["L2 pages"] = host.get("L2 bytes", 0)
     rss = host["process RSS"]
     parts["other (Python, torch, NeMo)"] = max(0, rss - sum(parts.values()))
     return {"model": mem["model"], "device": mem["device"], "gpu": gpu,
-            "host": {"categories": parts, "rss": rss, "ram_total": psutil.virtual_memory().total,
-                     "l3_disk": host.get("L3 disk bytes", 0)},
-            "tokens": tier_tokens(engine)}
+            "host": {"categories": parts, "rss": rss, "ram_total": ram_total, "l3_disk": host.get("L3 disk bytes", 0)},
+            "tokens": tokens}
 
 
 def tier_tokens(engine) -> dict:

@@ -14,12 +14,16 @@ function el(tag, cls, text) {
   return node;
 }
 
+function scrollDown() {
+  $("scroller").scrollTop = $("scroller").scrollHeight;
+}
+
 function addMessage(role, text) {
   const li = el("li", "msg " + role);
   li.append(el("div", "who", role === "user" ? "You" : "flashguard"), el("div", "text", text));
   $("log").append(li);
   $("empty").hidden = true;
-  li.scrollIntoView({ block: "end" });
+  scrollDown();
   return li;
 }
 
@@ -60,7 +64,7 @@ async function send() {
       if (choice && choice.delta && choice.delta.content) {
         reply += choice.delta.content;
         li.querySelector(".text").textContent = reply;
-        li.scrollIntoView({ block: "end" });
+        scrollDown();
       }
       if (choice && choice.finish_reason) finish = choice.finish_reason;
       if (chunk.flashguard) extension = chunk.flashguard;
@@ -73,6 +77,7 @@ async function send() {
   state.controller = null;
   setBusy(false);
   finishReply(li, userLi, reply, finish, extension, error);
+  scrollDown();
   refreshPanel();
   $("input").focus();
 }
@@ -131,10 +136,10 @@ function finishReply(li, userLi, reply, finish, extension, error) {
 
 function showVerdict(li, note, verdict) {
   li.querySelector(".who").textContent = "flashguard · blocked";
-  const rail = verdict && verdict.rail === "input" ? "input rail (your message)" :
-    verdict && verdict.rail === "output" ? "output rail (the model's reply)" : "a rail";
+  const rail = verdict && verdict.rail === "input" ? "the input rail (your message)" :
+    verdict && verdict.rail === "output" ? "the output rail (the model's reply)" : "a rail";
   note.classList.add("verdict");
-  note.append(el("div", "verdict-title", "Blocked by the " + rail));
+  note.append(el("div", "verdict-title", "Blocked by " + rail));
   const dl = el("dl");
   const item = (k, v) => dl.append(el("dt", "", k), el("dd", "", v));
   if (verdict && typeof verdict.p_unsafe === "number") {
@@ -199,7 +204,7 @@ function drawMemory(engine) {
   }
   const host = engine.host;
   box.append(el("p", "muted", "Host RAM of the engine: " + size(host.rss) + " of " + size(host.ram_total) +
-    (host.l3_disk ? "; L3 on disk " + size(host.l3_disk) : "")));
+    (engine.tokens.L3 ? "; L3 pages on disk: " + size(host.l3_disk) : "")));
   box.append(bar(Object.entries(host.categories).map(([k, v], i) => [k, v, "c" + (i % 5)]), host.rss, size));
 }
 
@@ -233,10 +238,10 @@ function drawRails(turn) {
     const r = v.reused_tokens || 0, p = v.prefilled_tokens || 0;
     reused += r; all += r + p;
     const div = el("div", "rail" + (v.blocked ? " blocked" : ""));
-    const head = el("div", "head");
-    head.append(el("strong", "", v.rail + " rail: " + (v.blocked ? "blocked" : "allowed")),
-      el("span", "v", "p_unsafe " + Number(v.p_unsafe).toFixed(2) + " (cut " + Number(v.threshold).toFixed(2) + ")"));
-    div.append(head, bar([["reused", r, "reused"], ["prefilled", p, "prefilled"]], r + p, (n) => n + " tok"));
+    const why = "p_unsafe " + Number(v.p_unsafe).toFixed(2) + (v.blocked ? " ≥ " : " < ") + "threshold " +
+      Number(v.threshold).toFixed(2) + " (" + v.method + ")";
+    div.append(el("strong", "", v.rail + " rail: " + (v.blocked ? "blocked" : "allowed")), el("div", "muted", why),
+      bar([["reused", r, "reused"], ["prefilled", p, "prefilled"]], r + p, (n) => n + " tok"));
     box.append(div);
   }
   box.append(el("p", "muted", "The rails reused " + reused + " of " + all + " tokens" +
