@@ -327,8 +327,9 @@ def _load_gguf_int4(source: ModelSource, device: torch.device, dtype: torch.dtyp
     from ..quant import gguf_load
 
     path = os.path.join(source.folder, source.gguf_file)
-    try:
-        arch = gguf_load.int4_arch(path)
+    st = os.stat(path)
+    try:   # (choose_weights read the file's table already; a broken file is read again for its error)
+        arch = _gguf_int4_arch(path, st.st_size, st.st_mtime) or gguf_load.int4_arch(path)
     except ValueError as exc:
         raise ModelLoadError(f"cannot load {source.label}: {exc}", key="model_path") from exc
     if arch is None:
@@ -340,10 +341,47 @@ def _load_gguf_int4(source: ModelSource, device: torch.device, dtype: torch.dtyp
     _check_causal(config, source)
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder)
-        model = gguf_load.load_int4(path, config, device, dtype, int4_kernel, label=source.label)
+        model = _gguf_int4_model(source, path, config, device, dtype, int4_kernel)
     except (ValueError, OSError, KeyError, RuntimeError) as exc:
         raise ModelLoadError(f"cannot load {source.label!r}: {exc}", key="model_path") from exc
     return model, tokenizer
+
+
+def _gguf_int4_model(source: ModelSource, path: str, config, device: torch.device, dtype: torch.dtype,
+                     int4_kernel: str):
+    """``gguf_load.load_int4``'s model, from the user cache where an entry was kept for this file, device, dtype
+    and kernel (``quant/gguf_cache.py``: memory-mapped, nothing converted), else built and kept there. A damaged
+    entry is built again and replaced, with one warning; a cache folder that cannot be written only costs the
+    conversion at the next start too (one warning)."""
+    from ..quant import gguf_cache, gguf_load
+    from ..quant.int4_linear import choose_backend
+
+    backend = choose_backend(device, int4_kernel)
+    if not gguf_cache.cacheable(device, backend):
+        return gguf_load.load_int4(path, config, device, dtype, int4_kernel, label=source.label)
+    target = _cached_folder("gguf-int4", source, gguf_cache.salt(device, dtype, backend))
+    try:
+        cached = gguf_cache.read(target, config, device, dtype)
+    except gguf_cache.Damaged as exc:
+        log.warning("flashguard: the cached int4 model of %s in %s is damaged (%s); building it again",
+                    source.label, target, exc)
+        shutil.rmtree(target, ignore_errors=True)
+        cached = None
+    if cached is not None:
+        model, summary = cached
+        log.info("%s", summary)
+        log.info("flashguard: %s read from the cache (memory-mapped): %s", source.label, target)
+        return model
+    model = gguf_load.load_int4(path, config, device, dtype, int4_kernel, label=source.label)
+    gguf_cache.prepare(model)
+    try:
+        _write_atomically(target, lambda tmp: gguf_cache.write(model, tmp, model.flashguard_load_summary))
+    except OSError as exc:
+        log.warning("flashguard: cannot keep the int4 model of %s in %s (%s); the next start converts it again",
+                    source.label, target, exc)
+    else:
+        gguf_cache.mark(model, target)
+    return model
 
 
 @contextlib.contextmanager

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import os
+import struct
 from collections import Counter
 
 import numpy as np
@@ -47,10 +48,18 @@ _STRING, _ARRAY = 8, 9
 
 class GgufTensor:
     """One tensor of the file: its GGUF name, ``shape`` (rows first, as torch), type name and raw bytes ``data``
-    (uint8 ``[rows, bytes per row]``, memory-mapped)."""
+    (uint8 ``[rows, bytes per row]``, memory-mapped at first use: a look at the table maps nothing)."""
 
-    def __init__(self, name: str, shape: tuple[int, ...], qtype, data: np.ndarray):
-        self.name, self.shape, self.qtype, self.data = name, shape, qtype, data
+    def __init__(self, name: str, shape: tuple[int, ...], qtype, data):
+        self.name, self.shape, self.qtype = name, shape, qtype
+        self._data = data   # an array, or (path, offset, shape) to map
+
+    @property
+    def data(self) -> np.ndarray:
+        if isinstance(self._data, tuple):
+            path, offset, shape = self._data
+            self._data = np.memmap(path, np.uint8, "r", offset=offset, shape=shape)
+        return self._data
 
 
 def read_tensors(path: str) -> tuple[str, list[GgufTensor]]:
@@ -62,67 +71,23 @@ def read_tensors(path: str) -> tuple[str, list[GgufTensor]]:
 def read_gguf(path: str, arrays: bool = False, tensors: bool = True) -> tuple[dict, list[GgufTensor]]:
     """``(metadata, tensors)`` of a GGUF file (versions 2 and 3): metadata numbers and strings; arrays (the token
     list, its types, the merges) are read as None, or with ``arrays`` as lists (gguf-py's ``field.contents()``:
-    strings as ``str``, numbers as Python numbers). Reads the header with ``struct`` (gguf-py's reader builds numpy
-    views of every token string, which takes seconds on a 49K vocabulary; this, a tenth of a second); tensor data
-    stays memory-mapped; ``tensors=False``: the metadata alone (``[]`` for the tensors, their data unchecked, as for
-    a file of which only the first part is present). A truncated or malformed file is a ``ValueError`` naming it."""
-    import struct
+    strings as ``str``, numbers as Python numbers). Reads the header with ``struct`` from a read-only map of the file
+    (gguf-py's reader builds numpy views of every token string, which takes seconds on a 49K vocabulary; this, with
+    the token strings skipped, about 20 ms); tensor data stays memory-mapped; ``tensors=False``: the metadata alone
+    (``[]`` for the tensors, their data unchecked, as for a file of which only the first part is present). A
+    truncated or malformed file is a ``ValueError`` naming it."""
+    import mmap
 
-    from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGMLQuantizationType
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
     size = os.path.getsize(path)
     with open(path, "rb") as fh:
-        def take(fmt: str):
-            raw = fh.read(struct.calcsize(fmt))
-            if len(raw) < struct.calcsize(fmt):
-                raise ValueError(f"{path}: the file ends inside its GGUF header; it is truncated")
-            return struct.unpack(fmt, raw)[0]
-
-        def text() -> str:
-            n = take("<Q")
-            if n > size:
-                raise ValueError(f"{path}: a GGUF string of {n} bytes in a {size}-byte file; the file is damaged")
-            return fh.read(n).decode("utf-8", "replace")
-
-        def value(kind: int):
-            if kind == _STRING:
-                return text()
-            if kind == _ARRAY:
-                inner, count = take("<I"), take("<Q")
-                if inner in _SCALAR:   # numbers: skipped in one seek, or read in one
-                    width = struct.calcsize(_SCALAR[inner])
-                    if not arrays:
-                        fh.seek(count * width, os.SEEK_CUR)
-                        return None
-                    raw = fh.read(count * width)
-                    if len(raw) < count * width:
-                        raise ValueError(f"{path}: the file ends inside its GGUF header; it is truncated")
-                    return np.frombuffer(raw, dtype=np.dtype(_SCALAR[inner])).tolist()
-                items = [value(inner) for _ in range(count)]
-                return items if arrays else None
-            if kind not in _SCALAR:
-                raise ValueError(f"{path}: unknown GGUF value type {kind}; the file is damaged")
-            return take(_SCALAR[kind])
-
-        if fh.read(4) != b"GGUF":
+        if fh.read(4) != b"GGUF":   # (also an empty file, which cannot be mapped)
             raise ValueError(f"{path} is not a GGUF file (no GGUF magic)")
-        version = take("<I")
-        if version not in (2, 3):
-            raise ValueError(f"{path}: GGUF version {version}; versions 2 and 3 are read")
-        n_tensors, n_kv = take("<Q"), take("<Q")
-        meta = {}
-        for _ in range(n_kv):
-            key = text()
-            meta[key] = value(take("<I"))
-        if not tensors:
-            return meta, []
-        infos = []
-        for _ in range(n_tensors):
-            name = text()
-            dims = [take("<Q") for _ in range(take("<I"))]
-            infos.append((name, tuple(reversed(dims)), take("<I"), take("<Q")))   # GGUF lists innermost first
-        align = int(meta.get("general.alignment") or GGUF_DEFAULT_ALIGNMENT)
-        start = -(-fh.tell() // align) * align
+        with mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:   # (mmap: POSIX and Windows alike)
+            meta, infos, start = _parse_header(buf, path, size, arrays, tensors)
+    if not tensors:
+        return meta, []
     tensors = []
     for name, shape, kind, offset in infos:
         try:
@@ -135,9 +100,92 @@ def read_gguf(path: str, arrays: bool = False, tensors: bool = True) -> tuple[di
         row_bytes = cols // block * block_bytes
         if start + offset + rows * row_bytes > size:
             raise ValueError(f"{path}: tensor {name} ends past the end of the file ({size} bytes); it is truncated")
-        data = np.memmap(path, np.uint8, "r", offset=start + offset, shape=(rows, row_bytes))
-        tensors.append(GgufTensor(name, shape, qtype, data))
+        tensors.append(GgufTensor(name, shape, qtype, (path, start + offset, (rows, row_bytes))))
     return meta, tensors
+
+
+_STRUCTS = {kind: struct.Struct(fmt) for kind, fmt in _SCALAR.items()}
+_U32, _U64 = struct.Struct("<I"), struct.Struct("<Q")
+
+
+def _parse_header(buf, path: str, size: int, arrays: bool, tensors: bool):
+    """``(metadata, [(name, shape, type number, offset)], start of the tensor data)`` of the mapped file ``buf``
+    (``read_gguf``): offsets are tracked in a local, every read checked against the file's size."""
+    from gguf import GGUF_DEFAULT_ALIGNMENT
+
+    pos = 4
+
+    def truncated() -> ValueError:
+        return ValueError(f"{path}: the file ends inside its GGUF header; it is truncated")
+
+    def take(st: struct.Struct):
+        nonlocal pos
+        if pos + st.size > size:
+            raise truncated()
+        value = st.unpack_from(buf, pos)[0]
+        pos += st.size
+        return value
+
+    def text() -> str:
+        nonlocal pos
+        n = take(_U64)
+        if n > size:
+            raise ValueError(f"{path}: a GGUF string of {n} bytes in a {size}-byte file; the file is damaged")
+        if pos + n > size:
+            raise truncated()
+        pos += n
+        return buf[pos - n:pos].decode("utf-8", "replace")
+
+    def value(kind: int):
+        nonlocal pos
+        if kind == _STRING:
+            return text()
+        if kind == _ARRAY:
+            inner, count = take(_U32), take(_U64)
+            if inner in _SCALAR:   # numbers: skipped in one step, or read in one
+                width = _STRUCTS[inner].size
+                if pos + count * width > size:
+                    raise truncated()
+                pos += count * width
+                if not arrays:
+                    return None
+                return np.frombuffer(buf[pos - count * width:pos], dtype=np.dtype(_SCALAR[inner])).tolist()
+            if inner == _STRING and not arrays:   # a token list: each string's length read, its bytes skipped
+                unpack = _U64.unpack_from
+                for _ in range(count):
+                    if pos + 8 > size:
+                        raise truncated()
+                    n = unpack(buf, pos)[0]
+                    if n > size:
+                        raise ValueError(f"{path}: a GGUF string of {n} bytes in a {size}-byte file; the file is "
+                                         "damaged")
+                    pos += 8 + n
+                if pos > size:
+                    raise truncated()
+                return None
+            items = [value(inner) for _ in range(count)]
+            return items if arrays else None
+        if kind not in _SCALAR:
+            raise ValueError(f"{path}: unknown GGUF value type {kind}; the file is damaged")
+        return take(_STRUCTS[kind])
+
+    version = take(_U32)
+    if version not in (2, 3):
+        raise ValueError(f"{path}: GGUF version {version}; versions 2 and 3 are read")
+    n_tensors, n_kv = take(_U64), take(_U64)
+    meta = {}
+    for _ in range(n_kv):
+        key = text()
+        meta[key] = value(take(_U32))
+    if not tensors:
+        return meta, [], 0
+    infos = []
+    for _ in range(n_tensors):
+        name = text()
+        dims = [take(_U64) for _ in range(take(_U32))]
+        infos.append((name, tuple(reversed(dims)), take(_U32), take(_U64)))   # GGUF lists innermost first
+    align = int(meta.get("general.alignment") or GGUF_DEFAULT_ALIGNMENT)
+    return meta, infos, -(-pos // align) * align
 
 
 def int4_arch(path: str) -> str | None:
@@ -242,8 +290,11 @@ def load_int4(path: str, config, device: torch.device, dtype: torch.dtype, backe
     layer = next(m for m in model.modules() if isinstance(m, Int4Linear))
     stayed = ", ".join(f"{n} {role} ({q})" for (q, role), n in sorted(kept.items())) or "none"
     pairs = int4_types.pop("Q8_0", 0)
-    log.info("flashguard: %s: %d matrices int4 straight from %s%s (group %d, %s kernel); kept in %s (no int4 form "
-             "without re-quantizing): %s", label or path, sum(int4_types.values()), "/".join(sorted(int4_types)),
-             f", {pairs} Q8_0 matrices as exact int4 pairs" if pairs else "", gguf_int4.GROUP_SIZE, layer.backend,
-             str(dtype).replace("torch.", ""), stayed)
+    summary = "flashguard: %s: %d matrices int4 straight from %s%s (group %d, %s kernel); kept in %s (no int4 " \
+              "form without re-quantizing): %s" % (
+                  label or path, sum(int4_types.values()), "/".join(sorted(int4_types)),
+                  f", {pairs} Q8_0 matrices as exact int4 pairs" if pairs else "", gguf_int4.GROUP_SIZE,
+                  layer.backend, str(dtype).replace("torch.", ""), stayed)
+    log.info("%s", summary)
+    model.flashguard_load_summary = summary   # (gguf_cache keeps it: a start from the cache logs the same line)
     return model

@@ -154,14 +154,14 @@ def concat_rows(layers: list[Int4Linear]) -> Int4Linear | None:
             for m in layers):
         return None
     fused = Int4Linear(first.in_features, sum(m.out_features for m in layers), first.group_size, first.backend)
-    fused.register_buffer("packed", torch.cat([m.packed for m in layers]))
+    fused.register_buffer("packed", _joined_rows([m.packed for m in layers]))
     if first.backend == "cpu":
-        fused.register_buffer("scale_zeros", torch.cat([m.scale_zeros for m in layers], dim=1))
+        fused.register_buffer("scale_zeros", _joined_columns([m.scale_zeros for m in layers]))
     else:
-        fused.register_buffer("scales", torch.cat([m.scales for m in layers]))
-        fused.register_buffer("zeros", torch.cat([m.zeros for m in layers]))
+        fused.register_buffer("scales", _joined_rows([m.scales for m in layers]))
+        fused.register_buffer("zeros", _joined_rows([m.zeros for m in layers]))
     if first.bias is not None:
-        fused.bias = torch.cat([m.bias for m in layers])
+        fused.bias = _joined_rows([m.bias for m in layers])
     start = 0
     for m in layers:   # rows: contiguous views of the fused layer's tensors, nothing held twice
         rows = slice(start, start + m.out_features)
@@ -172,6 +172,38 @@ def concat_rows(layers: list[Int4Linear]) -> Int4Linear | None:
             m.bias = fused.bias[rows]
         start += m.out_features
     return fused
+
+
+def _joined_rows(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """``torch.cat(tensors)``: a view where they already are consecutive row blocks of one storage (layers joined
+    before, e.g. a model read from ``gguf_cache``, which keeps the joined layout), else a copy."""
+    first = tensors[0]
+    storage, offset = first.untyped_storage().data_ptr(), first.storage_offset()
+    for t in tensors:
+        if not t.is_contiguous() or t.dtype != first.dtype or t.device != first.device or \
+                t.shape[1:] != first.shape[1:] or t.untyped_storage().data_ptr() != storage or \
+                t.storage_offset() != offset:
+            return torch.cat(tensors)
+        offset += t.numel()
+    shape = (sum(t.shape[0] for t in tensors), *first.shape[1:])
+    return first.as_strided(shape, torch.empty(shape, device="meta").stride(), first.storage_offset())
+
+
+def _joined_columns(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """``torch.cat(tensors, dim=1)`` of ``[K/G, N_i, 2]`` tensors, one group row at a time: each copy stays below
+    torch's parallel grain, so none waits for the thread pool (on a shared 2-core machine one large copy's wait
+    is tens of ms: a whole second over a 30-layer model's joins at start)."""
+    first = tensors[0]
+    out = torch.empty((first.shape[0], sum(t.shape[1] for t in tensors), *first.shape[2:]), dtype=first.dtype,
+                      device=first.device)
+    if first.device.type != "cpu":
+        return torch.cat(tensors, dim=1, out=out)
+    start = 0
+    for t in tensors:
+        for g in range(t.shape[0]):
+            out[g, start:start + t.shape[1]].copy_(t[g])
+        start += t.shape[1]
+    return out
 
 
 def backend_of(model: nn.Module) -> str | None:

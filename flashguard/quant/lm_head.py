@@ -26,7 +26,9 @@ Contract:
   ``budget_wins`` (the 16-bit head would push decoder layers off the GPU, the caller's planner says) it holds the
   fewest bytes on the device (``int4`` where its rows can stay in host RAM, else ``int8``), otherwise it times one
   token through each head it can hold on ``device`` (a few ms at start) and keeps the fastest (16-bit unless
-  another is 3% faster; int4 over Q8_0 only when 10% faster, so that a near tie does not flip between runs).
+  another is 3% faster; int4 over Q8_0 only when 10% faster, so that a near tie does not flip between runs). The
+  choice is kept beside a model read from the int4 cache (``gguf_cache.remember``: a GGUF's int4 model on the CPU)
+  and taken from there at later starts (no timing, no losing head built; the reason says so).
 - ``quantize(model, device, int4_kernel)`` replaces a float ``lm_head`` by its Q8_0 codes on ``device``
   (``rescored_head(weight, bias, device)`` builds a ``RescoredHead``). A head tied to the input embeddings is untied (the table stays as it was, for the embedding lookup). The
   16-bit head is freed from the device. Q8_0 logits equal those of gguf-py's Q8_0 round trip of the head, up to the
@@ -41,7 +43,7 @@ import torch
 
 from ..errors import ConfigError
 from ..kv import uva
-from . import awq_format, gguf_int4
+from . import awq_format, gguf_cache, gguf_int4
 from .int4_linear import Int4Linear
 
 TOP = 1024         # candidates recomputed exactly: KL 0.0026 nats on SmolLM2 (256: 0.0070, 64: 0.0145)
@@ -49,6 +51,7 @@ GROUP = 32         # the int4 codes' group (llama.cpp's Q4 block)
 KEPT = 64          # token ids ``keep_exact`` may name (the rails' answer spellings)
 INT4_MARGIN = 0.9  # auto takes int4 over Q8_0 only when 10% faster: a near tie (a CPU) would flip between runs
 _CHUNK = 64        # positions rescored at once (a prompt's logits: TOP rows each)
+KEPT_NOTE = "; timed at an earlier start, kept with the cached model"   # auto's choice read back (gguf_cache)
 
 
 class RescoredHead(torch.nn.Module):
@@ -156,6 +159,11 @@ def apply(lm_head: str, model, weights_kind: str, device: torch.device, int4_ker
     makers = {"int8": ("Q8_0", _q8_0_layer)}
     if four:
         makers["int4"] = ("int4 + top rows", _rescored_layer)
+    kept = gguf_cache.remembered(model, f"lm_head auto {device.type}")   # timed at an earlier start here
+    if kept and kept.get("kind") in ("float", *makers):
+        if kept["kind"] != "float":
+            _install(model, makers[kept["kind"]][1](head, device, int4_kernel), device)
+        return kept["kind"], kept["why"] + KEPT_NOTE
     best, best_t, t16, timed = None, None, None, []
     for name, (label, make) in makers.items():
         layer = make(head, device, int4_kernel)
@@ -170,11 +178,15 @@ def apply(lm_head: str, model, weights_kind: str, device: torch.device, int4_ker
     timed = f"one token's head {', '.join(timed)}, {t16 * 1e3:.3f} ms in 16 bits here"
     if best_t < 0.97 * t16:
         _install(model, best[1], device)
-        return best[0], f"auto: {makers[best[0]][0]} codes ({timed})"
+        why = f"auto: {makers[best[0]][0]} codes ({timed})"
+        gguf_cache.remember(model, f"lm_head auto {device.type}", {"kind": best[0], "why": why})
+        return best[0], why
     del best
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return "float", f"auto: 16-bit ({timed}); lm_head: int8 or int4 reads 0.6x or 0.3x the bytes"
+    why = f"auto: 16-bit ({timed}); lm_head: int8 or int4 reads 0.6x or 0.3x the bytes"
+    gguf_cache.remember(model, f"lm_head auto {device.type}", {"kind": "float", "why": why})
+    return "float", why
 
 
 def _file_codes(key: str, model, held: str, device: torch.device, int4_kernel: str) -> tuple[str, str]:
@@ -195,6 +207,12 @@ def _file_codes(key: str, model, held: str, device: torch.device, int4_kernel: s
         if key == "int4":
             raise ConfigError(f"int4: {why_not}; use int8 or auto", key="lm_head")
         return held, why
+    kept = gguf_cache.remembered(model, f"lm_head auto {device.type} over the Q8_0 table") \
+        if key == "auto" else None   # timed at an earlier start on this machine (the model's cache entry)
+    if kept and kept.get("kind") in ("int4", held):
+        if kept["kind"] == "int4":
+            _install(model, rescored_head(table, None, device, int4_kernel), device)
+        return kept["kind"], kept["why"] + KEPT_NOTE
     layer = rescored_head(table, None, device, int4_kernel)
     if key == "int4":
         _install(model, layer, device)
@@ -203,9 +221,12 @@ def _file_codes(key: str, model, held: str, device: torch.device, int4_kernel: s
     timed = f"one token's head {t4 * 1e3:.3f} ms as int4 + top rows, {t8 * 1e3:.3f} ms as the file's Q8_0 here"
     if t4 < INT4_MARGIN * t8:
         _install(model, layer, device)
-        return "int4", f"auto: int4 + top rows over the file's Q8_0 table ({timed})"
-    del layer
-    return held, f"{why} ({timed})"
+        kind, why = "int4", f"auto: int4 + top rows over the file's Q8_0 table ({timed})"
+    else:
+        del layer
+        kind, why = held, f"{why} ({timed})"
+    gguf_cache.remember(model, f"lm_head auto {device.type} over the Q8_0 table", {"kind": kind, "why": why})
+    return kind, why
 
 
 def _time_one_token(head, layer, device: torch.device, dtype: torch.dtype | None = None,

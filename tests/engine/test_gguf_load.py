@@ -169,7 +169,7 @@ def test_the_loader_builds_int4_without_a_float_conversion(tmp_path, monkeypatch
     source = loader.resolve_model(str(tmp_path / "a" / "tiny.gguf"))
     model, tokenizer = loader.load(source, CPU, torch.float32, "int4", "cpu")
     assert sum(isinstance(m, Int4Linear) for m in model.modules()) == 13   # 10 Q4 + 2 Q8_0 ffn_down + lm_head
-    assert sorted(p.name for p in cache.iterdir()) == ["gguf-meta"]
+    assert sorted(p.name for p in cache.iterdir()) == ["gguf-int4", "gguf-meta"]   # (int4: the model as built)
     assert tokenizer.convert_tokens_to_ids("<|im_end|>") == EOS and tokenizer.eos_token == "<|im_end|>"
     ids = torch.tensor([tokenizer("hello")["input_ids"]])
     theirs = reference(tmp_path / "a", "tiny.gguf")
@@ -227,7 +227,7 @@ def test_the_embedded_model_starts_in_int4_from_its_q4_1_weights(tmp_path, monke
     with caplog.at_level(logging.INFO, logger="flashguard"):
         engine = Engine(EngineConfig(device="cpu", weights="int4"))
     assert sum(isinstance(m, Int4Linear) for m in engine.model.modules()) == 211   # + lm_head from Q8_0 embeddings
-    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == ["gguf-meta"]   # no AWQ, no conversion
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == ["gguf-int4", "gguf-meta"]   # no AWQ, no float
     assert any("210 matrices int4 straight from Q4_1, 1 Q8_0 matrices as exact int4 pairs" in r.getMessage() and
                "1 token_embd (Q8_0)" in r.getMessage() for r in caplog.records)
     ids = engine.encode_messages([{"role": "user", "content": "What is the capital of France?"}])

@@ -1,0 +1,168 @@
+"""Start-up to a first answer, as a user meets it: three commands timed as fresh processes.
+
+    python -m benchmarks.startup --repeats 5
+    python -m benchmarks.startup --repeats 5 --root /tmp/before --root .     # two checkouts, interleaved
+
+- ``generate``: ``flashguard generate "hi"`` from launch to its answer on stdout (and to its exit);
+- ``chat``: ``flashguard chat`` from launch to its ``you> `` prompt (then ``/quit``);
+- ``LLMRails``: ``python -c "from nemoguardrails import LLMRails, RailsConfig;
+  LLMRails(RailsConfig.from_path('configs/flash'))"`` from launch to its exit.
+
+Each command runs once *cold* (an empty ``FLASHGUARD_CACHE_DIR``: the GGUF's tokenizer and int4 model are made
+and kept) and ``--repeats`` times *warm* (the same folder, now filled), with a warm OS page cache (one untimed run
+first). A ``--root`` is a checkout: its folder is the working folder and goes first on ``PYTHONPATH``, so that
+an older commit's ``flashguard`` (a ``git worktree``) runs with the same virtual environment; several roots are
+interleaved run by run, so a load that comes and goes falls on each alike. Printed: the median wall seconds, the
+median CPU seconds of the process (user + system: what the run would take on an idle core, roughly, for work that
+is single-threaded; POSIX only), the machine's load average before and after, and the environment that matters
+(CPU count, ``PYTHONDONTWRITEBYTECODE``: without bytecode files every flashguard module is compiled each start).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+PROMPT = "you> "
+LLMRAILS = "from nemoguardrails import LLMRails, RailsConfig; LLMRails(RailsConfig.from_path('configs/flash'))"
+
+
+def flashguard_command() -> list[str]:
+    """The ``flashguard`` console script beside this Python (as a user runs it), else ``python -m flashguard.cli``."""
+    folder = Path(sys.executable).parent
+    for name in ("flashguard", "flashguard.exe"):
+        if (folder / name).is_file():
+            return [str(folder / name)]
+    return [sys.executable, "-m", "flashguard.cli"]
+
+
+COMMANDS = {
+    "generate": lambda: [*flashguard_command(), "generate", "hi"],
+    "chat": lambda: [*flashguard_command(), "chat"],
+    "LLMRails": lambda: [sys.executable, "-c", LLMRAILS],
+}
+LABELS = {"generate": 'flashguard generate "hi"', "chat": "flashguard chat (to its prompt)",
+          "LLMRails": "LLMRails(RailsConfig.from_path('configs/flash'))"}
+
+
+def load_average() -> str:
+    try:
+        return " ".join(f"{x:.2f}" for x in os.getloadavg())
+    except (AttributeError, OSError):   # Windows
+        return "n/a"
+
+
+def _children_cpu() -> float:
+    try:
+        import resource
+    except ImportError:   # Windows
+        return float("nan")
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def run_once(kind: str, root: Path, cache: Path, timeout: float) -> dict:
+    """One process: ``{"wall": s to the answer / prompt / exit, "exit": s to exit, "cpu": s, "output": tail}``."""
+    env = dict(os.environ, FLASHGUARD_CACHE_DIR=str(cache), PYTHONUNBUFFERED="1")   # (the answer when printed)
+    env["PYTHONPATH"] = os.pathsep.join([str(root), *filter(None, [os.environ.get("PYTHONPATH")])])
+    cpu0 = _children_cpu()
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(COMMANDS[kind](), cwd=root, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    out = b""
+    seen = None
+    try:
+        if kind == "LLMRails":
+            out, err = proc.communicate(timeout=timeout)
+        else:
+            want = PROMPT.encode() if kind == "chat" else b"\n"
+            fd = proc.stdout.fileno()
+            while seen is None:
+                chunk = os.read(fd, 4096)
+                if not chunk:
+                    break
+                out += chunk
+                if want in out:
+                    seen = time.perf_counter() - t0
+                    if kind == "chat":
+                        proc.stdin.write(b"/quit\n")
+                        proc.stdin.flush()
+            rest, err = proc.communicate(timeout=timeout)
+            out += rest
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        raise SystemExit(f"{kind} in {root}: no answer in {timeout} s; stderr: {err.decode(errors='replace')[-2000:]}")
+    end = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise SystemExit(f"{kind} in {root} exited {proc.returncode}: {err.decode(errors='replace')[-2000:]}")
+    if kind != "LLMRails" and seen is None:
+        raise SystemExit(f"{kind} in {root}: no {'prompt' if kind == 'chat' else 'answer'} in its output: {out!r}")
+    return {"wall": seen if seen is not None else end, "exit": end, "cpu": _children_cpu() - cpu0,
+            "output": out.decode(errors="replace").strip()[-200:]}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=5, help="warm runs of each command and root (default 5)")
+    parser.add_argument("--root", action="append", default=None, help="a checkout to run (repeatable; default .)")
+    parser.add_argument("--commands", default="generate,chat,LLMRails", help="comma-separated, of "
+                        + ", ".join(COMMANDS))
+    parser.add_argument("--timeout", type=float, default=600)
+    parser.add_argument("--json", default=None, help="write every run's numbers here too")
+    args = parser.parse_args(argv)
+    roots = [Path(r).resolve() for r in (args.root or ["."])]
+    kinds = [k.strip() for k in args.commands.split(",") if k.strip()]
+    for kind in kinds:
+        if kind not in COMMANDS:
+            raise SystemExit(f"unknown command {kind!r}; one of {', '.join(COMMANDS)}")
+    print(f"# {platform.platform()}, {os.cpu_count()} CPUs, Python {platform.python_version()}, "
+          f"PYTHONDONTWRITEBYTECODE={os.environ.get('PYTHONDONTWRITEBYTECODE', '')!r}")
+    print(f"# load average before: {load_average()}")
+    work = Path(tempfile.mkdtemp(prefix="flashguard-startup-"))
+    runs: dict = {}
+    try:
+        for kind in kinds:   # one untimed run each: the OS page cache holds the files every later run reads
+            for root in roots:
+                run_once(kind, root, work / "page-cache", args.timeout)
+        for kind in kinds:
+            for i, root in enumerate(roots):
+                cache = work / f"{kind}-{i}"
+                runs[(kind, str(root), "cold")] = [run_once(kind, root, cache, args.timeout)]
+                print(f"  {kind:9s} cold  {root}: {runs[(kind, str(root), 'cold')][0]['wall']:.2f} s", flush=True)
+            for _ in range(args.repeats):
+                for i, root in enumerate(roots):
+                    r = run_once(kind, root, work / f"{kind}-{i}", args.timeout)
+                    runs.setdefault((kind, str(root), "warm"), []).append(r)
+                    print(f"  {kind:9s} warm  {root}: {r['wall']:.2f} s (cpu {r['cpu']:.2f} s)", flush=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print(f"# load average after: {load_average()}")
+    print()
+    print("| command | checkout | cold s | warm median s | warm min-max s | warm median CPU s |")
+    print("|---|---|---|---|---|---|")
+    for kind in kinds:
+        for root in roots:
+            cold = runs[(kind, str(root), "cold")][0]
+            warm = runs[(kind, str(root), "warm")]
+            walls = [r["wall"] for r in warm]
+            print(f"| {LABELS[kind]} | {root} | {cold['wall']:.2f} | {statistics.median(walls):.2f} | "
+                  f"{min(walls):.2f}-{max(walls):.2f} | {statistics.median(r['cpu'] for r in warm):.2f} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"load_average_after": load_average(), "runs": [
+            {"command": k, "root": r, "cache": c, **{key: v for key, v in x.items() if key != "output"}}
+            for (k, r, c), xs in runs.items() for x in xs]}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
