@@ -56,21 +56,76 @@ def _setup_logging(verbose: int) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-def load_rails(config_dir: str, check=None):
-    """``LLMRails`` for ``config_dir``, with a status line while the model loads; ``check(rails_config)`` runs on
-    NeMo's config before the model loads (a command's own checks of the config)."""
+def load_rails(config_dir: str, check=None, status: bool = True):
+    """``LLMRails`` for ``config_dir``, with a status line while the model loads (``status``); ``check(rails_config)``
+    runs on NeMo's config before the model loads (a command's own checks of the config)."""
+    import contextlib
+
     from nemoguardrails import LLMRails
     from rich.console import Console
 
     console = Console(stderr=True)
     if not Path(config_dir, "config.yml").is_file():
         raise SystemExit(f"flashguard: no config.yml in {config_dir!r}; pass --config DIR")
-    with console.status(f"Loading the model of {config_dir} ..."):
+    with console.status(f"Loading the model of {config_dir} ...") if status else contextlib.nullcontext():
         config = _rails_config(config_dir)
         if check is not None:
             check(config)
         rails = LLMRails(config)
     return rails
+
+
+class RailsLoading:
+    """``load_rails`` on a thread, so that ``flashguard chat`` prompts while the weights load (the reply waits for
+    them): ``started()`` returns once the model's loading line is out (``notice.say``; with FLASHGUARD_QUIET, once
+    loaded), with the status line meanwhile, raising what failed before it; ``rails()`` waits for the rest (the
+    status line again) and raises what failed; ``close()`` waits for a load still running (no thread left at exit)."""
+
+    def __init__(self, config_dir: str):
+        import threading
+
+        self.config_dir = config_dir
+        self._begun, self._done = threading.Event(), threading.Event()
+        self._rails = self._error = None
+        self._notice = logging.getLogger("flashguard.notice")
+        self._notice.addFilter(self._first_line)
+        threading.Thread(target=self._load, name="flashguard-load", daemon=True).start()
+
+    def _first_line(self, record) -> bool:
+        self._begun.set()
+        return True
+
+    def _load(self) -> None:
+        try:
+            self._rails = load_rails(self.config_dir, status=False)
+        except BaseException as exc:   # noqa: BLE001 - raised again in the main thread
+            self._error = exc
+        finally:
+            self._notice.removeFilter(self._first_line)
+            self._done.set()
+            self._begun.set()
+
+    def _wait(self, event) -> None:
+        if not event.is_set():
+            from rich.console import Console
+
+            with Console(stderr=True).status(f"Loading the model of {self.config_dir} ..."):
+                event.wait()
+        if self._done.is_set() and self._error is not None:
+            raise self._error
+
+    def started(self) -> None:
+        self._wait(self._begun)
+
+    def rails(self):
+        self._wait(self._done)
+        return self._rails
+
+    def close(self) -> None:
+        try:
+            self._done.wait()
+        except KeyboardInterrupt:
+            pass
 
 
 def _rails_config(config_dir: str):
@@ -153,7 +208,15 @@ PASTE_FENCE = '"""'   # flashguard chat: the lines between two of these are one 
 
 
 def cmd_chat(args) -> int:
-    rails = load_rails(args.config)
+    loading = RailsLoading(args.config)   # the prompt comes once the loading line is out; the weights load on
+    try:
+        return _chat(args, loading)
+    finally:
+        loading.close()
+
+
+def _chat(args, loading: RailsLoading) -> int:
+    loading.started()
     if not args.verbose:  # keep per-call stats lines out of the conversation (see /stats)
         logging.getLogger("flashguard").setLevel(logging.WARNING)
     print('flashguard chat: type a message (one line; for several, e.g. a paste, put them between two lines of '
@@ -199,7 +262,7 @@ def cmd_chat(args) -> int:
         from .guardrails.server import usage_scope
 
         with usage_scope() as usage:
-            reply = asyncio.run(_stream_reply(rails, messages, show_reasoning, prefix="bot> ",
+            reply = asyncio.run(_stream_reply(loading.rails(), messages, show_reasoning, prefix="bot> ",
                                               llm_params=llm_params(args)))
         note = cut_note(usage) if reply else None
         if note:
