@@ -43,15 +43,19 @@ NEUTRAL = {"temperature": 0.0, "top_p": 1.0, "repetition_penalty": 1.0, "frequen
            "presence_penalty": 0.0, "no_repeat_ngram": 0}
 SETTINGS = {
     "greedy": {},
+    "rep1.05": {"repetition_penalty": 1.05},
     "rep1.1": {"repetition_penalty": 1.1},
+    "rep1.15": {"repetition_penalty": 1.15},
     "rep1.2": {"repetition_penalty": 1.2},
     "rep1.3": {"repetition_penalty": 1.3},
+    "freq0.3": {"frequency_penalty": 0.3},
     "freq0.5": {"frequency_penalty": 0.5},
     "pres0.5": {"presence_penalty": 0.5},
     "ngram4": {"no_repeat_ngram": 4},
-    "card": {"temperature": 0.2, "top_p": 0.9, "seed": 0},
-    "card+rep1.1": {"temperature": 0.2, "top_p": 0.9, "seed": 0, "repetition_penalty": 1.1},
     "rep1.1+ngram6": {"repetition_penalty": 1.1, "no_repeat_ngram": 6},
+    "rep1.1+ngram8": {"repetition_penalty": 1.1, "no_repeat_ngram": 8},
+    "card": {"temperature": 0.2, "top_p": 0.9, "seed": 0},   # SmolLM2-Instruct's model card
+    "card+rep1.1": {"temperature": 0.2, "top_p": 0.9, "seed": 0, "repetition_penalty": 1.1},
 }
 KEYS = ("temperature", "top_p", "seed", "repetition_penalty", "frequency_penalty", "presence_penalty",
         "no_repeat_ngram")

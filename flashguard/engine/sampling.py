@@ -85,19 +85,32 @@ class SamplingParams:
 
 
 class Penalties:
-    """One call's penalty state: the ids it generated (``add``) and the logits they change (``apply``)."""
+    """One call's penalty state: the ids it generated (``add``) and the logits they change (``apply``). The distinct
+    ids and their counts are kept in growing tensors (a Python list made into a tensor at every token cost more than
+    the penalty itself: ~70 us for 200 ids)."""
 
     def __init__(self, params: SamplingParams):
         self.params = params
         self.on = params.penalized
-        self.counts: dict[int, int] = {}          # generated id -> times
+        self.counting = bool(params.frequency_penalty or params.presence_penalty)
+        self.slot: dict[int, int] = {}            # generated id -> its place in ``ids`` / ``counts``
+        self.ids = torch.empty(64, dtype=torch.long)
+        self.counts = torch.zeros(64)
         self.out: list[int] = []
         self.follows: dict[tuple[int, ...], set[int]] = {}   # no_repeat_ngram: (n-1)-gram -> tokens seen after it
 
     def add(self, token: int) -> None:
         if not self.on:
             return
-        self.counts[token] = self.counts.get(token, 0) + 1
+        at = self.slot.get(token)
+        if at is None:
+            at = self.slot[token] = len(self.slot)
+            if at == len(self.ids):
+                self.ids = torch.cat([self.ids, torch.empty_like(self.ids)])
+                self.counts = torch.cat([self.counts, torch.zeros_like(self.counts)])
+            self.ids[at] = token
+        if self.counting:
+            self.counts[at] += 1
         self.out.append(token)
         n = self.params.no_repeat_ngram
         if n and len(self.out) >= n:
@@ -105,16 +118,17 @@ class Penalties:
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """``logits`` (1-D) as the penalties change them (a new tensor where they change anything)."""
-        if not self.on or not self.counts:
+        if not self.on or not self.slot:
             return logits
-        p = self.params
+        p, k = self.params, len(self.slot)
         logits = logits.clone()
-        ids = torch.tensor(list(self.counts), device=logits.device)
+        ids = self.ids[:k].to(logits.device, non_blocking=True)
         if p.repetition_penalty != 1:
-            seen = logits[ids]
-            logits[ids] = torch.where(seen > 0, seen / p.repetition_penalty, seen * p.repetition_penalty)
+            seen = logits.index_select(0, ids)
+            logits.index_copy_(0, ids, torch.where(seen > 0, seen / p.repetition_penalty,
+                                                   seen * p.repetition_penalty))
         if p.frequency_penalty or p.presence_penalty:
-            counts = torch.tensor(list(self.counts.values()), dtype=logits.dtype, device=logits.device)
+            counts = self.counts[:k].to(logits.device, logits.dtype, non_blocking=True)
             logits.index_add_(0, ids, counts * -p.frequency_penalty - p.presence_penalty)
         n = p.no_repeat_ngram
         if n:

@@ -132,6 +132,11 @@ class RemoteEngine:
             body["seed"] = seed
         if params.stop:
             body["stop"] = list(params.stop)
+        for key in ("frequency_penalty", "presence_penalty"):   # OpenAI's own fields
+            if getattr(params, key):
+                body[key] = getattr(params, key)
+        if params.repetition_penalty != 1:   # vLLM's and SGLang's name, and llama-server's (over its last 64 tokens)
+            body["repetition_penalty"] = body["repeat_penalty"] = params.repetition_penalty
         if logprobs:
             body["logprobs"] = self.TOP_LOGPROBS
         return body

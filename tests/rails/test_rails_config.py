@@ -15,9 +15,10 @@ NEMO_REJECTED_SUFFIXES = ("_api_key", "_base_url", "_api_base", "_endpoint")
 
 EVERY_KEY = {
     "model_path": None, "gguf_file": None, "device": "cpu", "dtype": "float32", "max_tokens": 24,
-    "reasoning_tokens": 512, "temperature": 0.0, "top_p": 1.0, "seed": 7, "prefill_chunk": 256, "max_context": 4096,
+    "reasoning_tokens": 512, "temperature": 0.0, "top_p": 1.0, "seed": 7, "repetition_penalty": 1.1,
+    "frequency_penalty": 0.1, "presence_penalty": 0.0, "no_repeat_ngram": 0, "prefill_chunk": 256, "max_context": 4096,
     "kv_cache": "tiered", "vram_budget": "auto", "weights": "float", "lm_head": "auto", "int4_kernel": "auto", "cuda_graphs": True,
-    "system_prompt": "You are a helpful assistant.", "lora_path": None,
+    "system_prompt": "You are a helpful assistant.", "lora_path": None, "guard_adapter": "off",
     "backend": "local", "base_url": None, "api_key_env": None, "timeout_s": 60.0, "slot_leases": "auto",
     "kv": {"page_size": 32, "l1_tokens": 512, "sink_tokens": 32, "l2_tokens": 2048, "l3_tokens": 65536,
            "l3_dir": None, "policy": "sparse", "budget_tokens": 256, "adaptive_l1": True, "l1_max_tokens": 1024,
