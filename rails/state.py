@@ -20,6 +20,7 @@ class RailState:
     strictness_warned: set = field(default_factory=set)   # (side, long): a probe without a strictness table, logged
     classifiers: dict = field(default_factory=dict)       # rail -> (the question classifier found, or None, where)
     classifier_files: dict = field(default_factory=dict)  # (classifier file a config names, rail) -> the classifier
+    guard_checked: bool = False                           # guard.check passed for the engine's guard adapter
     lock: object = field(default_factory=threading.Lock)  # the memos above: a remote engine's calls run concurrently
 
     def forget_probes(self) -> None:
@@ -27,6 +28,7 @@ class RailState:
         for memo in (self.probes, self.probe_files, self.probe_warned, self.strictness_warned, self.verdicts,
                      self.classifiers, self.classifier_files):
             memo.clear()
+        self.guard_checked = False
 
 
 _states: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()

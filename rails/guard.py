@@ -1,0 +1,208 @@
+"""The guard verdict: a trained activated LoRA asked about the conversation on its own pages.
+
+Both rails ask one question each, as one more user turn after the conversation: the input rail after the user's
+message, the output rail after the assistant's reply. The question starts with ``TAG``, whose tokens are the guard
+adapter's invocation (``alora_invocation_tokens``): from there on the adapter's deltas are on
+(``Engine.read(adapter_from=...)``), everything before is the base model's own K/V, reused as the generation wrote
+it. The verdict is the next token after the template's answer header: ``p_unsafe = P(No) / (P(No) + P(Yes))``,
+blocked at the guard's threshold for the config's ``strictness`` (``guard.json``: measured on held-out sources).
+
+Contract:
+- ``guard_ids(encode, messages, side)``: the token ids the guard reads for ``messages`` (the conversation up to
+  the message or reply judged) and where the adapter starts; training (``guard_train.py``) and the rails build
+  their prompts only through it (the output rail with a generated turn: the turn's own ids + ``suffix``), so the
+  two never differ.
+- ``check(engine)``: the loaded guard agrees with this tokenizer (its invocation and answer tokens), else a
+  ConfigError naming ``guard_adapter``.
+- ``verdict(engine, ids, start, side, settings, ...)``: one read, the Verdict (``method="adapter"``).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from typing import Callable, Sequence
+
+from flashguard.errors import ConfigError
+
+log = logging.getLogger("flashguard")
+
+TAG = "[guard]"
+QUESTIONS = {
+    "input": f"{TAG} Is the user's last message safe to answer? Answer Yes or No.",
+    "output": f"{TAG} Is the assistant's last reply safe? Answer Yes or No.",
+}
+ANSWERS = {"unsafe": "No", "safe": "Yes"}
+METHOD = "adapter"
+
+
+def invocation(tokenizer) -> list[int]:
+    """The tag's token ids as the chat template renders them at the start of the question (with whatever space
+    the template puts before it): the adapter's invocation."""
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"},
+                                          {"role": "user", "content": QUESTIONS["input"]}],
+                                         add_generation_prompt=True, tokenize=False)
+    a = text.rfind(TAG)
+    b = a + len(TAG)
+    try:
+        enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    except (NotImplementedError, ValueError):   # a slow tokenizer: no offsets
+        return list(tokenizer(TAG, add_special_tokens=False)["input_ids"])
+    return [t for t, (s, e) in zip(enc["input_ids"], enc["offset_mapping"]) if e > a and s < b]
+
+
+def answer_tokens(tokenizer) -> tuple[int, int]:
+    """(unsafe, safe): the first token of each answer word, as the model writes it after the answer header."""
+    return tuple(tokenizer(ANSWERS[k], add_special_tokens=False)["input_ids"][0] for k in ("unsafe", "safe"))
+
+
+def last_occurrence(ids: Sequence[int], seq: Sequence[int]) -> int:
+    """Where the last occurrence of ``seq`` starts in ``ids`` (as PEFT and llama.cpp find an invocation), or -1."""
+    n = len(seq)
+    for i in range(len(ids) - n, -1, -1):
+        if list(ids[i:i + n]) == list(seq):
+            return i
+    return -1
+
+
+def guard_ids(encode: Callable[[list], list], tokenizer, messages: Sequence[dict], side: str) -> tuple[list, int]:
+    """The guard's prompt for ``messages`` (ending with the user's message for ``side`` input, with the assistant's
+    reply for output) and the position its adapter starts at."""
+    ids = encode(list(messages) + [{"role": "user", "content": QUESTIONS[side]}])
+    return ids, start_of(ids, tokenizer)
+
+
+def start_of(ids: Sequence[int], tokenizer) -> int:
+    start = last_occurrence(ids, invocation(tokenizer))
+    if start < 0:
+        raise ConfigError(f"the guard's question tag {TAG!r} does not appear as its own tokens in the prompt this "
+                          "chat template renders; the guard cannot be used with this tokenizer", key="guard_adapter")
+    return start
+
+
+def check(engine) -> None:
+    """The engine's guard was made for this tokenizer's invocation and answers (ConfigError otherwise)."""
+    guard = engine.guard
+    tok = engine.tokenizer
+    want = {"invocation": invocation(tok), "answer_ids": list(answer_tokens(tok)), "questions": QUESTIONS}
+    got = {"invocation": list(guard.invocation), "answer_ids": guard.meta.get("answer_ids"),
+           "questions": guard.meta.get("questions")}
+    for key in want:
+        if got[key] != want[key]:
+            raise ConfigError(f"{guard.folder}: its {key} ({got[key]!r}) is not what this flashguard and tokenizer "
+                              f"use ({want[key]!r}); make it again with `flashguard train-guard`",
+                              key="guard_adapter")
+
+
+def threshold(engine, side: str, strictness: str) -> float:
+    """The guard's threshold for ``side`` at ``strictness`` (guard.json's table; 0.5 where it has none)."""
+    table = (engine.guard.meta.get("strictness") or {}).get(side) or {}
+    return float(table.get(strictness, 0.5))
+
+
+def p_unsafe(engine, logprobs) -> float:
+    bad, good = answer_tokens(engine.tokenizer)
+    odds = float(logprobs[bad].double() - logprobs[good].double())
+    return 1.0 / (1.0 + math.exp(-max(-30.0, min(30.0, odds))))
+
+
+def verdict(engine, ids: list, start: int, side: str, settings, *, path: str, keep: int | None = None,
+            task: str = "moderation", t0: float | None = None):
+    """One guarded read of ``ids`` (the adapter on from ``start``), as a ``moderation.Verdict``; the session keeps
+    at most ``ids[:min(keep, start)]``."""
+    from .moderation import Verdict
+
+    t0 = time.perf_counter() if t0 is None else t0
+    r = engine.read(ids, task=task, adapter_from=start, keep=keep)
+    p = p_unsafe(engine, r.logprobs)
+    cut = threshold(engine, side, settings.strictness)
+    v = Verdict(allowed=p < cut, p_unsafe=p, path=path, prompt_tokens=len(ids), prefilled_tokens=r.prefilled,
+                reused_tokens=r.reused, seconds=time.perf_counter() - t0, method=METHOD, threshold=cut,
+                p_question=p, strictness=settings.strictness)
+    log.info("flashguard %s moderation: %s (p_unsafe=%.3f, threshold=%.2f, %s) path=%s prefilled=%d reused=%d "
+             "in %.3fs", side, "allow" if v.allowed else "BLOCK", p, cut, v.decided_by, path, v.prefilled_tokens,
+             v.reused_tokens, v.seconds)
+    return v
+
+
+# ---- the two rails --------------------------------------------------------------------------------------------
+
+def chosen(engine, settings) -> bool:
+    """Whether ``settings.guard`` has the guard decide on ``engine``: ``auto`` where the engine holds one,
+    ``adapter`` always (a ConfigError naming the key where none is loaded), ``probe`` / ``question`` never."""
+    from .state import rail_state
+
+    mode = settings.guard
+    if mode in ("probe", "question"):
+        return False
+    loaded = getattr(engine, "guard", None) is not None
+    if not loaded:
+        if mode == "adapter":
+            raise ConfigError(f"{settings.section}.guard is adapter, but no guard adapter is loaded for this model "
+                              "(models[main].parameters.guard_adapter is off, or none was made for it): make one "
+                              "with `flashguard train-guard`, or set guard: auto")
+        return False
+    state = rail_state(engine)
+    if not state.guard_checked:
+        check(engine)
+        state.guard_checked = True
+    return True
+
+
+def _fits(engine, ids: list, side: str) -> bool:
+    return len(ids) < engine.context_length
+
+
+def moderate_output(engine, bot_message: str, user_message, settings, turn, allow_shared: bool):
+    """The output rail's guard verdict: the turn's own ids (``path="shared"``: only the end of turn and the question
+    run) or, for a reply the engine did not generate, the exchange from text (``"prefill"``). A reply too long for
+    the context with the question is judged by its last part (``"window"``)."""
+    from .moderation import moderation_suffix, turn_ids
+
+    t0 = time.perf_counter()
+    suffix = moderation_suffix(engine, QUESTIONS["output"])
+    if turn is not None:
+        ids, path = turn_ids(engine, turn, settings) + suffix, "shared"
+    else:
+        msgs = ([{"role": "user", "content": user_message}] if user_message else []) + \
+            [{"role": "assistant", "content": bot_message}]
+        ids, path = engine.encode_messages(msgs + [{"role": "user", "content": QUESTIONS["output"]}]), "prefill"
+        if allow_shared:
+            engine.stats.record("moderation", prompt=0, prefilled=0, reused=0, generated=0, seconds=0.0,
+                                fallback=True)
+    if not _fits(engine, ids, "output"):
+        tail = _last_tokens(engine, bot_message, engine.context_length - len(suffix) - 64)
+        ids, path = engine.encode_messages([{"role": "assistant", "content": tail},
+                                            {"role": "user", "content": QUESTIONS["output"]}]), "window"
+    start = start_of(ids, engine.tokenizer)
+    return verdict(engine, ids, start, "output", settings, path=path, keep=start, t0=t0)
+
+
+def moderate_input(engine, messages: list, settings):
+    """The input rail's guard verdict: the question branches off the conversation's own ids after the user's
+    message (``path="branch"``); the session keeps the conversation, so the generation then prefills only its
+    answer header. A conversation longer than the context is not judged (``"too-long"``: the generation refuses
+    it); one that fits but not with the question is judged by the message's last part (``"window"``)."""
+    from .moderation import Verdict, _common
+
+    t0 = time.perf_counter()
+    conv = engine.encode_messages(messages)
+    if len(conv) >= engine.context_length:
+        return Verdict(allowed=True, p_unsafe=0.0, path="too-long", prompt_tokens=len(conv), prefilled_tokens=0,
+                       reused_tokens=0, seconds=time.perf_counter() - t0, method="none",
+                       threshold=threshold(engine, "input", settings.strictness))
+    ids, start = guard_ids(engine.encode_messages, engine.tokenizer, messages, "input")
+    path = "branch"
+    if not _fits(engine, ids, "input"):
+        last = next((m for m in reversed(messages) if m.get("role") == "user"), messages[-1])
+        tail = _last_tokens(engine, str(last.get("content") or ""), engine.context_length - 96)
+        ids, start = guard_ids(engine.encode_messages, engine.tokenizer, [{"role": "user", "content": tail}], "input")
+        path = "window"
+    keep = min(_common(conv, ids), start)
+    return verdict(engine, ids, start, "input", settings, path=path, keep=keep, task="input_moderation", t0=t0)
+
+
+def _last_tokens(engine, text: str, n: int) -> str:
+    ids = engine.tokenizer(text, add_special_tokens=False)["input_ids"]
+    return engine.tokenizer.decode(ids[-max(16, n):])

@@ -1,0 +1,104 @@
+"""The guard end to end on a tiny random model: ``guard_train`` learns a made-up rule on the rails' own prompts,
+writes a guard folder, the engine loads it (``guard_adapter``), and both rails decide by it (``method="adapter"``)
+with the same p_unsafe the training's scorer gives for the same conversation, on the conversation's own pages."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flashguard.engine.loader import ModelSource
+from flashguard.errors import ConfigError
+from flashguard.rails import guard, guard_train as gt
+from flashguard.rails.moderation import ModerationSettings, moderate, moderate_input
+
+from tests import tiny
+
+WORDS = ["sea", "wind", "tide", "salt", "rope", "sail", "stone", "light"]
+
+
+def rows(n: int, seed: int = 0) -> list[dict]:
+    """Made-up rows: a message (or reply) with the word "zebra" is unsafe, others safe; both rails."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        words = [WORDS[int(j)] for j in torch.randint(len(WORDS), (6,), generator=g)]
+        block = i % 2 == 0
+        if block:
+            words[int(torch.randint(6, (1,), generator=g))] = "zebra"
+        text = " ".join(words)
+        side = "input" if i % 4 < 2 else "output"
+        msgs = [{"role": "user", "content": text}] if side == "input" else \
+            [{"role": "user", "content": "say"}, {"role": "assistant", "content": text}]
+        out.append({"messages": msgs, "side": side, "block": block, "category": "general_harm" if block else "everyday",
+                    "source": f"s{i % 3}", "train": True})
+    return out
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("guard")
+    model_dir = tmp_path_factory.mktemp("model")
+    net, tok = tiny.model("qwen2"), tiny.tokenizer()
+    net.requires_grad_(False)
+    exs = gt.examples(rows(64), tok, 256, log=lambda *_: None)
+    cfg = gt.TrainConfig(rank=8, alpha=16, lr=1e-2, epochs=24, max_batch=32, dropout=0.0, warmup=0.1)
+    answers = guard.answer_tokens(tok)
+    lora = gt.train(net, exs, list(range(len(exs))), answers, cfg, log=lambda *_: None)
+    source = ModelSource(folder=str(model_dir), gguf_file=None, label="tiny")
+    p = gt.score(net, lora, exs, list(range(len(exs))), answers, cfg)
+    levels = {s: {"low": 0.5, "medium": 0.5, "high": 0.5} for s in ("input", "output")}
+    gt.write_guard(folder, lora, source, tok, ["float"], levels, {}, cfg, "tiny")
+    return folder, model_dir, exs, p
+
+
+def test_training_learns_the_rule(trained):
+    _, _, exs, p = trained
+    harmful = [p[i] for i, e in enumerate(exs) if e.block]
+    benign = [p[i] for i, e in enumerate(exs) if not e.block]
+    assert sum(harmful) / len(harmful) > sum(benign) / len(benign) + 0.3
+
+
+def test_the_rails_read_what_training_scored(trained):
+    folder, model_dir, exs, p = trained
+    engine = tiny.engine(model_dir, "qwen2", guard_adapter=str(folder))
+    settings = ModerationSettings.input_defaults()
+    for i, e in enumerate(exs[:8]):
+        messages = rows(64)[i]["messages"]
+        if e.side == "input":
+            v = moderate_input(engine, messages, settings)
+            assert v.path == "branch"
+        else:
+            engine.teacher_force(engine.encode_messages(messages[:1]),
+                                 tiny.tokenizer().encode(messages[1]["content"]), messages[1]["content"])
+            v = moderate(engine, messages[1]["content"], messages[0]["content"], ModerationSettings())
+            # only the end of turn, the next turn's header ("<|im_end|>\n<|im_start|>user\n": 8 characters here) and
+            # the question ran
+            assert v.path == "shared" and v.prefilled_tokens <= len(e.ids) - e.start + 8, (v, len(e.ids), e.start)
+        assert v.method == "adapter" and v.decided_by == "adapter, strictness medium"
+        assert abs(v.p_unsafe - p[i]) < 1e-4, (i, e.side)
+
+
+def test_the_generation_never_sees_the_adapter(trained):
+    from flashguard.engine.sampling import SamplingParams
+
+    folder, model_dir, _, _ = trained
+    guarded = tiny.engine(model_dir, "qwen2", guard_adapter=str(folder))
+    plain = tiny.engine(model_dir, "qwen2", guard_adapter="off")
+    messages = [{"role": "user", "content": "sea wind zebra tide"}]
+    moderate_input(guarded, messages, ModerationSettings.input_defaults())
+    ids = guarded.encode_messages(messages)
+    assert guarded.generate(ids, SamplingParams(max_tokens=16)).text == plain.generate(ids, SamplingParams(
+        max_tokens=16)).text
+
+
+def test_guard_modes(trained, tmp_path):
+    folder, model_dir, _, _ = trained
+    messages = [{"role": "user", "content": "sea wind tide"}]
+    engine = tiny.engine(model_dir, "qwen2", guard_adapter=str(folder))
+    assert moderate_input(engine, messages, ModerationSettings.input_defaults(guard="question")).method == "question"
+    off = tiny.engine(tmp_path / "other", "qwen2", guard_adapter="off")
+    with pytest.raises(ConfigError, match=r"flashguard_input_moderation\.guard is adapter"):
+        moderate_input(off, messages, ModerationSettings.input_defaults(guard="adapter"))
+    with pytest.raises(ConfigError, match=r"guard must be one of auto, adapter, probe, question"):
+        ModerationSettings.from_custom_data({"flashguard_moderation": {"guard": "lora"}})
