@@ -23,6 +23,12 @@ import os
 import sys
 from pathlib import Path
 
+# Before torch loads (libgomp reads it then; the user's own setting wins): OpenMP threads that sleep at once after a
+# parallel region instead of spinning. Left spinning (the default), on cores that other work shares they keep their
+# partner from running and every region waits for the scheduler: 48 decoded tokens took a median 12.6 s instead of
+# 1.0 s on 2 cores at load 5, the rails' first check 5-8 s instead of 0.2 s (docs/benchmarks/startup.md).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 
 def default_config_dir() -> str:
     """``configs/flash`` in the working folder, else the one beside the installed package (editable install)."""
