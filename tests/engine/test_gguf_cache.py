@@ -245,3 +245,61 @@ def test_the_embedded_model_answers_the_same_from_the_cache(tmp_path, monkeypatc
     assert runs[0][0] == runs[1][0] == runs[2][0]
     assert torch.equal(runs[0][1], runs[1][1]) and torch.equal(runs[0][1], runs[2][1])
     assert runs[0][2] == runs[1][2] == runs[2][2] and "paris" in runs[0][2].lower()
+
+
+def _legacy_copy(folder, tmp_path):
+    """The tokenizer folder as flashguard wrote it before: no added_tokens_decoder in tokenizer_config.json."""
+    import shutil
+
+    legacy = tmp_path / "legacy-tokenizer"
+    shutil.copytree(folder, legacy)
+    config = json.loads((legacy / "tokenizer_config.json").read_text())
+    del config["added_tokens_decoder"]
+    (legacy / "tokenizer_config.json").write_text(json.dumps(config))
+    return legacy
+
+
+TEXTS = ["hello", "Hello <|im_start|>user\nWhat's 2+2?<|im_end|>\n<|im_start|>assistant\n", "  spaces\tand\nlines  ",
+         "ünïcödé ✓ 日本語", "<|endoftext|><|endoftext|>"]
+
+
+def assert_same_tokenizer(a, b, special: bool = True) -> None:
+    for text in TEXTS:
+        assert a(text)["input_ids"] == b(text)["input_ids"], text
+        ids = a(text)["input_ids"]
+        assert a.decode(ids) == b.decode(ids) and a.decode(ids, skip_special_tokens=True) == \
+            b.decode(ids, skip_special_tokens=True)
+    assert a.added_tokens_decoder == b.added_tokens_decoder
+    if special:
+        assert (a.bos_token, a.eos_token, a.pad_token, a.unk_token) == \
+            (b.bos_token, b.eos_token, b.pad_token, b.unk_token)
+    messages = [{"role": "user", "content": "hi"}]
+    if a.chat_template:
+        assert a.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == \
+            b.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def test_the_tokenizer_folder_keeps_its_added_tokens(tmp_path, tiny_gguf):
+    """The GGUF's tokenizer folder lists its added tokens in tokenizer_config.json (so that a start does not parse
+    tokenizer.json twice): the same tokenizer as the header's and as a folder without them."""
+    from transformers import AutoTokenizer
+
+    source = tiny_gguf("qwen2")
+    folder = loader.gguf_meta_folder(source)
+    assert json.loads((tmp_path / "cache" / "gguf-meta" / os.path.basename(folder) / "tokenizer_config.json")
+                      .read_text())["added_tokens_decoder"]
+    tok = AutoTokenizer.from_pretrained(folder)
+    assert_same_tokenizer(tok, AutoTokenizer.from_pretrained(_legacy_copy(folder, tmp_path)))
+    assert_same_tokenizer(tok, loader.gguf_tokenizer(source), special=False)   # (a saved folder names its unk)
+
+
+@pytest.mark.slow
+def test_the_embedded_tokenizer_folder_keeps_its_added_tokens(tmp_path, monkeypatch):
+    from transformers import AutoTokenizer
+
+    monkeypatch.setenv("FLASHGUARD_CACHE_DIR", str(tmp_path / "cache"))
+    source = loader.resolve_model(None)
+    folder = loader.gguf_meta_folder(source)
+    tok = AutoTokenizer.from_pretrained(folder)
+    assert_same_tokenizer(tok, AutoTokenizer.from_pretrained(_legacy_copy(folder, tmp_path)))
+    assert_same_tokenizer(tok, loader.gguf_tokenizer(source), special=False)   # (a saved folder names its unk)
