@@ -41,8 +41,8 @@ def trained(tmp_path_factory):
     model_dir = tmp_path_factory.mktemp("model")
     net, tok = tiny.model("qwen2"), tiny.tokenizer()
     net.requires_grad_(False)
-    exs = gt.examples(rows(64), tok, 256, log=lambda *_: None)
-    cfg = gt.TrainConfig(rank=8, alpha=16, lr=1e-2, epochs=24, max_batch=32, dropout=0.0, warmup=0.1)
+    exs = gt.examples(rows(96), tok, 256, log=lambda *_: None)
+    cfg = gt.TrainConfig(rank=8, alpha=16, lr=1e-2, epochs=30, max_batch=32, dropout=0.0, warmup=0.1)
     answers = guard.answer_tokens(tok)
     lora = gt.train(net, exs, list(range(len(exs))), answers, cfg, log=lambda *_: None)
     source = ModelSource(folder=str(model_dir), gguf_file=None, label="tiny")
@@ -64,7 +64,7 @@ def test_the_rails_read_what_training_scored(trained):
     engine = tiny.engine(model_dir, "qwen2", guard_adapter=str(folder))
     settings = ModerationSettings.input_defaults()
     for i, e in enumerate(exs[:8]):
-        messages = rows(64)[i]["messages"]
+        messages = rows(96)[i]["messages"]
         if e.side == "input":
             v = moderate_input(engine, messages, settings)
             assert v.path == "branch"
