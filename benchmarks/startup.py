@@ -11,6 +11,11 @@
   from nemoguardrails import LLMRails"``, launch to exit: the libraries every command above imports, and their
   teardown at exit, which flashguard does not choose.
 
+``--wait-policy`` measures instead what OpenMP's wait policy does to a first answer (the CLI sets PASSIVE, cli.py):
+a fresh process per policy (libgomp reads it as torch loads) decodes 48 greedy tokens of the embedded model 5 times,
+each on a thread of its own as the rails' calls run, with the policy unset (libgomp spins after each parallel
+region) and PASSIVE (its threads sleep): the median seconds each.
+
 Each command runs once *cold* (an empty ``FLASHGUARD_CACHE_DIR``: the GGUF's tokenizer and int4 model are made
 and kept) and ``--repeats`` times *warm* (the same folder, now filled), with a warm OS page cache (one untimed run
 first). A ``--root`` is a checkout: its folder is the working folder and goes first on ``PYTHONPATH``, so that
@@ -116,6 +121,41 @@ def run_once(kind: str, root: Path, cache: Path, timeout: float) -> dict:
             "output": out.decode(errors="replace").strip()[-200:]}
 
 
+DECODE = """
+import statistics, threading, time
+from flashguard import EngineConfig
+from flashguard.engine.engine import Engine
+from flashguard.engine.sampling import SamplingParams
+engine = Engine(EngineConfig(device="cpu"))
+ids = engine.encode_messages([{"role": "user", "content": "Write a short story about a robot who learns to paint."}])
+times = []
+def one():
+    t = time.perf_counter()
+    engine.generate(ids, SamplingParams(max_tokens=48))
+    times.append(time.perf_counter() - t)
+for _ in range(5):
+    thread = threading.Thread(target=one)
+    thread.start()
+    thread.join()
+print(statistics.median(times), " ".join(f"{t:.2f}" for t in times))
+"""
+
+
+def wait_policies(root: Path, rounds: int) -> None:
+    print("| OMP_WAIT_POLICY | 48 tokens, median s (5 runs a process) | runs |")
+    print("|---|---|---|")
+    for _ in range(rounds):
+        for policy in ("", "PASSIVE"):   # (unset: libgomp's default, spinning)
+            env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+            if policy:
+                env["OMP_WAIT_POLICY"] = policy
+            env.update(FLASHGUARD_QUIET="1", PYTHONPATH=os.pathsep.join(filter(None, [str(root),
+                                                                                       env.get("PYTHONPATH")])))
+            out = subprocess.run([sys.executable, "-c", DECODE], cwd=root, env=env, capture_output=True, text=True,
+                                 check=True).stdout.split()
+            print(f"| {policy or 'unset (spin)'} | {float(out[0]):.2f} | {' '.join(out[1:])} |", flush=True)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=5, help="warm runs of each command and root (default 5)")
@@ -124,7 +164,14 @@ def main(argv=None) -> int:
                         + ", ".join(COMMANDS))
     parser.add_argument("--timeout", type=float, default=600)
     parser.add_argument("--json", default=None, help="write every run's numbers here too")
+    parser.add_argument("--wait-policy", action="store_true", help="measure OpenMP's wait policy on decoding instead "
+                        "(--repeats rounds of both policies, in the first --root)")
     args = parser.parse_args(argv)
+    if args.wait_policy:
+        print(f"# load average before: {load_average()}")
+        wait_policies(Path((args.root or ["."])[0]).resolve(), args.repeats)
+        print(f"# load average after: {load_average()}")
+        return 0
     roots = [Path(r).resolve() for r in (args.root or ["."])]
     kinds = [k.strip() for k in args.commands.split(",") if k.strip()]
     for kind in kinds:
