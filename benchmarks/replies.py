@@ -111,20 +111,23 @@ def run_setting(rails, model, params: dict | None, prompts: list[dict], max_toke
         seconds = time.perf_counter() - t0
         ids = tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
         gram = repeated_ngram(ids)
-        out.append({"id": row["id"], "text": text, "tokens": usage.completion_tokens or len(ids),
+        out.append({"id": row["id"], "text": text, "tokens": usage.completion_tokens or (0 if blocked else len(ids)),
                     "finish": usage.finish_reason, "loop": tokenizer.decode(list(gram)) if gram else None,
                     "blocked": blocked, "seconds": round(seconds, 2)})
-        print(f"  {row['id']:>2} {out[-1]['finish']:<6} {out[-1]['tokens']:>4} tok {seconds:5.1f} s"
+        print(f"  {row['id']:>2} {'blocked' if blocked else out[-1]['finish']:<7} {out[-1]['tokens']:>4} tok "
+              f"{seconds:5.1f} s"
               f"{'  loop ' + repr(out[-1]['loop']) if gram else ''}", flush=True)
     return out
 
 
 def summary(replies: list[dict], max_tokens: int) -> dict:
+    """Shares over all the replies; the mean length over the replies no rail blocked."""
     n = len(replies)
     cap = [r for r in replies if r["finish"] == "length" and not r["blocked"]]
+    answered = [r["tokens"] for r in replies if not r["blocked"]]
     return {"n": n, "cap": len(cap), "cap_loop": sum(1 for r in cap if r["loop"]),
             "loop": sum(1 for r in replies if r["loop"] and not r["blocked"]),
-            "mean_tokens": sum(r["tokens"] for r in replies) / n if n else 0.0,
+            "mean_tokens": sum(answered) / len(answered) if answered else 0.0,
             "blocked": sum(1 for r in replies if r["blocked"]),
             "seconds": sum(r["seconds"] for r in replies) / n if n else 0.0}
 

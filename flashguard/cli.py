@@ -1,10 +1,11 @@
-"""``flashguard`` command line: chat, generate, serve.
+"""``flashguard`` command line: chat, generate, serve. ``-v`` (before or after the command): flashguard's own log
+lines (the rails' verdicts, timings); ``-vv``: NeMo Guardrails' too.
 
-    flashguard chat       [--config DIR]                 interactive, streaming, through the rails
-    flashguard generate   "question" [--config DIR]      one guarded answer
+    flashguard chat       [--config DIR] [--max-tokens N] [--temperature T] [--seed S]   interactive, streaming, guarded
+    flashguard generate   "question" [--config DIR] [--max-tokens N] [--temperature T] [--seed S]   one guarded answer
     flashguard serve      [--config DIR] [--host 127.0.0.1] [--port 8000] [--open]   (chat page at /)
     flashguard quantize   SRC DST [--group-size 64]       AWQ int4 checkpoint (gemm format) of a float model
-    flashguard plan       --model M --gpu-mem 4GiB --context 131072   will it fit, and what to change
+    flashguard plan       [--model M] [--gpu-mem 4GiB] [--context 131072]   will it fit (default: this machine)
     flashguard smi        [--url URL] [--watch S] [--json]            GPU/host memory by category
     flashguard stress     --context 131072 [--vram-budget 4GiB]       drive the tiered KV cache, measure it
     flashguard calibrate  [--config DIR] [--weights int4] [--rail input]  train a moderation probe for the model
