@@ -16,6 +16,10 @@ a fresh process per policy (libgomp reads it as torch loads) decodes 48 greedy t
 each on a thread of its own as the rails' calls run, with the policy unset (libgomp spins after each parallel
 region) and PASSIVE (its threads sleep): the median seconds each.
 
+``--phases`` splits one ``generate`` into its steps instead, in one process per root: the imports (torch,
+transformers, its auto classes, the llama model's module, NeMo Guardrails, flashguard's), ``RailsConfig``,
+``LLMRails`` (NeMo's set-up and the model's load) and the guarded answer to "hi", wall and CPU seconds each.
+
 Each command runs once *cold* (an empty ``FLASHGUARD_CACHE_DIR``: the GGUF's tokenizer and int4 model are made
 and kept) and ``--repeats`` times *warm* (the same folder, now filled), with a warm OS page cache (one untimed run
 first). A ``--root`` is a checkout: its folder is the working folder and goes first on ``PYTHONPATH``, so that
@@ -141,6 +145,46 @@ print(statistics.median(times), " ".join(f"{t:.2f}" for t in times))
 """
 
 
+PHASES = """
+import sys, time
+marks = [("start", time.perf_counter(), time.process_time())]
+def mark(name):
+    marks.append((name, time.perf_counter(), time.process_time()))
+import torch; mark("import torch")
+import transformers; mark("import transformers")
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer; mark("transformers' auto classes")
+import transformers.models.llama.modeling_llama; mark("transformers' llama model")
+from nemoguardrails import LLMRails, RailsConfig; mark("import nemoguardrails")
+import flashguard.cli, flashguard.engine.engine, flashguard.guardrails.provider, flashguard.rails.actions
+mark("import flashguard")
+config = RailsConfig.from_path("configs/flash"); mark("RailsConfig.from_path")
+rails = LLMRails(config); mark("LLMRails(config): NeMo's set-up, the model's load")
+rails.generate(messages=[{"role": "user", "content": "hi"}], options={"log": {"activated_rails": True}})
+mark("the guarded answer to 'hi'")
+for (_, t0, c0), (name, t1, c1) in zip(marks, marks[1:]):
+    print(f"{name}|{t1 - t0:.2f}|{c1 - c0:.2f}")
+print(f"total|{marks[-1][1] - marks[0][1]:.2f}|{marks[-1][2] - marks[0][2]:.2f}")
+"""
+
+
+def phases(roots: list[Path], rounds: int) -> None:
+    """One ``generate`` split into steps per root (the CLI's environment: OMP_WAIT_POLICY as cli.py sets it where
+    the root's cli.py does)."""
+    for _ in range(rounds):
+        for root in roots:
+            env = dict(os.environ, FLASHGUARD_QUIET="1",
+                       PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
+            sets_policy = "OMP_WAIT_POLICY" in (root / "flashguard" / "cli.py").read_text(encoding="utf-8")
+            if sets_policy:
+                env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+            out = subprocess.run([sys.executable, "-c", PHASES], cwd=root, env=env, capture_output=True, text=True,
+                                 check=True).stdout
+            print(f"\n{root} (load average {load_average()}; OMP_WAIT_POLICY "
+                  f"{env.get('OMP_WAIT_POLICY', 'unset')})\n\n| step | wall s | CPU s |\n|---|---|---|")
+            for line in out.strip().splitlines():
+                print("| " + " | ".join(line.split("|")) + " |", flush=True)
+
+
 def wait_policies(root: Path, rounds: int) -> None:
     print("| OMP_WAIT_POLICY | 48 tokens, median s (5 runs a process) | runs |")
     print("|---|---|---|")
@@ -164,9 +208,14 @@ def main(argv=None) -> int:
                         + ", ".join(COMMANDS))
     parser.add_argument("--timeout", type=float, default=600)
     parser.add_argument("--json", default=None, help="write every run's numbers here too")
+    parser.add_argument("--phases", action="store_true", help="split one generate into its steps instead "
+                        "(--repeats rounds over the roots)")
     parser.add_argument("--wait-policy", action="store_true", help="measure OpenMP's wait policy on decoding instead "
                         "(--repeats rounds of both policies, in the first --root)")
     args = parser.parse_args(argv)
+    if args.phases:
+        phases([Path(r).resolve() for r in (args.root or ["."])], args.repeats)
+        return 0
     if args.wait_policy:
         print(f"# load average before: {load_average()}")
         wait_policies(Path((args.root or ["."])[0]).resolve(), args.repeats)
