@@ -91,7 +91,7 @@ def messages(limit: int, seed: int):
 def message_states(engine, text: str, layers):
     """The states of ``text`` (as the user's one message) at ``layers`` from its first token, ``[len(layers),
     tokens, d]``, as the input rail's long-message path reads them; None when it is too long for the model."""
-    from rails import moderation as M
+    from flashguard.rails import moderation as M
 
     msgs = [{"role": "user", "content": text}]
     ids = engine.encode_messages(msgs)
@@ -103,7 +103,7 @@ def message_states(engine, text: str, layers):
 
 def window_scores(probe, states) -> list[float]:
     """The window probe's p_unsafe of each sliding window of ``states`` (``message_states`` at its layer)."""
-    from rails import moderation as M
+    from flashguard.rails import moderation as M
 
     return probe.p_windows(M.window_means(states, probe.long_window, probe.stride)[0]).tolist()
 
@@ -127,8 +127,8 @@ def share(rows: list[dict], key: str) -> str:
 def main(argv=None) -> int:
     from flashguard import EngineConfig
     from flashguard.engine.engine import Engine
-    from rails import moderation as M
-    from rails.moderation import ModerationSettings
+    from flashguard.rails import moderation as M
+    from flashguard.rails.moderation import ModerationSettings
 
     p = argparse.ArgumentParser(prog="python -m benchmarks.long_pastes", description=__doc__.split("\n\n")[0])
     p.add_argument("--docs", type=int, default=40, help="documents a source")

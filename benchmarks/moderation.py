@@ -78,10 +78,7 @@ def main(argv=None) -> int:
     from flashguard.engine.engine import Engine
     from flashguard.engine.loader import ModelSource
     from flashguard.engine.sampling import SamplingParams
-    try:
-        from flashguard.rails.moderation import ModerationSettings, moderate, moderate_input, moderation_suffix
-    except ImportError:  # a source checkout on PYTHONPATH, not installed: rails/ is a top-level folder there
-        from rails.moderation import ModerationSettings, moderate, moderate_input, moderation_suffix
+    from flashguard.rails.moderation import ModerationSettings, moderate, moderate_input, moderation_suffix
     from benchmarks.rails_turn import SELF_CHECK_INPUT
 
     tok = AutoTokenizer.from_pretrained(args.tokenizer)

@@ -133,7 +133,7 @@ def test_engine_generates_what_the_merged_model_generates(tmp_path, arch):
     assert engine.model_identity != base.model_identity and engine.adapter.digest in engine.model_identity
     assert engine.session.cache.namespace != base.session.cache.namespace
     # and the rail's probe of the base model is not taken for the adapted one (its hidden states differ)
-    from rails.probe import ModelKey
+    from flashguard.rails.probe import ModelKey
 
     assert ModelKey.of(base).weights == "float" and ModelKey.of(engine).weights.startswith("float+lora-")
 

@@ -50,7 +50,7 @@ def test_a_model_without_a_chat_template_gets_the_plain_one_for_the_chat_and_the
     render conversations the same way, with "role: text" lines, where apply_chat_template used to raise."""
     import copy
 
-    from rails.moderation import moderation_suffix
+    from flashguard.rails.moderation import moderation_suffix
     from tests import tiny
 
     tok = copy.deepcopy(tiny.tokenizer())

@@ -403,7 +403,7 @@ def test_the_output_rail_passes_the_rails_own_refusal_without_a_pass(engine):
 
     from nemoguardrails import RailsConfig
 
-    from rails.actions import flashguard_moderate_output
+    from flashguard.rails.actions import flashguard_moderate_output
 
     config = RailsConfig.from_path(str(ROOT / "configs/flash"))
     refusal = config.bot_messages["refuse to respond"][0]
