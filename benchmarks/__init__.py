@@ -1,5 +1,6 @@
 """flashguard's benchmarks: scripts run from the repository root as ``python -m benchmarks.NAME``, each with its
-command in its header (pytest never collects them: the tests are tests/)."""
+command in its header. pytest collects only benchmarks/tests/ here (each benchmark's own check on the CPU); tests/
+never imports benchmarks, and what both need (the labelled rail sets, the rail harness) lives in tests/."""
 
 import json
 import time

@@ -24,8 +24,8 @@ import math
 import sys
 from pathlib import Path
 
-from benchmarks.guard_sets import (INPUT_SETS, OUTPUT_SETS, ROOT, as_conversation, engine_for, input_verdict,
-                                   output_verdict, rows, shipped_probes_only)
+from benchmarks.guard_sets import engine_for, shipped_probes_only
+from tests.rail_sets import INPUT_SETS, OUTPUT_SETS, ROOT, as_conversation, input_verdict, output_verdict, rows
 
 OUT = ROOT / "tests" / "data" / "probe_scores.json"
 WEIGHTS = ("float", "int4")

@@ -30,12 +30,12 @@ import argparse
 import asyncio
 import json
 import time
-from collections import Counter
 from pathlib import Path
+
+from tests.reply_loops import NGRAM, TIMES, repeated_ngram
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPTS = ROOT / "benchmarks" / "data" / "everyday_prompts.jsonl"
-NGRAM, TIMES = 4, 3   # a reply "loops" when some NGRAM-gram of its tokens occurs TIMES or more
 
 # The settings measured for docs/benchmarks/replies.md: explicit values (so a run after the defaults change still
 # measures the same thing), and "default" (the config's own).
@@ -73,15 +73,6 @@ def parse_setting(text: str) -> tuple[str, dict | None]:
             raise SystemExit(f"--setting {text!r}: unknown key {key!r}; known: {', '.join(KEYS)}")
         params[key] = int(value) if key in ("seed", "no_repeat_ngram") else float(value)
     return name, params
-
-
-def repeated_ngram(ids: list[int], n: int = NGRAM, times: int = TIMES) -> tuple[int, ...] | None:
-    """The most frequent n-gram of ``ids`` when it occurs ``times`` or more, else None."""
-    counts = Counter(tuple(ids[i:i + n]) for i in range(len(ids) - n + 1))
-    if not counts:
-        return None
-    gram, k = counts.most_common(1)[0]
-    return gram if k >= times else None
 
 
 def read_prompts(path: Path, limit: int | None) -> list[dict]:

@@ -128,9 +128,11 @@ class Server:
         return self.log_path.read_text()
 
     def stop(self) -> None:
-        from benchmarks.remote_load import stop_process
-
-        stop_process(self.proc)
+        self.proc.terminate()   # SIGTERM (on Windows TerminateProcess), then a kill after 20 s
+        try:
+            self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
         self._log.close()
 
 

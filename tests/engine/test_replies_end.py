@@ -3,9 +3,9 @@
 
 import pytest
 
-from benchmarks.replies import repeated_ngram
 from flashguard import EngineConfig
 from flashguard.engine import SamplingParams
+from tests.reply_loops import repeated_ngram
 
 pytestmark = pytest.mark.slow
 

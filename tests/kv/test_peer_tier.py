@@ -362,31 +362,6 @@ def test_an_idle_tier_outlives_the_group_timeout(tmp_path):
     assert out == {"same": True, "lost": None}
 
 
-def _bench(folder: str) -> dict:
-    import json
-
-    from benchmarks import peer as bench
-
-    rc = bench.main(["--device", "cpu", "--context", "1024", "--steps", "2", "--warmup", "1",
-                     "--json", f"{folder}/rows.json"])
-    dead = bench.main(["--device", "cpu", "--dead-peer", "--peer-timeout", str(GLOO_TIMEOUT_S),
-                       "--json", f"{folder}/dead.json"])
-    with open(f"{folder}/rows.json") as fh, open(f"{folder}/dead.json") as gh:
-        return {"rc": rc, "rows": json.load(fh), "dead_rc": dead, "dead": json.load(gh)}
-
-
-@pytest.mark.slow
-def test_bench_cpu_mode_measures_every_row_and_the_dead_peer(tmp_path):
-    out = _spawn(_bench, tmp_path / "out.pt", str(tmp_path))
-    assert out["rc"] == 0 and out["rows"]["check"]["ok"] and out["rows"]["partial"] is None
-    rows = {r["row"]: r for r in out["rows"]["rows"]}
-    assert set(rows) == {"l2", "peer", "resident", "split"} and not any("error" in r for r in rows.values())
-    assert rows["l2"]["page_reads_per_step"] > 0 and rows["peer"]["page_reads_per_step"] == 0
-    for name in ("peer", "split"):   # the same K/V in every row: the peer's pages give the resident logits
-        assert rows[name]["max_abs_logit_diff_vs_resident"] < 1e-4 and rows[name]["peers"]["pages"] > 0
-    assert out["dead_rc"] == 0 and out["dead"]["dead_peer"]["ok"]
-
-
 def test_cli_plan_plans_the_peer_gpus(capsys):
     from flashguard import cli
 

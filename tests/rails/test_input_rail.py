@@ -11,14 +11,14 @@ import json
 
 import pytest
 
-from benchmarks.guard_sets import (FOLLOWUP_SET, INPUT_BENIGN as BENIGN, INPUT_HARMFUL as HARMFUL, INPUT_LONG_SETS as
-                                   LONG_SETS, INPUT_SETS, LONG_BENIGN, LONG_HARMFUL, PLAIN_SETS, followup_conversation)
 from flashguard.rails import probe as probe_mod
 from flashguard.rails.calibrate import INPUT_TUNING_SET, read_rows
 from flashguard.rails.moderation import ModerationSettings, moderate_input
 from flashguard.rails.probe import ProbeError, find_probe
 from flashguard.rails.state import rail_state
 from tests.conftest import ROOT
+from tests.rail_sets import (FOLLOWUP_SET, INPUT_BENIGN as BENIGN, INPUT_HARMFUL as HARMFUL, INPUT_LONG_SETS as
+                             LONG_SETS, INPUT_SETS, LONG_BENIGN, LONG_HARMFUL, PLAIN_SETS, followup_conversation)
 
 pytestmark = pytest.mark.slow
 TUNE = read_rows(INPUT_TUNING_SET, "input")

@@ -7,14 +7,14 @@ import logging
 
 import pytest
 
-from benchmarks.guard_sets import OUTPUT_BENIGN as BENIGN, OUTPUT_HARMFUL as HARMFUL, OUTPUT_SETS
-from benchmarks.guard_sets import output_verdict as run_rail
 from flashguard.rails import probe as probe_mod
 from flashguard.rails.calibrate import TUNING_SET, read_rows, train
 from flashguard.rails.moderation import ModerationSettings, moderate, moderation_suffix
 from flashguard.rails.probe import Probe, ProbeError, find_probe
 from flashguard.rails.state import rail_state
 from tests.conftest import ROOT
+from tests.rail_sets import OUTPUT_BENIGN as BENIGN, OUTPUT_HARMFUL as HARMFUL, OUTPUT_SETS
+from tests.rail_sets import output_verdict as run_rail
 
 pytestmark = pytest.mark.slow
 # set A: first held-out evaluation (v1 probes); its failures shaped v2's tuning additions

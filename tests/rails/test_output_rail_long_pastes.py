@@ -6,8 +6,8 @@ apart from the tuning set's."""
 
 import pydoc_data.topics as topics
 
-from benchmarks.guard_sets import OUTPUT_SETS, output_set_after_pastes, paste_tools
 from flashguard.rails.calibrate import TUNING_SET, read_rows
+from tests.rail_sets import OUTPUT_SETS, output_set_after_pastes, paste_tools
 
 
 def test_the_pastes_come_from_the_test_split_and_no_tuning_row_holds_them():

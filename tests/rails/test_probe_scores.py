@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.guard_sets import input_verdict, output_verdict
 from flashguard.rails import probe as probe_mod
 from flashguard.rails.moderation import ModerationSettings, moderation_suffix
 from flashguard.rails.probe import SHIPPED_DIR, find_probe
 from flashguard.rails.state import rail_state
 from tests.conftest import ROOT
+from tests.rail_sets import input_verdict, output_verdict
 
 pytestmark = pytest.mark.slow
 RECORD = json.loads((ROOT / "tests/data/probe_scores.json").read_text(encoding="utf-8"))

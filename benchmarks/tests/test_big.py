@@ -1,5 +1,5 @@
-"""The 7B-in-4-GiB benchmark's parts on the CPU (issue 18): ``bench.big``'s int4 model maker (no 16-bit copy; the
-bytes the planner counts), the whole benchmark in its tiny mode with streamed layers, and ``bench.gguf_random``'s
+"""The 7B-in-4-GiB benchmark's parts on the CPU: ``benchmarks.big``'s int4 model maker (no 16-bit copy; the
+bytes the planner counts), the whole benchmark in its tiny mode with streamed layers, and ``benchmarks.gguf_random``'s
 Q4_K_M file, read back with gguf-py (llama.cpp's side of the comparison)."""
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ import torch
 from benchmarks import big, gguf_random
 from flashguard.quant.int4_linear import Int4Linear
 from flashguard.vram import plan as planner
-
 from tests import tiny
 
 
