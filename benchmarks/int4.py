@@ -1,6 +1,6 @@
 """Int4 (AWQ gemm format, group 128) vs fp16 weights on the GPU, same decode loops, one process.
 
-    python -m benchmarks.int4 --out docs/benchmarks/int4_h200.md --json int4.json
+    python -m benchmarks.int4 --out docs/benchmarks/int4.md --json int4.json
 
 A random-weight model with the DeepSeek-R1-Distill-Qwen-1.5B shape (``--shape 7b``: the 7B distill's). Rows:
 fp16 (dense, cuBLAS), int4-tinygemm (torch's ``_weight_int4pack_mm``, bf16 activations) and int4-triton

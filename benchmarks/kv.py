@@ -1,6 +1,6 @@
 """KV cache benchmark: DynamicCache, offloaded DynamicCache and flashguard exact/sparse, side by side.
 
-    python -m benchmarks.kv --contexts 8192 32768 131072 --out docs/benchmarks/kv_h200.md
+    python -m benchmarks.kv --contexts 8192 32768 131072 --out docs/benchmarks/kv.md
 
 A random-weight model with the DeepSeek-R1-Distill-Qwen-1.5B shape (Qwen2: 28 layers, 12 heads, 2 KV heads,
 head_dim 128) runs a chunked prefill of random token ids and then greedy decode steps, in one process, one

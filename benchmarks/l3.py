@@ -2,7 +2,7 @@
 Qwen-1.5B-shape checkpoint (random weights, the real tokenizer), the default memory-aware cache under ``--budget``.
 
     python -m benchmarks.l3 --tokenizer .devcarry/ds-tokenizer --context 131072 --budget 4GiB \
-        --out docs/benchmarks/l3_h200.md --json docs/benchmarks/l3_h200.json
+        --out docs/benchmarks/l3.md --json docs/benchmarks/l3.json
 
 Rows, one engine each, on the same conversation (``--context`` tokens of prose):
 

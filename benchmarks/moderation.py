@@ -1,7 +1,7 @@
 """Moderation latency and memory after long conversations: the shared-page rail vs the same prompt prefilled
 from scratch vs NeMo's ``self check output`` prompt (which sees only the last exchange), same model and GPU.
 
-    python -m benchmarks.moderation --tokenizer DIR --contexts 8192 32768 --out docs/benchmarks/moderation_h200.md
+    python -m benchmarks.moderation --tokenizer DIR --contexts 8192 32768 --out docs/benchmarks/moderation.md
 
 The model is random-weight with the DeepSeek-R1-Distill-Qwen-1.5B shape and the real DeepSeek-R1-Distill tokenizer
 (built from the GGUF header, saved to DIR); the engine is flashguard's (DynamicCache, fp16). Per context: a

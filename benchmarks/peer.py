@@ -1,7 +1,7 @@
 """Peer-GPU tier benchmark (issue 17): decode with the off-pool pages on GPU 1 vs in L2, and split over two GPUs.
 
 Run on the ``nvidia-h200-x2`` kind (two GPUs of one host), from anywhere the package imports
-(docs/benchmarks/peer_h200.md gives the device call)::
+(docs/benchmarks/peer.md gives the device call)::
 
     python -m benchmarks.peer --context 131072 --out peer.md --json peer.json
     python -m benchmarks.peer --dead-peer --out dead.md --json dead.json      # the dead-peer check, alone

@@ -90,7 +90,7 @@ def apply_vram_budget(budget: int | None, device: torch.device) -> float | None:
 class Budget:
     """``vram_budget`` and what is planned within it (see the module docstring)."""
 
-    # prefill_chunk auto: larger chunks on a GPU (fewer launches; measured in docs/benchmarks/e2e_h200.md)
+    # prefill_chunk auto: larger chunks on a GPU (fewer launches; measured in docs/benchmarks/e2e.md)
     GPU_CHUNK, CPU_CHUNK = 2048, 512
     CACHED_KEEP = 128 * 2**20   # cached, unused GPU memory an engine keeps between tasks
     KERNEL_MARGIN_AFTER_WARM_UP = 64 * 2**20   # kernels still to load after the warm-up (a rail's, a rare path's)

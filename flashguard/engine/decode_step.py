@@ -2,7 +2,7 @@
 
 Why: a decode step of a small model in eager PyTorch is bound by the host, not the GPU. Each layer launches ~30
 small kernels from Python; for the DeepSeek-R1-Distill-Qwen-1.5B shape on an H200 host that is 60-110 ms a step
-against a few ms of GPU work (docs/benchmarks/kv_h200.md). ``DecodeStep`` runs the model's own modules (norms,
+against a few ms of GPU work (docs/benchmarks/kv.md). ``DecodeStep`` runs the model's own modules (norms,
 projections, MLP, ``lm_head``) but records everything *between two attention calls* as one CUDA graph part
 (layers + 1 graphs a step) and calls the cache's attention eagerly in between: a TieredCache decides on the host,
 step by step, which pages to bring, which a replayed graph cannot do. On a CPU, or when capture fails, the same

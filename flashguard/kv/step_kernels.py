@@ -4,7 +4,7 @@ CUDA graph over the pool (``StaticKV``) or off it (``SparseKV``).
 Why: such a step is bound by its number of kernels, not by bytes. The DeepSeek-R1-Distill-Qwen-1.5B shape reads
 ~0.8 GB a step (int4 layers + 16-bit lm_head), 0.2-0.3 ms on an H200, but its ~23 kernels a layer (norm, three
 projections, rotary in four, two pool writes, attention, a copy, the MLP in five, two residual adds) cost 3.3-3.7
-ms inside the graph (docs/benchmarks/e2e_h200.md: 256 tok/s at 8K against llama.cpp's 384). With these kernels a
+ms inside the graph (docs/benchmarks/e2e.md: 256 tok/s at 8K against llama.cpp's 384). With these kernels a
 layer of an int4 model on the Triton backend is seven launches:
 
 - ``Int4Linear.gemv`` (``quant/int4_triton.py``) with the RMSNorm before it, the residual add after it, or the

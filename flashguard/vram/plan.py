@@ -340,7 +340,7 @@ def sized_kv(shape: Shape, *, budget: int, context: int, weights: str, prefill_c
     """``kv`` with its ``auto`` sizes set for ``budget``: the largest pool that fits (at least the minimum, which
     ``fit_to_budget`` reports when even that does not fit). ``kv.l1_codec: auto`` becomes int8 when a 16-bit
     pool would be shorter than the context and an int8 pool holds all of it (the head size allowing it), else
-    fp16: measured on the H200 (docs/benchmarks/e2e_h200.md), an int8 pool decodes at 0.55-0.67x the 16-bit
+    fp16: measured on the H200 (docs/benchmarks/e2e.md), an int8 pool decodes at 0.55-0.67x the 16-bit
     pool's speed where both hold the conversation, and a pool short of the context decodes off the pool anyway."""
     from ..kv import int8_pool
     from ..kv.policy import round_pages, size_tiers
