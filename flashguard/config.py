@@ -152,8 +152,8 @@ class EngineConfig:
     no_repeat_ngram  a token that would repeat an n-gram of this many tokens the reply already holds is never chosen
                    (transformers' no_repeat_ngram_size); 0 = off (default).
     prefill_chunk  tokens per prefill forward pass (bounds activation memory). None (YAML ``auto``, the default):
-                   2048 on a GPU (a 32K-token prompt then prefills at llama.cpp's rate on an H200; the budget
-                   planner halves it when memory is short), 512 on the CPU.
+                   2048 on a GPU (a 32K-token prompt then prefills at llama.cpp's rate, docs/benchmarks/e2e.md;
+                   the budget planner halves it when memory is short), 512 on the CPU.
     max_context    cap on prompt + generation tokens; None = the model's own context length.
     kv_cache       "tiered" (default: flashguard's memory-aware TieredCache, resident on the device while the
                    context fits the budget, paged to host RAM and disk past it) or "dynamic" (transformers'

@@ -24,7 +24,7 @@ left out in between (the short messages' mean states join it, ``SHORT_SHARE`` of
 layer, L2 and the threshold on a message's worst window are chosen by
 cross-validation grouped by message (``choose_window_probe``). Every other message follows one benign exchange
 (``earlier_exchange``), as a message in a conversation does; a row with ``after`` follows the long paste exchange it
-names (``INPUT_PASTES``, tools/make_long_followup_items.py: short messages after a pasted text, issue 14), and rows
+names (``INPUT_PASTES``, tools/make_long_followup_items.py: short messages after a pasted text), and rows
 with the same message text are held out together. Rows marked ``short_only`` (v7's blunt one-line requests) train
 the short-message probe only; ``--keep-window-probe FILE`` fits as usual, then replaces the window probe with that of
 an earlier input probe file (``keep_window_probe``: v7 keeps v6's, so long messages keep their verdicts).
@@ -51,7 +51,7 @@ log = logging.getLogger("flashguard")
 TUNING_SET = Path(__file__).resolve().parent / "data" / "moderation_tune.jsonl"
 INPUT_TUNING_SET = Path(__file__).resolve().parent / "data" / "moderation_input_tune.jsonl"
 # the paste exchanges (a long pasted text with a question, and a reply) that input tuning rows with ``after`` follow
-# (tools/make_long_followup_items.py; issue 14: short messages after a long paste)
+# (tools/make_long_followup_items.py: short messages after a long paste)
 INPUT_PASTES = Path(__file__).resolve().parent / "data" / "moderation_input_pastes.jsonl"
 L2_GRID = (1.0, 0.1, 0.01)
 FOLDS = 5
@@ -61,7 +61,7 @@ WINDOW = 64
 # the input probe's candidate features (probe.FEATURES), in the order ties go: the message's mean state first
 FEATURE_OPTIONS = ("mean", "last+mean", "last")
 # the output probe's candidate features, ties going to the first: the suffix's last state (v3), and that state with
-# the mean of the suffix's states at the same layer (format 2, issue 14: read in the same forward over the suffix)
+# the mean of the suffix's states at the same layer (format 2: read in the same forward over the suffix)
 OUTPUT_FEATURE_OPTIONS = ("last", "last+mean")
 # input rail, v5: a message longer than WINDOW tokens is judged by sliding windows over its own states (the
 # generation's prefill); the window probe's candidates: window sizes (stride: half a window) and layers

@@ -1,4 +1,4 @@
-"""``flashguard eval-guard FILE``: a user's labelled file through the rails, measured (issue 27 item 5).
+"""``flashguard eval-guard FILE``: a user's labelled file through the rails, measured.
 
 Contract:
 

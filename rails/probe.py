@@ -5,7 +5,7 @@ the model would answer the question (an input rail probe, ``rail: input``, reads
 own prompt instead: where the model is about to answer the user). A logistic regression on that token's hidden state after one decoder
 layer (optionally with the question's Yes/No log-odds as one more feature) reads the verdict from what the
 model represents there, instead of from the two answer words a small model ranks badly. An output probe with
-``features: last+mean`` (file format 2, issue 14) also reads the mean of the suffix's states at that layer, from the
+``features: last+mean`` (file format 2) also reads the mean of the suffix's states at that layer, from the
 same forward (``moderation.suffix_state``).
 
 A probe is one small JSON file, trained by ``flashguard calibrate`` (``rails/calibrate.py``) on
@@ -36,7 +36,7 @@ from .state import rail_state
 log = logging.getLogger("flashguard")
 
 FORMAT = "flashguard-probe/1"
-# format 2 (issue 14): an output probe that also reads the mean of the moderation suffix's states (``features``
+# format 2: an output probe that also reads the mean of the moderation suffix's states (``features``
 # "last+mean", ``mean_over: suffix``). Version 1 files keep their meaning (``mean``: the user's message, input probes
 # only) and are still written for every other probe, so code that knows only version 1 refuses a version 2 file
 # instead of reading its mean as something else

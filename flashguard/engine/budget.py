@@ -37,7 +37,7 @@ KERNEL_MODULES = 192 * 2**20   # CUDA context growth after start, as kernels loa
 def measure_cuda_context(device: torch.device, margin: int = KERNEL_MODULES) -> int:
     """The GPU memory this process holds outside torch's allocator (the CUDA context), measured through NVML plus
     ``margin`` for kernels that load later; ``vram/plan.py``'s ``CUDA_CONTEXT`` where NVML cannot say.
-    (An H200 process measured 0.68 GiB at the end of a run, where the planner assumed 0.39.)"""
+    (A process measured 0.68 GiB at the end of a GPU run, where the planner assumed 0.39.)"""
     from ..vram.accounting import nvml_process_bytes
     from ..vram.plan import CUDA_CONTEXT
 
@@ -150,8 +150,8 @@ class Budget:
         """After the warm-up, with its kernels loaded: the CUDA context measured again. Where it grew past the
         start's estimate (context + ``KERNEL_MODULES``), the allocator's cap and the plan are made again from the
         larger one, before any session holds memory (``forget_pool``: the warm-up's buffers were sized by the old
-        plan): on the H200 the 128K conversations' process reached 4.17 GiB of NVML within a 4 GiB budget, ~0.2 GiB
-        of context past the estimate. A plan that no longer fits keeps the old one, with a warning; a failure to
+        plan): a process of 128K conversations reached 4.17 GiB of NVML within a 4 GiB budget, ~0.2 GiB of context
+        past the estimate. A plan that no longer fits keeps the old one, with a warning; a failure to
         measure changes nothing."""
         if self.vram_budget is None:
             return

@@ -1,7 +1,7 @@
 """One-token decode steps for plain causal Llama / Qwen2 models, with the model's layers captured as CUDA graphs.
 
 Why: a decode step of a small model in eager PyTorch is bound by the host, not the GPU. Each layer launches ~30
-small kernels from Python; for the DeepSeek-R1-Distill-Qwen-1.5B shape on an H200 host that is 60-110 ms a step
+small kernels from Python; for the DeepSeek-R1-Distill-Qwen-1.5B shape on a datacenter GPU that is 60-110 ms a step
 against a few ms of GPU work (docs/benchmarks/kv.md). ``DecodeStep`` runs the model's own modules (norms,
 projections, MLP, ``lm_head``) but records everything *between two attention calls* as one CUDA graph part
 (layers + 1 graphs a step) and calls the cache's attention eagerly in between: a TieredCache decides on the host,
@@ -329,8 +329,8 @@ class DecodeStep:
     def forget_steps(self, keep: set[int] | None = None) -> None:
         """A cache's buffers are gone (its session ended): the one-graph steps recorded over them go too, and the
         device memory their graphs hold (each graph keeps its own pool) is given back: kept, a few sessions'
-        graphs added up past the budget (the H200's 128K new session after 8K and 32K conversations ran out of
-        memory in a 4 GiB budget). With ``keep`` (the addresses of buffers the next session will run on: the
+        graphs added up past the budget (a 128K new session after 8K and 32K conversations ran out of memory in a
+        4 GiB budget). With ``keep`` (the addresses of buffers the next session will run on: the
         engine's ``PoolBuffers.ptrs()``) only the steps recorded over other buffers go."""
         if keep is None:
             self.step_graphs.clear()
@@ -390,7 +390,7 @@ class DecodeStep:
         def record():
             graph = torch.cuda.CUDAGraph()
             # thread_local: the store's L3 writer (kv/store.py, its own thread and stream) may run codec work on the
-            # GPU meanwhile; the default (global) mode made its calls fail (the H200's 128K turn, 2026-12-03)
+            # GPU meanwhile; the default (global) mode made its calls fail (a 128K turn)
             with torch.cuda.graph(graph, capture_error_mode="thread_local"):
                 logits = self._static_layers(kv)
             return graph, logits
@@ -456,7 +456,7 @@ def fuse_norms(model) -> int:
     """Every Llama / Qwen2 RMSNorm of ``model`` runs as ``step_ops.rms_norm`` (one fused kernel on a GPU) in the
     model's own forward too, so a prompt's chunks launch what the decode step launches: transformers' module
     launches eight kernels, 57 times a chunk for the 28-layer 1.5B shape, a quarter of a 2048-token chunk's launches
-    on the H200 (where a chunk's host time is about its GPU time). The modules are changed in place (a model the
+    on a fast GPU (where a chunk's host time is about its GPU time). The modules are changed in place (a model the
     caller passed to the engine too). Returns how many modules were changed."""
     n = 0
     for module in model.modules():

@@ -2,7 +2,7 @@
 
 Every turn sends the whole conversation, and the rails send it again with a question after the message: through
 the chat template that is the same text as the conversation before, plus a tail. Tokenizing all of it each time
-took ~0.13 s per 32K tokens and ~0.4 s per 128K on the H200's host (twice a turn for an input rail without a
+took ~0.13 s per 32K tokens and ~0.4 s per 128K on a GPU server's host (twice a turn for an input rail without a
 probe: `docs/moderation.md`, "Latency on the GPU"). A fast tokenizer cuts its input at every added special token
 (ChatML's ``<|im_start|>``, DeepSeek's ``<｜User｜>``) before anything else and tokenizes the pieces apart, so the
 ids of a text up to the end of a special token do not depend on what follows, nor those up to its start where the

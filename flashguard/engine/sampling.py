@@ -186,7 +186,7 @@ class IncrementalText:
     """The text of a growing list of generated tokens, decoding only a short tail per token.
 
     Why: decoding the whole list at every token is quadratic; after 2K tokens (a DeepSeek-R1 answer with its
-    reasoning) it cost ~0.9 ms a token on the host, a third of an 8K decode step on an H200. As in the incremental
+    reasoning) it cost ~0.9 ms a token on the host, a third of a fast GPU's 8K decode step. As in the incremental
     detokenizers of vLLM and TGI, ``add`` decodes the tokens since ``prefix`` twice (with and without the newest
     ones) and appends the difference once it no longer ends in an incomplete UTF-8 sequence; a few tokens of left
     context keep tokenizers whose pieces depend on their neighbours (SentencePiece's leading spaces) right.

@@ -233,8 +233,8 @@ class TieredLayer(CacheLayerMixin):
     @torch.inference_mode()
     def drop_window_pages(self, n: int) -> None:
         """The oldest ``n`` window pages leave L1 (they are in the store already): the window shifts left once by
-        ``n`` pages (a prefill chunk's 32 pages shifted a 32K window 32 times: 2.8 s of the H200's 98K-token
-        prefill)."""
+        ``n`` pages (a prefill chunk's 32 pages shifted a 32K window 32 times: 2.8 s of a 98K-token prefill on a
+        GPU)."""
         s, shift, nw = self.owner.sink_tokens, n * self.owner.page_size, self.length - self.win_start
         for t in (self.l1_k, self.l1_v, self.l1_ks, self.l1_vs):
             if t is not None:
@@ -374,7 +374,7 @@ class TieredLayer(CacheLayerMixin):
             if lq == 1:
                 return attention.segment(qg, l1_k, l1_v, scale)[0].reshape(hq, lq, d)
             # on a GPU: one flash call, causal bottom-right with GQA in the kernel (the first chunk too: SDPA's
-            # dispatch took cuDNN there, 2.2 ms of host time a layer, run_2026-12-02c/call3/profiles/trace-default.txt)
+            # dispatch took cuDNN there, 2.2 ms of host time a layer in a profiled 128K prompt)
             one = attention.chunk_attention(q, l1_k, l1_v, scale)
             if one is not None:
                 return one

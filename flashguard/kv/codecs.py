@@ -37,7 +37,7 @@ def _quant(x: torch.Tensor, dim: int, bits: int) -> tuple[torch.Tensor, torch.Te
     scale = torch.where(scale == 0, torch.ones_like(scale), scale)
     # one float temporary, worked in place (a copy even when x is float32: x is the caller's); the expression form
     # held two at once, 28 MiB each for a 16-page batch of the 1.5B shape's keys, the size of the allocation that
-    # ran out of memory in a 128K turn's crop on the H200 (docs/benchmarks/run_2026-12-01b/e2e.err)
+    # ran out of memory in a 128K turn's crop under a 4 GiB budget
     y = x.to(torch.float32, copy=True)
     q = y.sub_(lo).div_(scale).round_().clamp_(0, levels).to(torch.uint8)
     return q, scale.to(torch.float16), lo.to(torch.float16)

@@ -89,7 +89,7 @@ class TierPolicy:
     # a referenced page decoding read (``PageStore.warm``) in the last ``hot_steps`` forwards of the sequences on its
     # store (``PageStore.clock``: decode steps and prefill chunks) stays in L2. Counted in forwards, not seconds: a
     # wall-clock window let a slow machine (a loaded 2-core CPU) demote and read again from disk pages a fast one
-    # kept. 256 are ~2 s of the 1.5B model's decoding on the H200, ~10-25 s on a laptop CPU: the pages over budget are
+    # kept. 256 are ~2 s of the 1.5B model's decoding on a fast GPU, ~10-25 s on a laptop CPU: the pages over budget are
     # those decoding read in that many steps (sparse selections drift slowly: a few selections' worth).
     hot_steps: int = 256
 

@@ -4,7 +4,7 @@ A session's ``TieredCache`` takes its layers' L1 buffers (the pool: sinks and wi
 the sparse step's device state (``SparseState``) from a ``PoolBuffers`` at its first token, and gives them back
 when it is released. The next session then attends over the same device memory, so the decode steps' CUDA graphs
 recorded over it stay valid (a new session on a 128K conversation recorded its sparse step again: 0.54 s of its
-first token on the H200, ``docs/benchmarks/run_2026-12-02c/call1``), and the pool (1.2 GiB of a 4 GiB budget) is
+first token, docs/benchmarks/e2e.md), and the pool (1.2 GiB of a 4 GiB budget) is
 not given back and taken again every session.
 
 Contract:

@@ -2,15 +2,15 @@
 whole step, attention included, as one CUDA graph when the context is longer than the pool.
 
 The layer-by-layer sparse path (``TieredLayer._sparse``) decides on the host, per layer, which pages to read; its
-~30 small launches a layer bound a step by the host (28 tok/s at 128K on an H200 where the resident step runs
-~290). Here every decision is a device tensor: the new token's K/V go to L1 at ``l1_pos``; L1 (sinks + window) is
-attended up to ``used`` keys (flash's variable-length kernel, with its log-sum-exp); the off-window pages
-[``first``, ``last``) are ranked by their Quest bound against the whole ``bounds`` buffer with the others masked,
-each KV head's top ``budget`` pages plus the best of the rest make a fixed ``kv_heads x budget`` selection
-(``kv/quest.py``, as ``TieredLayer._pick``), their L2 slots come from a device slot table, their rows are read
-straight from pinned host RAM (``uva.gather_rows``; a host ``index_select`` on a CPU), decoded and attended, and the
-two parts merged. The host fills five scalars before each replay (``TieredCache.sparse_view``) and does the page
-bookkeeping after it (``TieredCache.advance``), as for a resident step.
+~30 small launches a layer bound a step by the host (28 tok/s at 128K on a GPU where the resident step runs ~290,
+docs/benchmarks/e2e.md). Here every decision is a device tensor: the new token's K/V go to L1 at ``l1_pos``; L1
+(sinks + window) is attended up to ``used`` keys (flash's variable-length kernel, with its log-sum-exp); the
+off-window pages [``first``, ``last``) are ranked by their Quest bound against the whole ``bounds`` buffer with the
+others masked, each KV head's top ``budget`` pages plus the best of the rest make a fixed ``kv_heads x budget``
+selection (``kv/quest.py``, as ``TieredLayer._pick``), their L2 slots come from a device slot table, their rows are
+read straight from pinned host RAM (``uva.gather_rows``; a host ``index_select`` on a CPU), decoded and attended,
+and the two parts merged. The host fills five scalars before each replay (``TieredCache.sparse_view``) and does the
+page bookkeeping after it (``TieredCache.advance``), as for a resident step.
 
 A picked page whose only copy is on disk (L3) has slot -1: the step attends the others (the page kernel skips it,
 the torch kernels mask it) and notes it in ``missed``, with the ``ahead`` pages ranked just after the selection

@@ -2,10 +2,10 @@
 CUDA graph over the pool (``StaticKV``) or off it (``SparseKV``).
 
 Why: such a step is bound by its number of kernels, not by bytes. The DeepSeek-R1-Distill-Qwen-1.5B shape reads
-~0.8 GB a step (int4 layers + 16-bit lm_head), 0.2-0.3 ms on an H200, but its ~23 kernels a layer (norm, three
-projections, rotary in four, two pool writes, attention, a copy, the MLP in five, two residual adds) cost 3.3-3.7
-ms inside the graph (docs/benchmarks/e2e.md: 256 tok/s at 8K against llama.cpp's 384). With these kernels a
-layer of an int4 model on the Triton backend is seven launches:
+~0.8 GB a step (int4 layers + 16-bit lm_head), 0.2-0.3 ms of a datacenter GPU's bandwidth, but its ~23 kernels a layer
+(norm, three projections, rotary in four, two pool writes, attention, a copy, the MLP in five, two residual adds)
+cost 3.3-3.7 ms inside the graph (docs/benchmarks/e2e.md: 256 tok/s at 8K against llama.cpp's 384). With these
+kernels a layer of an int4 model on the Triton backend is seven launches:
 
 - ``Int4Linear.gemv`` (``quant/int4_triton.py``) with the RMSNorm before it, the residual add after it, or the
   MLP's ``silu(gate) * up`` on its input folded in: qkv (norm in), o_proj (+ residual), gate_up (norm in), down
@@ -48,7 +48,7 @@ except ImportError:  # pragma: no cover - Windows without triton-windows: caller
     triton = tl = None
 
 from .int8_pool import GROUP   # channels per int8 scale (the pool's layout)
-SPLITS = 64       # key ranges per KV head: 2 KV heads x 64 programs fill an H200's 132 multiprocessors
+SPLITS = 64       # key ranges per KV head: 2 KV heads x 64 programs fill a large GPU's ~132 multiprocessors
 BLOCK_N = 64      # keys per loop iteration of a split
 
 _kernels: dict = {}

@@ -173,7 +173,7 @@ class L2Arena:
         """``slots`` pages will be held at once soon (a prompt's pages, kept in L2 while it is prefilled): the next
         growth makes room for them in one allocation instead of doubling to them. Doubling a pinned arena to a
         128K prompt's 8.4K pages (2.1 GiB for the 1.5B shape) allocated 32K slots in all (8.3 GiB of pinned
-        memory, 1.6 s of the prefill on the H200) and ended at 16K slots (4.2 GiB). A pinned allocation of at
+        memory, 1.6 s of the prefill on a GPU server) and ended at 16K slots (4.2 GiB). A pinned allocation of at
         least ``AHEAD_BYTES`` is made on a thread from now (``_allocate_ahead``)."""
         self.wanted = max(self.wanted, slots)
         if self.data is not None:         # (else the first growth, which knows the layout, starts it)
@@ -188,7 +188,7 @@ class L2Arena:
     def _allocate_ahead(self, layers: int) -> None:
         """Make the announced growth's pinned allocation on a thread (``ahead``: its slots and a Future; ``_grow``
         takes it, ``drop_ahead`` discards it). Pinning host memory is slow (the 2.4 GiB of a 128K prompt took
-        1.8 s of its time to the first token on the H200, on the prefilling thread), and it is not needed at once:
+        1.8 s of its time to the first token on a GPU server, on the prefilling thread), and it is not needed at once:
         no page of a prompt leaves the GPU's pool before the pool is full, so the memory is pinned while the
         prompt's first chunks run on the GPU, and ``_grow`` waits for it only if it is late. A larger
         announcement while one is on its way replaces it (the smaller one is freed when its thread ends).
@@ -386,8 +386,8 @@ class PageStore:
     def _encode_to_host(self, k: torch.Tensor, v: torch.Tensor, pages: list[int]) -> dict:
         """``codecs.encode`` of the pages ``pages`` of ``k``/``v`` (``[layers, kv_heads, n, page_size, head_dim]``)
         on their device, every field (``[layers, kv_heads, len(pages), ...]``) copied to the host. Where the
-        encode's temporaries do not fit the GPU (a crop at 128K under a 4 GiB budget ran out of memory here on the
-        H200, with the allocator at its cap), the pages are encoded in halves, down to one page, whose error is
+        encode's temporaries do not fit the GPU (a crop at 128K under a 4 GiB budget ran out of memory here, with
+        the allocator at its cap), the pages are encoded in halves, down to one page, whose error is
         raised (the engine's prefill recovers from it); the codes are the same (each page is quantized alone)."""
         try:
             if pages == list(range(k.shape[2])):
@@ -746,7 +746,7 @@ class PageStore:
             try:   # on a GPU (a store that serves one): the codec work there, on the worker's own stream
                 with torch.inference_mode(), self._worker_device() as device:
                     blob = self._l3_blob(rows, device)
-            except OUT_OF_MEMORY:   # its temporaries do not fit (the H200's 128K output rail, allocator at its cap)
+            except OUT_OF_MEMORY:   # its temporaries do not fit (a 128K output rail, the allocator at its cap)
                 with torch.inference_mode():
                     blob = self._l3_blob(rows, torch.device("cpu"))
             t1 = time.perf_counter()

@@ -32,7 +32,7 @@ _NIBBLES = ("triton", "dequant")   # backends that keep the codes as packed byte
 
 def choose_backend(device: torch.device, requested: str = "auto") -> str:
     """``requested`` is ``auto`` or one of BACKENDS; ``auto`` picks by measurement (docs/benchmarks/int4.md,
-    H200, DeepSeek-R1-Distill-Qwen-1.5B shape): on CUDA the Triton kernels where they pass their self-check (one
+    DeepSeek-R1-Distill-Qwen-1.5B shape): on CUDA the Triton kernels where they pass their self-check (one
     token as fast as tinygemm, 1.22x vs 1.20x fp16 a decode step; prompts 5.9x tinygemm), else tinygemm (compute
     capability >= 8.0), else ``dequant``."""
     if requested != "auto":

@@ -4,7 +4,7 @@ dequantization to the activation dtype (for prompts, where a dense matmul on the
 Why beside torch's tinygemm: tinygemm is a matrix-vector kernel, 0.39x fp16 on 4,096-token prompt chunks, and it
 needs bf16 (compute capability >= 8.0). These kernels share one layout: one token goes through a matrix-vector
 kernel about as fast as tinygemm with the bias fused in (a 1.5B layer's seven linears: 36.3 vs 34.9 us inside a
-CUDA graph on an H200, docs/benchmarks/int4.md), a prompt through a one-kernel dequantization and cuBLAS
+CUDA graph, docs/benchmarks/int4.md), a prompt through a one-kernel dequantization and cuBLAS
 (fp16 speed; 5.9x tinygemm at 32K), with fp16 as well as bf16 activations (pre-Ampere GPUs have no bf16).
 
 Layout (``Int4Linear``, nn.Linear orientation): ``packed`` uint8 [N, K/2], byte ``j`` of row ``n`` holding code
@@ -123,7 +123,7 @@ def _build() -> dict:
 
 def gemv_config(n: int, k_half: int, device: torch.device) -> tuple[int, int, int]:
     """(BLOCK_N rows per program, BLOCK_B bytes per row per iteration, warps). From a sweep of 40 launch shapes per
-    linear shape on an H200 (docs/benchmarks/int4.md): few, long iterations (a row's bytes in one or two
+    linear shape (docs/benchmarks/int4.md): few, long iterations (a row's bytes in one or two
     loads, up to 2 KB), ~8 KB per program and iteration, but at least one program per multiprocessor. This rule
     came within 6% of the best shape for the 1.5B's linears, 12% for the 7B's."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8

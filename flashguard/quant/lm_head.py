@@ -10,7 +10,7 @@ largest, with the tokens the rails read (``keep_exact``), are recomputed from th
 or a GGUF's Q8_0 table dequantized), which stay in host RAM (``kv.uva.PinnedRows``: on a GPU the GPU reads the rows
 it needs itself) and cost ``TOP`` rows a token. The greedy token is the exact head's whenever it is among the int4
 head's ``TOP`` (every position measured); the tail keeps int4's error, KL 0.001-0.003 nats on the real SmolLM2 and
-Gemma 3 (docs/benchmarks/lm_head.md). Fewer bytes are not always less time: on an H200 cuBLAS reads the 16-bit
+Gemma 3 (docs/benchmarks/lm_head.md). Fewer bytes are not always less time: on a datacenter GPU cuBLAS reads the 16-bit
 head fastest (0.15 ms against 0.33 for Q8_0 and 0.39 for int4 + top rows), while a laptop GPU is bound by its
 bytes. So ``auto`` measures.
 

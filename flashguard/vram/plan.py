@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 from ..kv import FETCH_BLOCK_TOKENS, Q_TILE
 from ..quant import AWQ_GROUP_SIZE
-SLACK = 0.08           # reserved - allocated, measured 5-10% on the H200 runs
+SLACK = 0.08           # reserved - allocated: 5-10% measured in the GPU runs (docs/benchmarks/fit_4gib.md)
 CUDA_CONTEXT = 400 * 2**20
 HEADROOM = 0.10        # share of vram_budget left unplanned: planner error and fragmentation (SLACK covers the
                        # allocator's own); measured NVML at 4 GiB stayed <= 3.36 GiB with 0.15 (0.6 GiB unused)
@@ -340,7 +340,7 @@ def sized_kv(shape: Shape, *, budget: int, context: int, weights: str, prefill_c
     """``kv`` with its ``auto`` sizes set for ``budget``: the largest pool that fits (at least the minimum, which
     ``fit_to_budget`` reports when even that does not fit). ``kv.l1_codec: auto`` becomes int8 when a 16-bit
     pool would be shorter than the context and an int8 pool holds all of it (the head size allowing it), else
-    fp16: measured on the H200 (docs/benchmarks/e2e.md), an int8 pool decodes at 0.55-0.67x the 16-bit
+    fp16: measured (docs/benchmarks/e2e.md), an int8 pool decodes at 0.55-0.67x the 16-bit
     pool's speed where both hold the conversation, and a pool short of the context decodes off the pool anyway."""
     from ..kv import int8_pool
     from ..kv.policy import round_pages, size_tiers
@@ -529,9 +529,9 @@ def layer_placement(shape: Shape, *, budget: int, context: int, weights: str, ca
 
     Returns ``(streamed, prefill_chunk)``: the chunk is halved (down to 256) only when even every layer streamed
     does not fit; with ``shrink_chunk`` (``prefill_chunk: auto``), a model that streams takes the chunk down to 512
-    where that keeps more layers resident (the 7B at 4 GiB: a streamed layer costs 2.3 ms of PCIe a token on an
-    H200, a smaller chunk only prefill launches). A budget that cannot hold even that is a ``ConfigError`` naming ``vram_budget`` and the smallest
-    budget that works."""
+    where that keeps more layers resident (the 7B at 4 GiB: a streamed layer costs ~2.3 ms of PCIe a token,
+    docs/benchmarks/big.md; a smaller chunk costs only prefill launches). A budget that cannot hold even that is
+    a ``ConfigError`` naming ``vram_budget`` and the smallest budget that works."""
     from ..errors import ConfigError
     from ..kv.policy import size_tiers
 
