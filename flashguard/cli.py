@@ -12,6 +12,7 @@ lines (the rails' verdicts, timings); ``-vv``: NeMo Guardrails' too.
                           [--backend openai --sources]                   or the server's question classifier
     flashguard eval-guard FILE [--config DIR] [--rail input|output|both] [--limit N] [--json OUT]
                           a labelled JSONL / CSV through the rails: blocked rates, precision, recall, F1
+    flashguard export-guard --gguf OUT [--guard FOLDER] [--llama-cpp DIR]   the guard adapter for llama-server
 """
 
 from __future__ import annotations
@@ -561,6 +562,12 @@ def cmd_calibrate(args) -> int:
     return calibrate(args)
 
 
+def cmd_export_guard(args) -> int:
+    from .remote.guard_export import main as export_guard
+
+    return export_guard(args)
+
+
 def cmd_eval_guard(args) -> int:
     """The labelled file is read and checked whole, and the config's rails and moderation keys, before the model
     loads (rails/evaluate.py); a bad row or key is one line, exit status 2."""
@@ -724,6 +731,12 @@ def main(argv: list[str] | None = None) -> int:
                    "--max-rows default 1200; --features FILE keeps the log-odds). The log-odds are read by the "
                    "config's engine: in process (the same numbers, faster) or through its server")
     p.set_defaults(func=cmd_calibrate)
+    from .remote.guard_export import add_arguments as export_arguments
+
+    p = sub.add_parser("export-guard", help="write the guard adapter as a llama.cpp LoRA GGUF (llama-server's --lora, "
+                       "backend: openai)")
+    export_arguments(p, default_config_dir())
+    p.set_defaults(func=cmd_export_guard)
     p = sub.add_parser("eval-guard", help="a labelled JSONL or CSV file through the config's rails: blocked rates, "
                        "precision, recall and F1 per rail and category")
     p.add_argument("file", help="JSONL (.jsonl, .json) or CSV (.csv): columns user and/or bot (or text: the user's "

@@ -188,7 +188,10 @@ class EngineConfig:
                    pages (engine/alora.py, rails/guard.py). "auto" (default): the one made for this model if there is
                    one (shipped for the embedded SmolLM2; ``flashguard train-guard`` writes one to the user cache);
                    "off": none (the rails decide by probe or question); or a folder's path. A guard for another
-                   model, or a corrupt one, is an error naming this key, never a silent fall back.
+                   model, or a corrupt one, is an error naming this key, never a silent fall back. With ``backend:
+                   openai`` the server runs it: ``flashguard export-guard`` writes it as a GGUF for llama-server's
+                   ``--lora-scaled guard.gguf:0``, and the rails name it per request (remote/guard.py); a folder the
+                   server lacks is an error naming this key, ``auto`` says so once and runs without it.
     backend        "local" (default: this process runs the model) or "openai": an OpenAI-compatible server runs it
                    (llama-server, vLLM, SGLang; flashguard/remote/): the requests name the models entry's ``model``,
                    and the model's tokenizer and chat template (``model_path``) render the conversation here, so the

@@ -59,7 +59,7 @@ def _remote(config: EngineConfig, model: str):
     from ..remote.engine import RemoteEngine
 
     key = (config.base_url, model, config.model_path, config.gguf_file, config.api_key_env, config.timeout_s,
-           config.max_context, config.system_prompt, config.seed, config.slot_leases)
+           config.max_context, config.system_prompt, config.seed, config.slot_leases, config.guard_adapter)
     with _lock:
         engine = _remotes.get(key)
         if engine is None:

@@ -85,16 +85,32 @@ class Client:
         data = r.json().get("data") or []
         return [str(m.get("id")) for m in data if isinstance(m, dict)]
 
-    def slot_count(self) -> int | None:
-        """The server's slots (llama-server's ``GET /props``: ``total_slots``, at the server's root, beside ``/v1``);
-        None from a server without that endpoint (vLLM, SGLang: one shared prefix cache, nothing to lease)."""
+    def _root_json(self, path: str):
+        """``GET`` of llama-server's own endpoint ``path`` (at the server's root, beside ``/v1``): its JSON, or None
+        from a server without it (vLLM, SGLang) or one that cannot be read."""
         root = self.base_url[:-3] if self.base_url.endswith("/v1") else self.base_url
         try:
-            r = self.http.get(f"{root}/props", timeout=min(self.timeout_s, 10.0))
-            count = r.json().get("total_slots") if r.status_code == 200 else None
-        except (httpx.HTTPError, ValueError, AttributeError):
+            r = self.http.get(f"{root}{path}", timeout=min(self.timeout_s, 10.0))
+            return r.json() if r.status_code == 200 else None
+        except (httpx.HTTPError, ValueError):
             return None
+
+    def props(self) -> dict | None:
+        """llama-server's ``GET /props`` (None elsewhere)."""
+        props = self._root_json("/props")
+        return props if isinstance(props, dict) else None
+
+    def slot_count(self) -> int | None:
+        """The server's slots (llama-server's ``GET /props``: ``total_slots``); None from a server without that
+        endpoint (vLLM, SGLang: one shared prefix cache, nothing to lease)."""
+        count = (self.props() or {}).get("total_slots")
         return count if isinstance(count, int) and count > 0 else None
+
+    def lora_adapters(self) -> list[dict] | None:
+        """llama-server's ``GET /lora-adapters``: its adapters (id, path, scale, task_name, alora_invocation_tokens);
+        None from a server without that endpoint."""
+        adapters = self._root_json("/lora-adapters")
+        return [a for a in adapters if isinstance(a, dict)] if isinstance(adapters, list) else None
 
     def complete(self, body: dict, what: str = "the request") -> dict:
         """One completions request, answered whole."""

@@ -15,6 +15,10 @@ Contract (the public surface of the local ``Engine`` that the provider, the serv
   ``reused`` is what the server says it took from its prefix cache (``usage.prompt_tokens_details.cached_tokens``,
   or llama-server's ``timings.cache_n``). No hidden states: ``reads_states`` is False and the rails decide by the
   question's Yes/No log-odds (a probe needs the model's states).
+- ``read(ids, adapter_from=k)``: the guard's question (rails/guard.py) with the guard adapter on from ``ids[k]`` (the
+  invocation's first token): the request names the server's guard adapter (``lora``), which llama-server runs from
+  there on and reuses the conversation before it from the slot's cache. ``guard`` is the ``remote.guard.RemoteGuard``
+  of ``guard_adapter`` (None: no guard); every request of a conversation names it (remote/guard.py says why).
 - ``keep_exact(token_ids)``: nothing to do (the server's log-probabilities are its own head's).
 - ``lock`` serialises nothing: each call is its own request, and the server batches concurrent ones.
 - Where the server reports its slots (llama-server's ``GET /props`` ``total_slots``) and ``slot_leases`` is auto,
@@ -44,6 +48,7 @@ from ..engine.stats import EngineStats
 from ..errors import FlashguardError
 from .. import notice
 from .client import Client, RemoteError, RemoteTimeout
+from . import guard as remote_guard
 from . import slots
 
 log = logging.getLogger("flashguard")
@@ -53,6 +58,7 @@ class RemoteEngine:
     reads_states = False
     MISSES = 3          # rail requests in a row that reuse under half of a long prompt before the log says so
     TOP_LOGPROBS = 20   # the most llama-server, vLLM (--max-logprobs) and SGLang return by default
+    RESAMPLES = 3       # reads sampled again where the server held the sampled token back (read's comment)
 
     def __init__(self, config: EngineConfig, model: str, source: loader.ModelSource | None = None):
         self.config, self.model_name = config, model
@@ -72,6 +78,7 @@ class RemoteEngine:
         self.client = Client(config.base_url, config.api_key_env, config.timeout_s)
         self._prefix_misses = 0   # long rail requests in a row that reused under half (a warning at MISSES)
         self.leases: slots.SlotLeases | None = None
+        self.guard: remote_guard.RemoteGuard | None = None
         self._check_server()
 
     # ---- start ---------------------------------------------------------------------------
@@ -81,6 +88,9 @@ class RemoteEngine:
             raise FlashguardError(f"models[main].model: the server at {self.config.base_url} serves "
                                   f"{', '.join(repr(m) for m in served)}, not {self.model_name!r}; set model to "
                                   "one of them")
+        # guard_adapter: the rails' activated LoRA, loaded by the server (--lora) and named per request (before the
+        # first completions request: a server holding several activated LoRAs refuses one that names none of them)
+        self.guard = remote_guard.attach(self.config, self.source, self.client)
         probe = self.tokenizer("Hello", add_special_tokens=False)["input_ids"]
         answer = self.client.complete(self._body(probe, 1, SamplingParams(max_tokens=1), logprobs=True),
                                       "a logprobs request at start")
@@ -122,9 +132,13 @@ class RemoteEngine:
         return checked_prompt(ids, self.context_length, len(self.tokenizer))
 
     def _body(self, ids: list[int], max_tokens: int, params: SamplingParams, logprobs: bool = False,
-              slot: int | None = None) -> dict:
+              slot: int | None = None, adapter: bool = False) -> dict:
         body = {"model": self.model_name, "prompt": ids, "max_tokens": max_tokens,
                 "temperature": params.temperature, "top_p": params.top_p}
+        if self.guard is not None:   # (remote/guard.py: the guard named on every request, on only where asked)
+            lora = self.guard.lora(adapter or remote_guard.lacks_invocation(self.guard, ids))
+            if lora is not None:
+                body["lora"] = lora
         if slot is not None:
             body["id_slot"] = slot
         seed = params.seed if params.seed is not None else self.config.seed
@@ -179,20 +193,33 @@ class RemoteEngine:
 
     # ---- reading --------------------------------------------------------------------------
     def read(self, ids: Sequence[int], task: str = "moderation", *, hidden: bool = False, layers=(),
-             mean_from: int | None = None, keep_states: bool = False, keep: int | None = None) -> Reading:
-        """The next token's log-probabilities after ``ids`` (see the module docstring). ``keep`` is the server's
-        business (its prefix cache keeps what it keeps); hidden states cannot be read remotely."""
+             mean_from: int | None = None, keep_states: bool = False, keep: int | None = None,
+             adapter_from: int | None = None) -> Reading:
+        """The next token's log-probabilities after ``ids`` (see the module docstring); with ``adapter_from`` the
+        guard adapter runs from ``ids[adapter_from]`` on. ``keep`` is the server's business (its prefix cache keeps
+        what it keeps); hidden states cannot be read remotely."""
         if hidden or layers or mean_from is not None:
             raise FlashguardError("the openai backend returns no hidden states: the rails use the question's "
                                   "verdict there (probe: off)", key="backend")
         ids = self._check_prompt(ids)
+        if adapter_from is not None:
+            remote_guard.check_start(self.guard, ids, adapter_from)
         t0 = time.perf_counter()
         # temperature 1, top_p 1: the log-probabilities as the model gives them (a greedy or top-p request can come
         # back renormalised after the sampler's cut, the other answer at -inf); the sampled token is not used
         with self._slot(ids) as slot:
-            answer = self.client.complete(self._body(ids, 1, SamplingParams(max_tokens=1, temperature=1.0),
-                                                     logprobs=True, slot=slot), f"the {task} question")
-        top = self._top_logprobs(answer)
+            body = self._body(ids, 1, SamplingParams(max_tokens=1, temperature=1.0), logprobs=True, slot=slot,
+                              adapter=adapter_from is not None)
+            for retry in range(self.RESAMPLES + 1):
+                answer = self.client.complete(body, f"the {task} question")
+                if retry == 0:   # (its cache counts are the read's: a second try finds the prompt cached)
+                    first = answer
+                top = self._top_logprobs(answer)
+                if top or not self._held_back(answer):
+                    break
+                # llama-server sends no log-probabilities where the sampled token is part of a UTF-8 character (it
+                # holds the text back for the next token): sample again (the prompt is in its cache by now)
+                body["seed"] = int(body.get("seed") or 0) + 7919 * (retry + 1)
         if not top:
             raise RemoteError(f"the server returned no logprobs for the {task} question: {str(answer)[:200]}")
         floor = min(top.values())
@@ -201,7 +228,7 @@ class RemoteEngine:
         for token, lp in top.items():
             if 0 <= token < logprobs.numel():
                 logprobs[token] = lp
-        cached = self._cached(answer.get("usage") or {}, answer.get("timings") or {})
+        cached = self._cached(first.get("usage") or {}, first.get("timings") or {})
         reused = cached or 0
         # the output rail's request follows the turn the server just generated: a long one mostly cached, if the
         # cache is on (a server that does not report it says nothing here; the input rail's first request of a
@@ -220,6 +247,13 @@ class RemoteEngine:
                           seconds=seconds, first_token_s=seconds, server_seconds=self._server_s(answer))
         return Reading(logprobs=logprobs, hidden=None, mean=None, states=None, reused=reused,
                        prefilled=len(ids) - reused)
+
+    @staticmethod
+    def _held_back(answer: dict) -> bool:
+        """An answer whose one token was held back as part of a UTF-8 character: no log-probabilities, no text or
+        a replacement character."""
+        choice = (answer.get("choices") or [{}])[0]
+        return not choice.get("logprobs") and "\ufffd" in str(choice.get("text") or "\ufffd")
 
     @staticmethod
     def _server_s(answer: dict) -> float:
@@ -272,4 +306,4 @@ class RemoteEngine:
     def info(self) -> dict:
         return {"model": self.source.label, "backend": "openai", "base_url": self.config.base_url,
                 "served_model": self.model_name, "device": "remote", "weights": "on the server",
-                "context": self.context_length}
+                "context": self.context_length, "guard": None if self.guard is None else self.guard.info()}
