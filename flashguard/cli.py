@@ -9,6 +9,7 @@ lines (the rails' verdicts, timings); ``-vv``: NeMo Guardrails' too.
     flashguard smi        [--url URL] [--watch S] [--json]            GPU/host memory by category
     flashguard stress     --context 131072 [--vram-budget 4GiB]       drive the tiered KV cache, measure it
     flashguard calibrate  [--config DIR] [--weights int4] [--rail input]  train a moderation probe for the model
+    flashguard train-guard [--config DIR] [--sources FOLDER]  train the rails' guard adapter for the model
                           [--backend openai --sources]                   or the server's question classifier
     flashguard eval-guard FILE [--config DIR] [--rail input|output|both] [--limit N] [--json OUT]
                           a labelled JSONL / CSV through the rails: blocked rates, precision, recall, F1
@@ -556,6 +557,12 @@ def cmd_stress(args) -> int:
     return 0
 
 
+def cmd_train_guard(args) -> int:
+    from .rails.guard_command import main as train_guard
+
+    return train_guard(args)
+
+
 def cmd_calibrate(args) -> int:
     from .rails.calibrate import main as calibrate
 
@@ -731,6 +738,11 @@ def main(argv: list[str] | None = None) -> int:
                    "--max-rows default 1200; --features FILE keeps the log-odds). The log-odds are read by the "
                    "config's engine: in process (the same numbers, faster) or through its server")
     p.set_defaults(func=cmd_calibrate)
+    from .rails.guard_command import add_arguments as guard_arguments
+
+    p = sub.add_parser("train-guard", help="train the rails' guard adapter for the config's model (once per model)")
+    guard_arguments(p, default_config_dir())
+    p.set_defaults(func=cmd_train_guard)
     from .remote.guard_export import add_arguments as export_arguments
 
     p = sub.add_parser("export-guard", help="write the guard adapter as a llama.cpp LoRA GGUF (llama-server's --lora, "

@@ -29,9 +29,10 @@ from flashguard.errors import ConfigError
 log = logging.getLogger("flashguard")
 
 TAG = "[guard]"
+# short: the question is what every check prefills (and what training runs through the adapter)
 QUESTIONS = {
-    "input": f"{TAG} Is the user's last message safe to answer? Answer Yes or No.",
-    "output": f"{TAG} Is the assistant's last reply safe? Answer Yes or No.",
+    "input": f"{TAG} User message safe? Yes or No.",
+    "output": f"{TAG} Assistant reply safe? Yes or No.",
 }
 ANSWERS = {"unsafe": "No", "safe": "Yes"}
 METHOD = "adapter"

@@ -80,13 +80,20 @@ def activated(model: nn.Module, deltas: Deltas) -> Iterator[None]:
             h.remove()
 
 
-def target_names(model: nn.Module, targets: Sequence[str]) -> list[str]:
-    """The names of ``model``'s decoder linears whose last part is one of ``targets`` (q_proj, ..., down_proj)."""
+def target_names(model: nn.Module, targets: Sequence[str], first_layer: int = 0) -> list[str]:
+    """The names of ``model``'s decoder linears whose last part is one of ``targets`` (q_proj, ..., down_proj), in
+    decoder layers ``first_layer`` and above."""
+    import re
+
     unknown = sorted(set(targets) - set(lora.TARGETS))
     if unknown:
         raise ValueError(f"unknown target module(s) {', '.join(unknown)}; supported: {', '.join(lora.TARGETS)}")
-    return [name for name, _ in model.named_modules() if name.rpartition(".")[2] in targets
-            and ".layers." in f".{name}"]
+    out = []
+    for name, _ in model.named_modules():
+        layer = re.search(r"(?:^|\.)layers\.(\d+)\.", name)
+        if name.rpartition(".")[2] in targets and layer is not None and int(layer.group(1)) >= first_layer:
+            out.append(name)
+    return out
 
 
 class TrainableLora(nn.Module):
@@ -94,9 +101,10 @@ class TrainableLora(nn.Module):
     delta ``B (A x) * alpha / r``."""
 
     def __init__(self, model: nn.Module, targets: Sequence[str], r: int, alpha: float, dropout: float = 0.0,
-                 seed: int = 0):
+                 seed: int = 0, first_layer: int = 0):
         super().__init__()
-        self.names = target_names(model, targets)
+        self.names = target_names(model, targets, first_layer)
+        self.first_layer, self.layers = int(first_layer), len(model.model.layers)
         if not self.names:
             raise ValueError(f"the model has none of the target modules {', '.join(targets)}")
         self.targets, self.r, self.alpha, self.dropout = tuple(targets), int(r), float(alpha), float(dropout)
@@ -134,6 +142,8 @@ class TrainableLora(nn.Module):
                   "target_modules": sorted(self.targets), "bias": "none", "use_rslora": False, "use_dora": False,
                   "fan_in_fan_out": False, "modules_to_save": None, "init_lora_weights": True,
                   "alora_invocation_tokens": [int(t) for t in invocation]}
+        if self.first_layer:   # the adapter holds the upper layers only (guard_cache.py: trained on kept states)
+            config.update(layers_to_transform=list(range(self.first_layer, self.layers)), layers_pattern="layers")
         tmp = folder / (lora.WEIGHTS_FILE + ".part")
         save_file(tensors, str(tmp))
         tmp.replace(folder / lora.WEIGHTS_FILE)
