@@ -475,4 +475,5 @@ def greedy_step(model, cache, token: torch.Tensor, step: "DecodeStep | None", kw
     with forwarding(cache, token[0].tolist()):
         if step is not None:
             return step.step(int(token[0, 0]), cache).argmax(-1).view(1, 1)
-        return model(input_ids=token, **{kwarg: cache}, logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
+        out = model(input_ids=token, **attention.forward_kwargs(kwarg, cache), logits_to_keep=1)
+        return out.logits[:, -1].argmax(-1, keepdim=True)

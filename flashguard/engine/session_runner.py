@@ -27,6 +27,7 @@ from typing import Sequence
 import torch
 
 from ..kv import peer
+from ..kv.attention import forward_kwargs
 from .retry import RetryPolicy
 
 log = logging.getLogger("flashguard")
@@ -206,7 +207,8 @@ class SessionRunner:
             with tap.forward(self.model, len(session.ids)) if tap is not None else contextlib.nullcontext(), \
                     activated(self.model, deltas) if deltas is not None else contextlib.nullcontext():
                 with torch.inference_mode():
-                    out = self.model(input_ids=inp, **{self.cache_kwarg: cache}, use_cache=True, logits_to_keep=1)
+                    out = self.model(input_ids=inp, **forward_kwargs(self.cache_kwarg, cache), use_cache=True,
+                                     logits_to_keep=1)
             return out.logits[0, -1]
 
     def warm_up_prompt(self, context: int) -> None:

@@ -6,15 +6,17 @@ which equals softmax attention over the union of the segments.
 
 ``flashguard_attention`` is registered as ``tiered_kv`` with transformers' ``AttentionInterface`` (and a mask function that
 returns None with ``AttentionMaskInterface``): the model calls it per layer, right after the cache's ``update``.
-A TieredLayer's ``update`` notes itself for its layer index in a thread-local table (``note_update``), and the
-attention uses it when the keys it is given are the ones that layer returned; so any number of TieredCaches can
-take turns on one model. With any other Cache it falls back to PyTorch SDPA.
+
+Contract: the forward that runs a TieredCache is given it twice, as transformers' cache argument (``update``) and
+as the keyword ``CACHE_KWARG``, which transformers hands on to every layer's attention call; the attention asks that
+cache's layer ``module.layer_idx`` (``TieredLayer.attend``). Nothing is found through global or thread state, so any
+number of TieredCaches can take turns on one model, on any thread. ``forward_kwargs`` builds both for a caller (the
+engine's prefill, ``flashguard stress``); ``pass_cache`` (``TieredCache.attach``) adds the keyword to a forward that
+names only transformers' argument (plain ``model.generate``, tests). With no such keyword (any other Cache) the
+attention is PyTorch SDPA.
 """
 
 from __future__ import annotations
-
-import threading
-import weakref
 
 import torch
 
@@ -263,23 +265,42 @@ def merge_into(acc: tuple[torch.Tensor, torch.Tensor] | None,
     return o, lse
 
 
-_updated = threading.local()  # .layers: layer index -> weak reference to the TieredLayer updated last
+CACHE_KWARG = "flashguard_kv"   # the forward's keyword that carries a TieredCache to its layers' attention calls
+_CACHE_ARGS = ("cache", "past_key_values")   # transformers' name for the forward's Cache (>= 5.2x, older)
 
 
-def note_update(index: int, layer) -> None:
-    """Called by ``TieredLayer.update``: the next attention call of this layer index on this thread is its."""
-    table = getattr(_updated, "layers", None)
-    if table is None:
-        table = _updated.layers = {}
-    table[index] = weakref.ref(layer)
+def serves_attention(cache) -> bool:
+    """True for a cache whose layers attend themselves (a TieredCache: ``layers[i].attend``)."""
+    return bool(getattr(cache, "serves_attention", False))
+
+
+def forward_kwargs(kwarg: str, cache) -> dict:
+    """The keyword arguments that run a forward over ``cache``: transformers' ``kwarg`` (``engine.cache_kwarg``)
+    and, for a TieredCache, ``CACHE_KWARG`` for its attention."""
+    return {kwarg: cache, CACHE_KWARG: cache} if serves_attention(cache) else {kwarg: cache}
+
+
+def _add_cache_kwarg(module, args, kwargs):
+    if CACHE_KWARG not in kwargs:
+        cache = next((kwargs[a] for a in _CACHE_ARGS if kwargs.get(a) is not None), None)
+        if serves_attention(cache):
+            kwargs[CACHE_KWARG] = cache
+            return args, kwargs
+    return None
+
+
+def pass_cache(model) -> None:
+    """``model``'s forward hands a TieredCache given as transformers' cache argument on to its attention (as
+    ``CACHE_KWARG``) when the caller did not: what plain ``model.generate(past_key_values=cache)`` needs. Once per
+    model."""
+    if not getattr(model, "_flashguard_passes_cache", False):
+        model.register_forward_pre_hook(_add_cache_kwarg, with_kwargs=True)
+        model._flashguard_passes_cache = True
 
 
 def flashguard_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    ref = getattr(_updated, "layers", {}).get(module.layer_idx)
-    layer = ref() if ref is not None else None
-    if layer is not None and layer.keys_returned is not key:
-        layer = None  # this forward runs with another Cache object
-    if layer is None:
+    cache = kwargs.pop(CACHE_KWARG, None)
+    if cache is None:
         if attention_mask is None and query.shape[0] == 1:  # no_mask() gave None: one causal sequence
             return causal_sdpa(query, key, value, scaling), None
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -288,6 +309,7 @@ def flashguard_attention(module, query, key, value, attention_mask, scaling=None
                                       **kwargs)
     if query.shape[0] != 1:
         raise ValueError("TieredCache serves one sequence at a time (batch size 1)")
+    layer = cache.layers[module.layer_idx]
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     out = layer.attend(query[0], scale)   # [Hq, Lq, D]
     return out.transpose(0, 1).unsqueeze(0).to(query.dtype), None

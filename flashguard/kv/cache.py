@@ -83,7 +83,6 @@ class TieredLayer(CacheLayerMixin):
         self.n_pages = 0                        # full pages with bounds (columns of ``bounds`` in use)
         self.hot: "OrderedDict[int, int]" = OrderedDict()   # hot page -> slot of the hot arena
         self.hot_k = self.hot_v = None          # [slots, kvh, P, D] preallocated at the first sparse fetch
-        self.keys_returned = None               # the keys ``update`` returned: the attention checks they are ours
         self.last_reach = 0                     # pages selected at the last sparse step that sit just behind L1
         self.heat: list[float] = []             # per full page: reads lately, on the host (no device syncs)
         self.dtype = self.device = None         # the model's K/V dtype and device, from the first update
@@ -125,8 +124,6 @@ class TieredLayer(CacheLayerMixin):
             if self.owner.store is not None:
                 self.owner.store.tick()   # one forward: the tier policy's clock ("read lately")
         self._append(key_states[0], value_states[0])
-        self.keys_returned = key_states  # the attention function checks it got *this* cache's keys
-        attention.note_update(self.index, self)
         if self.index == self.owner.num_layers - 1:
             self.owner.length = self.length
         return key_states, value_states
@@ -525,6 +522,8 @@ class TieredLayer(CacheLayerMixin):
 class TieredCache(Cache):
     """See the module docstring. One sequence (batch size 1) per cache; the store may be shared."""
 
+    serves_attention = True   # the tiered_kv attention asks this cache's layers (``attention.forward_kwargs``)
+
     def __init__(self, model_config, cache_config: CacheConfig | None = None, store: PageStore | None = None,
                  model_id: str | None = None, preallocate: bool = False, pool=None):
         """``preallocate``: take the whole L1 buffer (the pool) at the first token instead of growing it.
@@ -597,10 +596,12 @@ class TieredCache(Cache):
         return self
 
     def attach(self, model) -> "TieredCache":
-        """Switch ``model`` to the tiered attention (which finds this cache through its ``update`` calls)."""
+        """Switch ``model`` to the tiered attention, and have its forward hand a TieredCache given as its cache
+        argument on to that attention (``attention.pass_cache``: plain ``model.generate`` works as is)."""
         attention.register()
         if getattr(model.config, "_attn_implementation", None) != attention.NAME:
             model.set_attn_implementation(attention.NAME)
+        attention.pass_cache(model)
         return self
 
     # ---- the forward protocol -------------------------------------------------------------

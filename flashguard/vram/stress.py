@@ -69,6 +69,7 @@ def run(args) -> dict:
     from ..engine.decode_step import DecodeStep, greedy_step
     from ..engine.engine import apply_vram_budget, cache_kwarg
     from ..kv.cache import TieredCache
+    from ..kv.attention import forward_kwargs
     from ..kv.session import forwarding
     from ..kv.store import PageStore
     from ..quant.int4_linear import backend_of
@@ -110,7 +111,7 @@ def run(args) -> dict:
         for a in range(0, args.context, args.prefill_chunk):
             part = ids[:, a:a + args.prefill_chunk]
             with forwarding(cache, part[0].tolist()):
-                logits = model(input_ids=part, **{kwarg: cache}, logits_to_keep=1).logits
+                logits = model(input_ids=part, **forward_kwargs(kwarg, cache), logits_to_keep=1).logits
         sync()
         prefill_s = time.perf_counter() - t0
         tok = logits[:, -1].argmax(-1, keepdim=True)
