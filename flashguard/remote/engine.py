@@ -103,7 +103,7 @@ class RemoteEngine:
             self.leases = slots.for_server(self.config.base_url, count)
             log.info("flashguard: the server has %d slots; each turn keeps one from its first request to its last "
                      "(slot_leases: auto; start llama-server with --no-cache-idle-slots, else it copies the idle "
-                     "slots' KV to host RAM at every request: README, 'Past one machine')", count)
+                     "slots' KV to host RAM at every request: docs/remote.md)", count)
 
     @contextlib.contextmanager
     def _slot(self, ids: list[int]):

@@ -70,7 +70,7 @@ class RemoteGuard:
 
 def _export_hint(folder: Path | str) -> str:
     return (f"export it with `flashguard export-guard --guard {folder} --gguf guard.gguf` and start the server with "
-            f"`{FLAGS}` (README: 'The guard behind llama-server'), or set {alora.KEY}: off")
+            f"`{FLAGS}` (docs/remote.md: 'The guard behind llama-server'), or set {alora.KEY}: off")
 
 
 def attach(config, source, client) -> RemoteGuard | None:
