@@ -76,7 +76,7 @@ def test_the_rails_read_what_training_scored(trained):
             # the question ran
             assert v.path == "shared" and v.prefilled_tokens <= len(e.ids) - e.start + 8, (v, len(e.ids), e.start)
         assert v.method == "adapter" and v.decided_by == "adapter, strictness medium"
-        assert abs(v.p_unsafe - p[i]) < 1e-4, (i, e.side)
+        assert abs(v.p_unsafe - p[i]) < 1e-3, (i, e.side)
 
 
 def test_the_generation_never_sees_the_adapter(trained):
