@@ -39,11 +39,9 @@ import logging
 
 import torch
 
-from ..kv import attention, int8_pool
+from ..kv import attention
 from ..kv import step_kernels
-from ..kv.cache import TieredCache
-from ..kv.sparse_step import SparseKV
-from ..kv.static import StaticKV
+from ..kv.static import StaticKV, step_target   # StaticKV: tests and benchmarks import it from here too
 from .host_embedding import HostEmbedding
 from .step_ops import RMS_NORMS, CpuOps, KernelOps, TorchOps, rms_norm
 
@@ -197,42 +195,21 @@ class DecodeStep:
             return (ops.finish(h),)
         return (h, rot, *self._before(ops, i, h, rot))
 
-    def _attend(self, i: int, cache, q, k, v) -> None:
-        tiered = isinstance(cache, TieredCache)
-        if not tiered:  # a cache that may keep the tensors it is given: not the graph's outputs
-            k, v = k.clone(), v.clone()
-        k_all, v_all = cache.update(k, v, i)
-        if tiered:   # a TieredLayer: its own tiers
-            out = cache.layers[i].attend(q[0], self.scaling)                # [Hq, 1, D]
-        else:  # one query over every key: the query heads of a KV head are rows of one fused-kernel call
-            kvh = k_all.shape[1]
-            qg = q[0].reshape(kvh, q.shape[1] // kvh, 1, self.head_dim)
-            out = attention.segment(qg, k_all[0], v_all[0], self.scaling)[0]
+    def attend_layer(self, i: int, target, q, k, v) -> None:
+        """Layer ``i``'s attention in the layer-by-layer step: ``target`` (``kv.static.step_target``: the cache
+        the step runs over) appends ``k``, ``v`` ``[1, kvh, 1, D]`` and attends ``q`` ``[1, Hq, 1, D]``; the result is
+        written to ``attn_out[i]`` (what the next part, or the CPU's ops, read)."""
+        out = target.attend_layer(i, q, k, v, self.scaling)          # [Hq, 1, D]
         self.attn_out[i].copy_(out.reshape(1, 1, -1))
 
-    def _attend_static(self, i: int, kv: StaticKV, q, k, v) -> None:
+    def _attend_static(self, i: int, kv, q, k, v) -> None:
         """Write this token's k, v at ``position`` (a SparseKV: at its L1 position) and attend over what is
-        written (a SparseKV: L1 and its selected pages)."""
+        written (a SparseKV: L1 and its selected pages): the view's own ``attend`` (kv/static.py)."""
         if i == 0:
             self.used = (self.position[0] + 1).to(torch.int32)
-        if isinstance(kv, SparseKV):   # it writes and attends the tiers itself (the new token at its L1 position)
-            out = kv.attend(i, q[0, :, 0], k[0], v[0], self.scaling)
-        elif kv.scales is None:
-            kv.keys[i].index_copy_(1, self.position[0], k[0])          # [kvh, capacity, D] <- [kvh, 1, D]
-            kv.values[i].index_copy_(1, self.position[0], v[0])
-            out = attention.prefix_attention(q[0, :, 0], kv.keys[i], kv.values[i], self.used, self.scaling)
-        else:   # an int8 pool: quantize on the way in, attend the codes (kv/int8_pool.py)
-            ks, vs = kv.scales[0][i], kv.scales[1][i]
-            for codes, scales, x in ((kv.keys[i], ks, k[0]), (kv.values[i], vs, v[0])):
-                c, s = int8_pool.quantize(x)
-                codes.index_copy_(1, self.position[0], c)
-                scales.index_copy_(1, self.position[0], s)
-            if self.split_kernel:   # step_kernels' split-K attention reads the codes
-                out = step_kernels.decode_attention(q[0, :, 0], kv.keys[i], kv.values[i], self.used, self.scaling,
-                                                    ks, vs)
-            else:
-                out = int8_pool.decode_attention(q[0, :, 0], kv.keys[i], ks, kv.values[i], vs, self.used,
-                                                 self.scaling)
+        split = self.split_kernel if getattr(kv, "scales", None) is not None else False   # an int8 pool's codes
+        out = kv.attend(i, q[0, :, 0], k[0], v[0], self.scaling, position=self.position[0], used=self.used,
+                        split=split)
         self.attn_out[i].copy_(out.reshape(1, 1, -1))
 
     @functools.cached_property
@@ -286,41 +263,36 @@ class DecodeStep:
         self.position.fill_(cache.get_seq_length())
         if self.host_embed:
             self.embedded.copy_(self.embed.rows(torch.tensor([[int(token_id)]])))
-        if isinstance(cache, StaticKV):
-            if cache.length >= cache.capacity:
-                raise ValueError(f"the StaticKV is full ({cache.length} tokens)")
-            return self._whole_step(cache)
-        tiered = isinstance(cache, TieredCache)
-        view = cache.static_view() if self.whole_step and tiered else None
-        if view is None and self.whole_step and self.sparse_graphs and tiered:
-            view = cache.sparse_view()   # off the pool: the sparse step as fixed-shape kernels (kv/sparse_step.py)
-        if view is not None:   # a TieredCache's whole step, attention included, as one graph
+        target = step_target(cache)   # what the step asks the cache (kv/static.py's interface)
+        # the whole step, attention included, as one graph: over the pool (a StaticKV) or off it (a SparseKV)
+        view = target.decode_view(self.whole_step, self.sparse_graphs)
+        if view is not None:
             logits = self._whole_step(view)
             # pages the sparse step picked were only on disk (L3): promoted to L2 now, the step again
-            while view is not None and cache.promote_missed():
-                view = cache.sparse_view()
+            while target.promote_missed():
+                view = target.decode_view(self.whole_step, self.sparse_graphs)
                 if view is None:   # (cannot happen: nothing the view depends on changed but the slots)
-                    return self._layers(self._attend, cache)
+                    return self._layers(self.attend_layer, target)
                 logits = self._whole_step(view)
-            cache.advance(1)
+            target.advance(1)
             return logits
         if self.use_graphs and self.graphs is None:
             self._capture()
         if self.graphs is None and self.cpu is not None:   # the CPU's int4 calls
-            view = self.cpu.resident(cache)
+            view = self.cpu.resident(target)
             if view is not None and self.cpu.layer_args is not None:   # the generic layer's calls in one loop
                 logits = self.cpu.resident_step(view)
             else:
-                logits = self._run(self.cpu, functools.partial(self.cpu.attend, cache, view))
+                logits = self._run(self.cpu, functools.partial(self.cpu.attend, target, view))
             if view is not None:
-                cache.advance(1)
+                target.advance(1)
             return logits
         if self.graphs is None:  # eager: the same parts
-            return self._layers(self._attend, cache)
+            return self._layers(self.attend_layer, target)
         n = len(self.layers)
         for i in range(n):
             self.graphs[i].replay()
-            self._attend(i, cache, *self.outputs[i][2:])
+            self.attend_layer(i, target, *self.outputs[i][2:])
         self.graphs[n].replay()
         return self.outputs[n][0].clone()  # the graph's own output changes at the next replay
 
@@ -338,8 +310,9 @@ class DecodeStep:
         for key in [k for k in self.step_graphs if not k.buffers() <= keep]:
             del self.step_graphs[key]
 
-    def _whole_step(self, kv: StaticKV) -> torch.Tensor:
-        """One step over ``kv`` as one graph (recorded once per ``kv.key``), or eagerly without graphs."""
+    def _whole_step(self, kv) -> torch.Tensor:
+        """One step over the view ``kv`` as one graph (recorded once per ``kv.key``), or eagerly without graphs;
+        the caller counts the token (``advance``)."""
         entry = self.step_graphs.get(kv.key)
         if self.use_graphs and entry is None:
             entry = self._capture_step(kv)
@@ -355,7 +328,6 @@ class DecodeStep:
         else:
             entry[0].replay()
             logits = entry[1].clone()  # the graph's own output changes at the next replay
-        kv.length += 1
         return logits
 
     def _record(self, warm_up, record, sparse: bool = False):
@@ -384,7 +356,7 @@ class DecodeStep:
             self.use_graphs = False
             return None
 
-    def _capture_step(self, kv: StaticKV):
+    def _capture_step(self, kv):
         """The whole step over ``kv`` as one graph (its warm-up writes what the replay writes again); returns
         ``(graph, logits)``, kept under ``kv.key``, or None where capture failed."""
         def record():
@@ -399,7 +371,7 @@ class DecodeStep:
             del self.step_graphs[old]
         while len(self.step_graphs) >= self.MAX_STEP_GRAPHS:
             self.step_graphs.pop(next(iter(self.step_graphs)))
-        entry = self._record(lambda: self._static_layers(kv), record, isinstance(kv, SparseKV))
+        entry = self._record(lambda: self._static_layers(kv), record, kv.key.kind == "sparse")
         if entry is not None:
             self.step_graphs[kv.key] = entry
         return entry

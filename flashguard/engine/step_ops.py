@@ -21,9 +21,9 @@ Each set has the same five methods (``CpuOps`` adds ``resident_step`` and its ``
   output, of which q and k are views), which a set may rotate at once;
 - ``finish(h) -> logits [vocab]``: the final norm and the lm_head.
 The attention is ``attend(i, q, k, v, rot) -> out`` given to ``DecodeStep._run`` beside the set: it depends on what
-the step runs over, so it is bound to it by the caller (``KernelOps.attend(kv, ...)`` over a StaticKV or SparseKV,
-``CpuOps.attend(cache, view, ...)``; torch's kernels use ``DecodeStep._attend`` / ``_attend_static``). No set keeps
-state between steps but preallocated buffers.
+the step runs over, so it is bound to it by the caller (``KernelOps.attend(kv, ...)`` over a view: a StaticKV or
+SparseKV, through its ``slot`` and ``attend``; ``CpuOps.attend(target, view, ...)``; torch's kernels use
+``DecodeStep.attend_layer`` / ``_attend_static``). No set keeps state between steps but preallocated buffers.
 
 - ``TorchOps``: the model's modules, ``F.rms_norm`` for its RMSNorms (one kernel on a GPU where transformers'
   module launches eight), rotary in one pass over q and k; shapes ``[1, 1, H]``.
@@ -36,7 +36,7 @@ state between steps but preallocated buffers.
   the MLP's product written in bf16 the same way; rotary as a small matmul (``x @ (diag(cos) + R diag(sin))``, the
   matrix made once a step); a resident TieredCache (``static_view``: every token in its L1 buffer) written and
   attended by ``baddbmm`` / ``softmax`` / ``bmm`` (one query: faster here than the CPU flash kernel, 13 against 19 us
-  at 64 keys, 62 against 73 at 512, one thread), any other cache through ``DecodeStep._attend``. Over a resident
+  at 64 keys, 62 against 73 at 512, one thread), any other cache through ``DecodeStep.attend_layer``. Over a resident
   cache the step is ``CpuOps.resident_step``: the same calls as ``DecodeStep._run`` with this set, bit for bit, in
   one loop over per-layer argument tuples (``layer_args``): 4-9% / 12-16% faster than the generic layer on the
   embedded model at one / two threads, the one place the layer is written twice, for that reason. The residual
@@ -51,8 +51,6 @@ import math
 import torch
 
 from ..kv import step_kernels
-from ..kv.cache import TieredCache
-from ..kv.sparse_step import SparseKV
 
 # the RMSNorm classes whose forward is weight * x / rms(x)
 RMS_NORMS = ("LlamaRMSNorm", "Qwen2RMSNorm", "MistralRMSNorm")
@@ -147,13 +145,9 @@ class KernelOps(StepOps):
     def attend(self, kv, i: int, q, k, v, rot) -> torch.Tensor:
         """Rotary, this token's k / v into the pool (a SparseKV: into L1 at its position), attention; [1, Hq * D]."""
         s = self.step
-        if isinstance(kv, SparseKV):   # it attends L1 and its selected pages itself
-            layer = kv.cache.layers[i]
-            q = step_kernels.rope_write(q, k, v, *rot, kv.cache.sparse_state.l1_pos, layer.l1_k, layer.l1_v)
-            return kv.attend(i, q, None, None, s.scaling).view(1, -1)
-        ks, vs = (None, None) if kv.scales is None else (kv.scales[0][i], kv.scales[1][i])
-        q = step_kernels.rope_write(q, k, v, *rot, s.position[0], kv.keys[i], kv.values[i], ks, vs)
-        return step_kernels.decode_attention(q, kv.keys[i], kv.values[i], s.used, s.scaling, ks, vs).view(1, -1)
+        pos, keys, values, ks, vs = kv.slot(i, s.position[0])   # (a SparseKV: L1 at its own position)
+        q = step_kernels.rope_write(q, k, v, *rot, pos, keys, values, ks, vs)
+        return kv.attend(i, q, None, None, s.scaling, used=s.used).view(1, -1)
 
     def finish(self, h: torch.Tensor) -> torch.Tensor:
         return self.step.lm_head(rms_norm(self.step.norm, h.view(1, 1, -1)))[0, -1]
@@ -242,11 +236,11 @@ class CpuOps(StepOps):
         return out.to(torch.float32) if residual is None else residual + out
 
     @staticmethod
-    def resident(cache):
-        """``cache``'s L1 as a StaticKV when every token is there in 16 bits (``static_view``): ``attend`` writes and
-        attends it itself, and the caller advances the cache after the step; else None (the cache's own update and
-        attention; an int8 pool too)."""
-        view = cache.static_view() if isinstance(cache, TieredCache) else None
+    def resident(target):
+        """The step target's pool as a StaticKV when every token is there in 16 bits (``decode_view``, a resident
+        TieredCache's ``static_view``): ``attend`` writes and attends it itself, and the caller advances the cache
+        after the step; else None (the cache's own update and attention; an int8 pool too)."""
+        view = target.decode_view(True, False)
         return None if view is not None and view.scales is not None else view
 
     def start(self) -> tuple:
@@ -265,11 +259,12 @@ class CpuOps(StepOps):
         qk = torch.mm(qk.view(-1, d), rot)
         return qk[:q.shape[-1] // d], qk[q.shape[-1] // d:], v
 
-    def attend(self, cache, view, i: int, q, k, v, rot) -> torch.Tensor:
-        """Layer ``i``'s attention over ``cache``; ``view``: its ``resident`` StaticKV, or None."""
+    def attend(self, target, view, i: int, q, k, v, rot) -> torch.Tensor:
+        """Layer ``i``'s attention over ``target`` (the step's ``kv.static.step_target``); ``view``: its
+        ``resident`` StaticKV, or None."""
         s, d = self.step, self.step.head_dim
         if view is None:
-            s._attend(i, cache, q.view(1, -1, 1, d), k.view(1, -1, 1, d), v.view(1, -1, 1, d))
+            s.attend_layer(i, target, q.view(1, -1, 1, d), k.view(1, -1, 1, d), v.view(1, -1, 1, d))
             return s.attn_out[i].view(1, -1)
         pos = view.length   # resident: this token's k, v into L1, attention over the keys in use
         keys, values = view.keys[i], view.values[i]                      # [kvh, capacity, D]

@@ -768,6 +768,21 @@ class TieredCache(Cache):
         elif reach < 1 and self.window - self.page_size >= self.config.l1_tokens:
             self.window -= self.page_size
 
+    # ---- the decode step's interface (kv/static.py) ---------------------------------------------
+    def decode_view(self, graphs: bool, sparse: bool):
+        """The pool as a StaticKV while the sequence is resident (``static_view``), else, with ``sparse``, a
+        SparseKV off it (``sparse_view``); None: layer by layer. Only with ``graphs``."""
+        if not graphs:
+            return None
+        view = self.static_view()
+        return self.sparse_view() if view is None and sparse else view
+
+    def attend_layer(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        """Layer ``i``'s new ``k``, ``v`` appended (``update``) and ``q`` ``[1, Hq, 1, D]`` attended over its
+        tiers: ``[Hq, 1, D]``."""
+        self.update(k, v, i)
+        return self.layers[i].attend(q[0], scale)
+
     def static_view(self):
         """The L1 buffers as a ``StaticKV`` when the whole sequence is resident in them, in order, with room for
         one more token (``DecodeStep`` then runs the whole step, attention included, as one CUDA graph); None

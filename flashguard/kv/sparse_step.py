@@ -17,7 +17,8 @@ the torch kernels mask it) and notes it in ``missed``, with the ``ahead`` pages 
 that are on disk too; after the step the host hands them to the store's prefetch worker, so L3 reads stay off the
 decode path (``TieredCache.promote_missed``, which runs the step again only when it missed a large share).
 
-Contract: ``SparseKV.attend(i, q [Hq, D], k [kvh, 1, D], v, scale) -> [Hq, D]`` for layer ``i`` (k and v None: the
+Contract: a view of ``kv/static.py``'s interface (``key``, ``slot``, ``attend``).
+``SparseKV.attend(i, q [Hq, D], k [kvh, 1, D], v, scale) -> [Hq, D]`` for layer ``i`` (k and v None: the
 step kernels (``kv/step_kernels.py``) wrote them and attend L1), with the same
 result as ``TieredLayer.attend`` on the sparse zero-copy path (the same pages; attention over a set of pages does
 not depend on their order). ``key`` names every buffer a recorded graph reads: a new key means record again.
@@ -72,7 +73,16 @@ class SparseKV:
     def capacity(self) -> int:
         return self.cache.layers[0].l1_k.shape[1]
 
-    def attend(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    def slot(self, i: int, position: torch.Tensor) -> tuple:
+        """Where layer ``i``'s new token goes: L1 at the step's ``l1_pos`` (``position``, the sequence's, is not it)."""
+        layer = self.cache.layers[i]
+        return self.cache.sparse_state.l1_pos, layer.l1_k, layer.l1_v, None, None
+
+    def attend(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+               position: torch.Tensor | None = None, used: torch.Tensor | None = None,
+               split: bool = False) -> torch.Tensor:
+        """(``kv/static.py``'s view interface; ``position`` and ``used`` are the step's own here: ``l1_pos`` and
+        ``used`` of ``sparse_state``.)"""
         cache = self.cache
         layer, st = cache.layers[i], cache.sparse_state
         if k is not None:   # (None: the step kernels' rope_write has written them)

@@ -1,7 +1,27 @@
-"""StaticKV: a fixed-capacity K/V view the whole-step decode graph runs over (``engine/decode_step.py``).
+"""The decode step's interface to a cache, and StaticKV: a fixed-capacity K/V view the whole-step graph runs over.
 
-A resident TieredCache offers its pool as one (``TieredCache.static_view``); tests and benchmarks copy a
-transformers Cache into one (``from_cache``).
+Contract (what ``engine/decode_step.py`` asks of what it decodes over, and nothing else; ``step_target(cache)``
+gives it a TieredCache or a StaticKV as they are, any other transformers Cache through ``LayerwiseCache``):
+
+- ``decode_view(graphs, sparse) -> view | None``: the fixed-shape buffers this step runs over, attention included,
+  as one graph (a StaticKV over the pool, or, with ``sparse``, a SparseKV off it: ``kv/sparse_step.py``); None:
+  the step runs layer by layer (``attend_layer``). ``graphs``: the step may run as one graph at all (a cache's own
+  views are offered only then; a StaticKV is always its own view, and a full one is a ``ValueError``).
+- ``attend_layer(i, q, k, v, scale) -> [Hq, 1, D]``: layer ``i``'s new ``k``, ``v`` (``[1, kvh, 1, D]``) appended
+  as the model's forward would (``update``), and ``q`` (``[1, Hq, 1, D]``) attended over everything the layer holds.
+- ``promote_missed() -> bool``: after a one-graph step: True when it must run again over a new ``decode_view``
+  (pages it picked were only on disk and are in host RAM now).
+- ``advance(n)``: ``n`` tokens a one-graph step wrote into the view's buffers, counted.
+- ``get_seq_length()``: the tokens held (the next token's position).
+
+A view (StaticKV, SparseKV) offers the step's attention per layer:
+
+- ``key``: a ``GraphKey`` naming the buffers a recorded graph reads (``key.kind``: "static" or "sparse").
+- ``slot(i, position) -> (pos, keys, values, key_scales, value_scales)``: where layer ``i``'s new token goes (the
+  step kernels' ``rope_write`` writes it there).
+- ``attend(i, q [Hq, D], k, v, scale, position=, used=, split=) -> [Hq, D]``: ``k``, ``v`` (``[kvh, 1, D]``) written
+  at ``position`` first, or None when ``rope_write`` wrote them (then the step kernels' attention runs); ``used``:
+  the device-side key count; ``split``: an int8 pool is read by the step kernels' split-K attention.
 """
 
 from __future__ import annotations
@@ -90,3 +110,77 @@ class StaticKV:
 
     def get_seq_length(self) -> int:
         return self.length
+
+    # ---- the decode step's interface (module docstring) -----------------------------------------
+    def decode_view(self, graphs: bool, sparse: bool) -> "StaticKV":
+        if self.length >= self.capacity:
+            raise ValueError(f"the StaticKV is full ({self.length} tokens)")
+        return self
+
+    def attend_layer(self, i, q, k, v, scale):
+        raise ValueError("a StaticKV is attended as a whole step (decode_view)")
+
+    def promote_missed(self) -> bool:
+        return False
+
+    def advance(self, n: int = 1) -> None:
+        self.length += n
+
+    def slot(self, i: int, position: torch.Tensor) -> tuple:
+        ks, vs = (None, None) if self.scales is None else (self.scales[0][i], self.scales[1][i])
+        return position, self.keys[i], self.values[i], ks, vs
+
+    def attend(self, i: int, q: torch.Tensor, k, v, scale: float, position: torch.Tensor | None = None,
+               used: torch.Tensor | None = None, split: bool = False) -> torch.Tensor:
+        from . import attention, int8_pool, step_kernels
+
+        keys, values = self.keys[i], self.values[i]
+        ks, vs = (None, None) if self.scales is None else (self.scales[0][i], self.scales[1][i])
+        if k is None:   # written by the step kernels' rope_write: their attention
+            return step_kernels.decode_attention(q, keys, values, used, scale, ks, vs)
+        if self.scales is None:
+            keys.index_copy_(1, position, k)          # [kvh, capacity, D] <- [kvh, 1, D]
+            values.index_copy_(1, position, v)
+            return attention.prefix_attention(q, keys, values, used, scale)
+        for codes, scales, x in ((keys, ks, k), (values, vs, v)):   # an int8 pool: quantized on the way in
+            c, sc = int8_pool.quantize(x)
+            codes.index_copy_(1, position, c)
+            scales.index_copy_(1, position, sc)
+        if split:   # step_kernels' split-K attention reads the codes
+            return step_kernels.decode_attention(q, keys, values, used, scale, ks, vs)
+        return int8_pool.decode_attention(q, keys, ks, values, vs, used, scale)
+
+
+class LayerwiseCache:
+    """Any other transformers Cache as the decode step sees it: no view (layer by layer), one fused attention call
+    over what its ``update`` returns."""
+
+    def __init__(self, cache):
+        self.cache = cache
+
+    def get_seq_length(self) -> int:
+        return self.cache.get_seq_length()
+
+    def decode_view(self, graphs: bool, sparse: bool) -> None:
+        return None
+
+    def attend_layer(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        from . import attention
+
+        # a cache may keep the tensors it is given: not the caller's (a graph's outputs)
+        k_all, v_all = self.cache.update(k.clone(), v.clone(), i)
+        kvh, d = k_all.shape[1], q.shape[-1]
+        qg = q[0].reshape(kvh, q.shape[1] // kvh, 1, d)   # a KV head's query heads: rows of one fused call
+        return attention.segment(qg, k_all[0], v_all[0], scale)[0]
+
+    def promote_missed(self) -> bool:
+        return False
+
+    def advance(self, n: int = 1) -> None:
+        raise ValueError("a transformers Cache is not stepped as a whole (decode_view is None)")
+
+
+def step_target(cache):
+    """What the decode step runs over: ``cache`` itself where it speaks the interface above (a TieredCache, a
+    StaticKV), else a ``LayerwiseCache`` around it."""
+    return cache if hasattr(cache, "decode_view") else LayerwiseCache(cache)
