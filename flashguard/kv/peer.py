@@ -272,18 +272,7 @@ class Pending:
         self.shape, self.device, self.final = shape, device, final
 
     def wait(self) -> tuple[torch.Tensor, torch.Tensor]:
-        tier = self.tier
-        with tier._guard("attend"):
-            if self.final:                     # the step's last layer: all of it, polled on a GPU
-                tier._end_step()
-            elif tier.comm.type == "cuda":     # ordered on the stream, no host wait (verified at the step's end)
-                for w in self.recvs:
-                    w.wait()
-                self.step.unverified += 1
-            else:                              # gloo: the host waits, each layer verified as it comes
-                for w in self.recvs:
-                    w.wait()
-                    self.step.works.remove(w)      # (a gloo receive waited twice waits for another message)
+        self.tier.receive(self)
         kvh, g, lq, d = self.shape
         split = kvh * g * lq * d
         if len(self.parts) == 1:               # one peer: its partial is the merge
@@ -446,6 +435,23 @@ class PeerTier:
                 self.steps += 1
             recvs, parts = self._exchange(step, qg.to(self.comm).contiguous())
         return Pending(self, step, recvs, parts, qg.shape, qg.device, final=step.next == step.end)
+
+    def receive(self, pending: Pending) -> None:
+        """The messages of ``pending`` (a query ``ask`` sent) have arrived, as far as this device can tell: its
+        step closed if it is the step's last layer (every message waited for, polled on a GPU), else on a GPU
+        ordered on the stream (verified when the step closes), with gloo waited for on the host. Raises as ``ask``
+        does (``PeerLostError``, ``PeerStepLost``)."""
+        with self._guard("attend"):
+            if pending.final:                  # the step's last layer: all of it, polled on a GPU
+                self._end_step()
+            elif self.comm.type == "cuda":     # ordered on the stream, no host wait (verified at the step's end)
+                for w in pending.recvs:
+                    w.wait()
+                pending.step.unverified += 1
+            else:                              # gloo: the host waits, each layer verified as it comes
+                for w in pending.recvs:
+                    w.wait()
+                    pending.step.works.remove(w)   # (a gloo receive waited twice waits for another message)
 
     def attend(self, layer: int, qg: torch.Tensor, scale: float, first: int, last: int):
         """Merged partial of ``qg [kvh, g, Lq, D]`` over pages ``[first, last)`` of ``layer``: ``(o, lse)`` fp32 on

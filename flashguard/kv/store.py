@@ -677,25 +677,18 @@ class PageStore:
         return installed
 
     # ---- budgets --------------------------------------------------------------------------
-    class _Deferred:
-        def __init__(self, store):
-            self.store = store
-
-        def __enter__(self):
-            with self.store.lock:
-                self.store._deferred += 1
-            return self.store
-
-        def __exit__(self, *exc):
-            self.store._end_deferred()
-            return False
-
+    @contextlib.contextmanager
     def deferred(self):
         """A context (a prefill): pages over the L2 budget stay in L2 (the next chunk attends every page of the
         prompt: none is read back from disk), and their L3 files are written meanwhile on a worker thread, off
         the prefill's path. At the end, the writes still in flight are waited for and L2 is brought back to its
-        budget: pages that have their file leave it for free."""
-        return self._Deferred(self)
+        budget: pages that have their file leave it for free. Nests; yields the store."""
+        with self.lock:
+            self._deferred += 1
+        try:
+            yield self
+        finally:
+            self._end_deferred()
 
     def expect_tokens(self, tokens: int) -> None:
         """``tokens`` new tokens are coming (a prompt being prefilled, inside ``deferred``): L2 makes room for their
