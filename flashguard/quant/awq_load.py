@@ -109,13 +109,13 @@ def load_awq(folder: str, config, device: torch.device, dtype: torch.dtype, back
     if still_meta or unexpected:
         raise ModelLoadError(f"the AWQ checkpoint does not match the model: missing {still_meta[:4]}, "
                              f"unexpected {list(unexpected)[:4]}", key="model_path")
-    _rebuild_meta_buffers(model, device)
+    rebuild_meta_buffers(model, device)
     model.eval()
     model.requires_grad_(False)
     return model
 
 
-def _rebuild_meta_buffers(model: nn.Module, device: torch.device) -> None:
+def rebuild_meta_buffers(model: nn.Module, device: torch.device) -> None:
     """Non-persistent buffers (rotary inv_freq) are not in checkpoints; re-create their modules on ``device``."""
     for name, module in list(model.named_modules()):
         if any(b is not None and b.device.type == "meta" for b in module.buffers(recurse=False)):

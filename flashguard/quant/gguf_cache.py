@@ -155,7 +155,7 @@ def _load_mapped(path: Path) -> dict:
 def _assemble(state: dict, manifest: dict, config, device: torch.device, dtype: torch.dtype) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
-    from .awq_load import _rebuild_meta_buffers
+    from .awq_load import rebuild_meta_buffers
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
@@ -194,7 +194,7 @@ def _assemble(state: dict, manifest: dict, config, device: torch.device, dtype: 
     missing = [n for n, p in model.named_parameters() if p.device.type == "meta"]
     if missing:
         raise Damaged(f"no tensor for {missing[0]} (and {len(missing) - 1} more)")
-    _rebuild_meta_buffers(model, device)
+    rebuild_meta_buffers(model, device)
     model.eval()
     model.requires_grad_(False)
     return model

@@ -206,7 +206,7 @@ def load_int4(path: str, config, device: torch.device, dtype: torch.dtype, backe
     from gguf.quants import dequantize
     from transformers import AutoModelForCausalLM
 
-    from .awq_load import _rebuild_meta_buffers
+    from .awq_load import rebuild_meta_buffers
 
     arch, tensors = read_tensors(path)
     if arch not in ARCHS:
@@ -284,7 +284,7 @@ def load_int4(path: str, config, device: torch.device, dtype: torch.dtype, backe
     if missing:
         raise ValueError(f"{path} has no tensor for {missing[0]} (and {len(missing) - 1} more); is it a complete "
                          f"{arch} model?")
-    _rebuild_meta_buffers(model, device)
+    rebuild_meta_buffers(model, device)
     model.eval()
     model.requires_grad_(False)
     layer = next(m for m in model.modules() if isinstance(m, Int4Linear))
