@@ -18,6 +18,8 @@ attention is PyTorch SDPA.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from ..selfcheck import SelfCheck
@@ -289,13 +291,16 @@ def _add_cache_kwarg(module, args, kwargs):
     return None
 
 
+_passing: "weakref.WeakSet" = weakref.WeakSet()   # the models whose forward ``pass_cache`` hooked
+
+
 def pass_cache(model) -> None:
     """``model``'s forward hands a TieredCache given as transformers' cache argument on to its attention (as
     ``CACHE_KWARG``) when the caller did not: what plain ``model.generate(past_key_values=cache)`` needs. Once per
     model."""
-    if not getattr(model, "_flashguard_passes_cache", False):
+    if model not in _passing:
         model.register_forward_pre_hook(_add_cache_kwarg, with_kwargs=True)
-        model._flashguard_passes_cache = True
+        _passing.add(model)
 
 
 def flashguard_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
