@@ -403,7 +403,8 @@ def plan_on_cpu(args, shape, model: str, where: str, why: str, context_note: str
 
     gguf = model == "embedded" or model.lower().endswith(".gguf")   # a GGUF's Q4 blocks: groups of 32
     parts = planner.plan_cpu(shape, context=args.context, weights=args.weights,
-                             prefill_chunk=args.prefill_chunk or 512, group=32 if gguf else AWQ_GROUP_SIZE)
+                             prefill_chunk=args.prefill_chunk or 512, group=32 if gguf else AWQ_GROUP_SIZE,
+                             guard=planner.guard_bytes(shape, itemsize=4))
     total, available = sum(parts.values()), psutil.virtual_memory().available
     fits = total <= available
     if args.json:
@@ -472,7 +473,8 @@ def cmd_plan(args) -> int:
         shape, budget=gpu, context=args.context, weights=args.weights, cache=args.kv_cache,
         prefill_chunk=args.prefill_chunk or 2048, kv=kv, shrink_chunk=args.prefill_chunk is None)
     p = planner.plan(shape, gpu_mem=gpu, context=args.context, weights=args.weights, cache=args.kv_cache,
-                     prefill_chunk=args.prefill_chunk, kv=kv, streamed=streamed)
+                     prefill_chunk=args.prefill_chunk, kv=kv, streamed=streamed,
+                     guard=planner.guard_bytes(shape) if params.get("guard_adapter", "auto") != "off" else 0)
     if args.kv_cache == "tiered" and not args.json:
         sized = planner.sized_kv(shape, budget=gpu, context=args.context, weights=args.weights,
                                  prefill_chunk=args.prefill_chunk, kv=kv, streamed=streamed)

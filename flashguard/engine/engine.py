@@ -176,8 +176,8 @@ class Engine:
         if folder is None:
             return None
         guard = alora.load(folder, self.source, self.model, weights, self.device, self.dtype)
-        log.info("flashguard: guard adapter %s (rank %d on %d modules, %.1f MB)", guard.folder, guard.adapter.rank,
-                 len(guard.adapter.layers), guard.bytes / 1e6)
+        notice.say("flashguard: the rails' guard adapter: %s (rank %d on %d modules, %.1f MB)",
+                   guard.folder, guard.adapter.rank, len(guard.adapter.layers), guard.bytes / 1e6)
         return guard
 
     def _warm_up(self) -> None:

@@ -72,13 +72,14 @@ def folder_bytes(path: str | None) -> int:
     return total
 
 
-def gpu_categories(device: torch.device, weights: int, kv: int) -> dict:
-    """GPU bytes by category now: weights and KV as attributed by their owner, the rest from the allocator
-    (activations/workspace = allocated - weights - kv; slack = reserved - allocated) and NVML (context/other)."""
+def gpu_categories(device: torch.device, weights: int, kv: int, guard: int = 0) -> dict:
+    """GPU bytes by category now: weights, the guard adapter and KV as attributed by their owner, the rest from the
+    allocator (activations/workspace = allocated - weights - guard - kv; slack = reserved - allocated) and NVML
+    (context/other)."""
     dev = device.index or 0
     allocated, reserved = torch.cuda.memory_allocated(dev), torch.cuda.memory_reserved(dev)
-    out = {"weights": weights, "kv cache": kv, "activations/workspace": max(0, allocated - weights - kv),
-           "allocator slack": reserved - allocated}
+    out = {"weights": weights, "guard adapter": guard, "kv cache": kv,
+           "activations/workspace": max(0, allocated - weights - guard - kv), "allocator slack": reserved - allocated}
     nv = nvml_process_bytes(dev, os.getpid())
     if nv is not None:
         out["cuda context/other"] = max(0, nv - reserved)
@@ -89,6 +90,7 @@ def engine_memory(engine) -> dict:
     import psutil
 
     weights = model_bytes(engine.model)
+    guard = engine.guard.bytes if getattr(engine, "guard", None) is not None and hasattr(engine.guard, "bytes") else 0
     with engine.lock:
         kv = cache_device_bytes(engine.session.cache if engine.session is not None else None)
         if getattr(engine, "pool", None) is not None:   # buffers kept for the next session (kv/pool.py)
@@ -97,12 +99,13 @@ def engine_memory(engine) -> dict:
                  "gpu": None, "host": {}}
     if engine.device.type == "cuda":
         dev = engine.device.index or 0
-        out["gpu"] = {**gpu_categories(engine.device, weights, kv), "reserved": torch.cuda.memory_reserved(dev),
+        out["gpu"] = {**gpu_categories(engine.device, weights, kv, guard), "reserved": torch.cuda.memory_reserved(dev),
                       "peak reserved": torch.cuda.max_memory_reserved(dev),
                       "peak allocated": torch.cuda.max_memory_allocated(dev),
                       "budget": engine.vram_budget}
     else:
         out["cpu_weights"] = weights
+        out["cpu_guard adapter"] = guard
         out["cpu_kv cache"] = kv
     store = engine.store
     if store is not None:
@@ -221,7 +224,7 @@ def render(report: dict) -> str:
         for k, v in (eng["gpu"] or {}).items():
             if v is not None:
                 lines.append(f"| GPU {k} | {_gib(v)} |")
-        for k in ("cpu_weights", "cpu_kv cache"):
+        for k in ("cpu_weights", "cpu_guard adapter", "cpu_kv cache"):
             if k in eng:
                 lines.append(f"| {k.replace('cpu_', 'CPU ').replace('kv', 'KV')} | {_gib(eng[k])} |")
         for k, v in eng["host"].items():

@@ -174,11 +174,20 @@ def layer_bytes(s: Shape, kind: str, group: int = AWQ_GROUP_SIZE) -> int:
     return weight_bytes(s, kind, group)["decoder linears"] // s.layers
 
 
+def guard_bytes(shape: Shape, *, rank: int = 16, upper: float = 0.2, itemsize: int = 2) -> int:
+    """The guard adapter's bytes (``guard_adapter``: an activated LoRA of ``rank`` on every linear of the upper
+    ``upper`` share of the decoder layers, as ``flashguard train-guard`` makes it), in the activations' dtype."""
+    s = shape
+    q, kvd = s.heads * s.head_dim, s.kv_heads * s.head_dim
+    per_layer = rank * ((s.hidden + q) * 2 + (s.hidden + kvd) * 2 + (s.hidden + s.intermediate) * 3)
+    return per_layer * max(1, round(s.layers * upper)) * itemsize
+
+
 def plan(shape: Shape, *, gpu_mem: int, context: int, weights: str = "int4", cache: str = "tiered",
          prefill_chunk: int = 512, kv=None, group: int = AWQ_GROUP_SIZE, cuda_context: int = CUDA_CONTEXT,
-         streamed: int = 0) -> Plan:
+         streamed: int = 0, guard: int = 0) -> Plan:
     """``streamed``: decoder layers kept in pinned host RAM and copied in one layer ahead (``layer_placement``):
-    the GPU holds the others plus two slots."""
+    the GPU holds the others plus two slots. ``guard``: the guard adapter's bytes on the GPU (``guard_bytes``)."""
     from ..config import CacheConfig
 
     kv = kv or CacheConfig()
@@ -191,6 +200,8 @@ def plan(shape: Shape, *, gpu_mem: int, context: int, weights: str = "int4", cac
     w = weight_bytes(s, weights, group)
     one = layer_bytes(s, weights, group)
     parts = {"weights": sum(w.values()) - streamed * one + min(2, streamed) * one}
+    if guard:
+        parts["guard adapter"] = guard
     chunk = min(prefill_chunk, context)
     if cache == "dynamic":
         parts["kv cache"] = context * per_token_kv
@@ -396,7 +407,7 @@ def suggest(shape: Shape, *, gpu_mem: int, context: int, weights: str, cache: st
 
 
 def plan_cpu(shape: Shape, *, context: int, weights: str, prefill_chunk: int = 512, group: int = AWQ_GROUP_SIZE,
-             l2_codec: str = "int8") -> dict:
+             l2_codec: str = "int8", guard: int = 0) -> dict:
     """Host RAM by category for the engine on the CPU (``flashguard plan`` on a machine without a CUDA GPU): there
     everything is in RAM and computed in float32, and the cache keeps the whole context resident (``Budget.fit``:
     no budget), its pages copied to L2 when a conversation ends. ``weights``: "int4" (the decoder's linears as int4
@@ -417,6 +428,8 @@ def plan_cpu(shape: Shape, *, context: int, weights: str, prefill_chunk: int = 5
     small = s.layers * (2 * s.hidden + ((s.heads * s.head_dim + 2 * kvd) if s.qkv_bias else 0)) + s.hidden
     chunk = min(prefill_chunk, context)
     out = {f"weights ({what})": size + small * 4}
+    if guard:
+        out["guard adapter (float32)"] = guard
     out["KV cache (the whole context, float32)"] = context * s.layers * 2 * kvd * 4
     out[f"L2 pages (a finished conversation's, {l2_codec})"] = context * s.layers * 2 * kvd * (
         1 if l2_codec == "int8" else 2)
