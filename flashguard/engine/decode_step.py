@@ -127,7 +127,7 @@ class DecodeStep:
             step_kernels.page_bounds(q, torch.zeros((kvh, 2 * self.head_dim, 64), dtype=self.dtype,
                                                     device=self.device), one - 1, one)
             from ..kv import codecs
-            from ..kv.store import L2Arena
+            from ..kv.arena import L2Arena
 
             page = torch.zeros((1, kvh, page_size, self.head_dim), dtype=self.dtype)
             arena = L2Arena(pin=self.device.type == "cuda")

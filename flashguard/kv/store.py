@@ -26,32 +26,32 @@ Contract:
   decodes), and its misses go
   to ``prefetch(keys)``: read, verified and transcoded (int4 -> int8, ``codecs.transcode``) on worker threads,
   put in L2 by ``install_prefetched()`` on the caller's thread between steps (or promoted at once with ``slots``
-  when a step missed many). A synchronous read of a page in flight waits for the worker's read. ``deferred()`` (a prefill): pages over budget stay in L2 and their L3 files are written
-  on a worker; L2 is trimmed at the end, for free (unreferenced pages first). ``spill()`` moves every unreferenced
-  page to L3.
+  when a step missed many). A synchronous read of a page in flight waits for the worker's read. ``deferred()`` (a
+  prefill): pages over budget stay in L2 and their L3 files are written on a worker; L2 is trimmed at the end, for
+  free (unreferenced pages first). ``spill()`` moves every unreferenced page to L3.
 - ``check_integrity()`` raises AssertionError if the bookkeeping is inconsistent (tests call it).
 - Why L3 is off or failing (a missing package, an unusable folder) is ``l3_error``, warned once.
+- L2's storage is ``L2Arena`` (``kv/arena.py``); the L3 reads and writes off the hot paths (``prefetch``,
+  ``deferred``) are ``L3Traffic`` (``kv/store_l3.py``), a part of this class kept in its own file.
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import logging
-import os
 import threading
 import time
 from collections import OrderedDict
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from ..config import CacheConfig
 from . import OUT_OF_MEMORY, codecs
+from .arena import L2Arena
 from .disk import L3Folder, PageLost
 from .policy import TierPolicy
+from .store_l3 import L3Traffic
 
 log = logging.getLogger("flashguard")
 
@@ -99,216 +99,7 @@ class TierStats:
     prefetched: int = 0           # L3 reads queued on the prefetch worker (off the decode path)
 
 
-class L2Arena:
-    """L2 pages in one host byte tensor ``[layers, slots, bytes]``: a page is a slot, and one layer of a page is
-    one row holding every codec field (``layout``: name, dtype, shape, byte offset, byte length).
-
-    Reading many pages of a layer is one host gather (or, for consecutive slots, a view: a sequence's pages sit
-    in consecutive slots as they are written) and one copy to the device, however many codec fields there are;
-    the fields are then views of the copied rows. The tensor is pinned when the store serves a GPU, so those
-    copies run asynchronously. A slot freed since the last wait (``recycled``) may still be read by a step running
-    on the device: slots no step can read (``free``) are handed out first, and only when none is left does a write
-    wait for the device's pending work, once, making every recycled slot free.
-    """
-
-    def __init__(self, pin: bool):
-        self.pin = pin
-        self.data: torch.Tensor | None = None
-        self.host: np.ndarray | None = None   # ``data`` as a numpy array (the same memory)
-        self.layout: list[tuple[str, torch.dtype, tuple, int, int]] = []
-        self.row_bytes = 0
-        self.bits = None                      # the codec's "bits" marker, shared by every page
-        self.free: list[int] = []             # slots no device work can still be reading
-        self.recycled: list[int] = []         # slots released since the device was last waited for
-        self.capacity = 0
-        self.wanted = 0                       # slots announced by ``expect``: the next growth goes there at once
-        self.pinned = False                   # the GPU may read it directly (uva.py)
-        self.ahead: tuple | None = None       # (slots, Future of the allocation) of a growth made on a thread
-
-    def _plan(self, enc: dict) -> None:
-        off, layout = 0, []
-        for name, t in enc.items():
-            if name == "bits":
-                continue
-            nbytes = t[0].numel() * t.element_size()
-            layout.append((name, t.dtype, tuple(t.shape[1:]), off, nbytes))
-            off += -(-nbytes // 16) * 16      # 16-byte aligned fields
-        self.row_bytes = off
-        self.layout = layout                  # set last, at once: reader threads ask for ``rows`` meanwhile
-
-    def _grow(self, enc: dict | torch.Tensor) -> None:
-        """Room for more slots: the announced allocation (``ahead``) when one is on its way, else one allocation
-        for the announced pages (``wanted``), else twice the capacity. The arena's pages are copied over, and
-        ``wanted`` is cleared once the new capacity holds it."""
-        layers = enc.shape[0] if isinstance(enc, torch.Tensor) else \
-            next(t for n, t in enc.items() if n != "bits").shape[0]
-        if not self.layout:
-            self._plan(enc)
-            self._allocate_ahead(layers)  # a long first prompt: its allocation on a thread, 64 slots meanwhile
-        new = None
-        if self.ahead is not None and self.capacity == 0:
-            cap = 64
-        elif self.ahead is not None:      # the announced allocation, pinned while the prompt's first chunks ran
-            (cap, fut), self.ahead = self.ahead, None
-            new = fut.result()
-        else:
-            cap = max(64, self.capacity * 2)
-            if self.wanted > self.capacity:   # announced (a long prompt): one allocation, an eighth to spare
-                cap = self._room_for(self.wanted)
-        if self.wanted <= cap:
-            self.wanted = 0
-        if new is None:
-            new = _host_empty((layers, cap, self.row_bytes), torch.uint8, self.pin)
-        if self.pin and torch.cuda.is_initialized():
-            torch.cuda.synchronize()  # kernels may still read the old allocation directly (zero-copy)
-        if self.data is not None:
-            np.copyto(new.numpy()[:, :self.capacity], self.host)
-        self.data = new
-        self.host = new.numpy()               # the same bytes, for host copies without torch's thread pool
-        self.pinned = self.pin and new.is_pinned()
-        self.free.extend(range(cap - 1, self.capacity - 1, -1))   # pop() hands out the lowest slot first
-        self.capacity = cap
-
-    def expect(self, slots: int) -> None:
-        """``slots`` pages will be held at once soon (a prompt's pages, kept in L2 while it is prefilled): the next
-        growth makes room for them in one allocation instead of doubling to them. Doubling a pinned arena to a
-        128K prompt's 8.4K pages (2.1 GiB for the 1.5B shape) allocated 32K slots in all (8.3 GiB of pinned
-        memory, 1.6 s of the prefill on a GPU server) and ended at 16K slots (4.2 GiB). A pinned allocation of at
-        least ``AHEAD_BYTES`` is made on a thread from now (``_allocate_ahead``)."""
-        self.wanted = max(self.wanted, slots)
-        if self.data is not None:         # (else the first growth, which knows the layout, starts it)
-            self._allocate_ahead(self.data.shape[0])
-
-    AHEAD_BYTES = 64 * 2**20
-
-    @staticmethod
-    def _room_for(slots: int) -> int:
-        return -(-(slots + slots // 8) // 64) * 64   # an eighth to spare, in whole multiples of 64 slots
-
-    def _allocate_ahead(self, layers: int) -> None:
-        """Make the announced growth's pinned allocation on a thread (``ahead``: its slots and a Future; ``_grow``
-        takes it, ``drop_ahead`` discards it). Pinning host memory is slow (the 2.4 GiB of a 128K prompt took
-        1.8 s of its time to the first token on a GPU server, on the prefilling thread), and it is not needed at once:
-        no page of a prompt leaves the GPU's pool before the pool is full, so the memory is pinned while the
-        prompt's first chunks run on the GPU, and ``_grow`` waits for it only if it is late. A larger
-        announcement while one is on its way replaces it (the smaller one is freed when its thread ends).
-        Pageable arenas (the CPU) and small growths (under ``AHEAD_BYTES``, or no more than the first 64 slots:
-        so the allocation taken is always larger than the capacity) are allocated when needed, as before."""
-        if not (self.pin and self.wanted > self.capacity):
-            return
-        cap = self._room_for(self.wanted)
-        if (self.ahead is not None and self.ahead[0] >= cap) or cap <= 64 or \
-                layers * cap * self.row_bytes < self.AHEAD_BYTES:
-            return
-        fut: Future = Future()
-        shape = (layers, cap, self.row_bytes)
-
-        def allocate():
-            try:
-                fut.set_result(_host_empty(shape, torch.uint8, True))
-            except BaseException as exc:  # noqa: BLE001 - handed to the thread that takes the allocation
-                fut.set_exception(exc)
-
-        # not a daemon: the interpreter's exit waits for it rather than stopping it inside the CUDA driver's call
-        threading.Thread(target=allocate, name="flashguard-l2-grow").start()
-        self.ahead = (cap, fut)
-
-    def drop_ahead(self) -> None:
-        """Discard an announced allocation on its way (the store closes): wait for its thread, free the memory."""
-        if self.ahead is not None:
-            _, fut = self.ahead
-            self.ahead = None
-            fut.exception()   # waits; an allocation that failed has nothing to free
-
-    def rows(self, enc: dict) -> torch.Tensor | None:
-        """An encoded page as this arena's rows (``[layers, row_bytes]`` uint8, on the CPU), for ``write`` to copy
-        in one go: the layout work done by the caller's thread (a reader thread's, for a page read from L3),
-        not under the decoding thread's GIL. None until the first page has fixed the layout."""
-        layout = self.layout
-        if not layout:
-            return None
-        layers = enc[layout[0][0]].shape[0]
-        out = np.empty((layers, self.row_bytes), dtype=np.uint8)
-        with torch.inference_mode():
-            for name, dtype, shape, off, nbytes in layout:
-                t = enc[name].reshape(layers, -1).to(device="cpu", dtype=dtype)
-                np.copyto(out[:, off:off + nbytes], t.contiguous().view(torch.uint8).numpy())
-        return torch.from_numpy(out)
-
-    def write(self, enc: dict | torch.Tensor) -> int:
-        """Store an encoded page (tensors ``[layers, ...]``, any device; or its ``rows``); returns its slot.
-        Rows are one copy: a page installed between two decode steps costs the decoding thread one call."""
-        if isinstance(enc, torch.Tensor) and (not self.layout or enc.shape[-1] != self.row_bytes):
-            raise ValueError("page rows for another layout")
-        if not self.free and not self.recycled:
-            self._grow(enc)
-        if isinstance(enc, dict):   # (a page promoted from L3 may come back in float32: rows casts it)
-            if "bits" in enc:
-                self.bits = enc["bits"].cpu()
-            enc = self.rows(enc)
-        if not self.free:   # only slots a running step may still read: wait for it, once for all of them
-            if self.pin and torch.cuda.is_available() and torch.cuda.is_initialized():
-                torch.cuda.current_stream().synchronize()
-            self.free, self.recycled = self.recycled[::-1], []
-        slot = self.free.pop()
-        # a host copy with numpy: one thread, no OpenMP team (torch's copy_ of a page woke its thread pool, whose
-        # threads wait on busy cores: ~8 ms a page on two busy cores against 0.05 ms)
-        np.copyto(self.host[:, slot], enc.numpy())
-        return slot
-
-    def fields_of(self, rows: torch.Tensor) -> dict:
-        """Views of the codec fields in byte rows ``[..., row_bytes]``."""
-        out = {}
-        lead = tuple(rows.shape[:-1])
-        for name, dtype, shape, off, nbytes in self.layout:
-            out[name] = rows[..., off:off + nbytes].view(dtype).view(lead + shape)
-        if self.bits is not None:
-            out["bits"] = self.bits
-        return out
-
-    def read(self, slot: int, layer: int | None = None) -> dict:
-        """Views of one page (all layers, or one)."""
-        return self.fields_of(self.data[:, slot] if layer is None else self.data[layer, slot])
-
-    def release(self, slot: int) -> None:
-        self.recycled.append(slot)
-
-    def used(self) -> int:
-        return self.capacity - len(self.free) - len(self.recycled)
-
-    def page_bytes(self) -> int:
-        return 0 if self.data is None else self.data.shape[0] * self.row_bytes
-
-    def gather(self, layer: int | None, slots: list[int], device) -> dict:
-        """One layer (or, with None, every layer) of several pages (fields ``[len(slots), ...]``, after the layers
-        with None) on ``device``: one view or host gather (numpy: no thread pool woken on the host) and one copy
-        for all fields."""
-        a = slots[0]
-        src, host = (self.data, self.host) if layer is None else (self.data[layer], self.host[layer])
-        axis = 1 if layer is None else 0
-        if slots == list(range(a, a + len(slots))):
-            rows = src.narrow(axis, a, len(slots))
-        else:
-            rows = _host_empty(src.shape[:axis] + (len(slots), self.row_bytes), torch.uint8, self.pin)
-            np.take(host, slots, axis=axis, out=rows.numpy())
-        return self.fields_of(rows.to(device, non_blocking=True))
-
-
-def _host_empty(shape, dtype, pin: bool) -> torch.Tensor:
-    with torch.inference_mode(False):  # a normal tensor: writable inside and outside inference mode
-        return _host_alloc(shape, dtype, pin)
-
-
-def _host_alloc(shape, dtype, pin: bool) -> torch.Tensor:
-    if pin:
-        try:
-            return torch.empty(shape, dtype=dtype, pin_memory=True)
-        except RuntimeError:
-            pass  # no pinnable memory left: pageable memory works, only slower to copy
-    return torch.empty(shape, dtype=dtype)
-
-
-class PageStore:
+class PageStore(L3Traffic):
     def __init__(self, config: CacheConfig, pin_memory: bool = False, policy: TierPolicy | None = None):
         if config.l2_tokens is None:   # a store made outside an engine: L2 holds everything
             config = config.replace(l2_tokens=1 << 40)
@@ -580,188 +371,12 @@ class PageStore:
         except (ValueError, KeyError, RuntimeError, IndexError) as exc:
             raise PageLost(f"undecodable page: {exc}") from exc
 
-    # ---- prefetch: L3 reads off the decode path ----------------------------------------------
-    def prefetch(self, keys, bulk: bool = False) -> int:
-        """Read ``keys``' pages whose only copy is in L3 on worker threads (file read, verified, transcoded for
-        L2: no lock held, no GPU work); ``install_prefetched`` puts them in L2 on the caller's thread, between
-        two steps. Pages in L2, unknown or already on their way are skipped. Returns how many were queued.
-        While decoding, ``READERS`` threads; ``bulk`` (many pages needed at once: a new session's), ``BULK_READERS``."""
-        with self.lock:
-            todo = []
-            for key in keys:
-                page = self.pages.get(key)
-                if page is not None and page.l2 is None and page.l3 is not None and key not in self._fetching:
-                    todo.append((key, page.l3))
-            if not todo:
-                return 0
-            pool = self._pool("bulk" if bulk else "decode")
-            for key, path in todo:
-                self._fetching[key] = (path, pool.submit(self._read_file, key, path))
-            self.stats.prefetched += len(todo)
-            return len(todo)
-
-    # Reader threads. A page read is a file read, a decryption, zstd and an unpacking (~3 ms of a laptop core,
-    # mostly without the GIL): while decoding, two threads keep up with a few pages a step and leave the GIL to the
-    # decoding thread (eight busy readers made a 2.3 ms host loop take 10.7 ms on two cores; two, 3.8 ms); a new
-    # session's thousands of pages take more threads, as the host's cores allow.
-    READERS = 2
-    BULK_READERS = max(2, min(8, (os.cpu_count() or 2) // 2))
-
-    def _pool(self, kind: str):
-        from concurrent.futures import ThreadPoolExecutor
-
-        if self._readers.get(kind) is None:
-            n = self.BULK_READERS if kind == "bulk" else self.READERS
-            self._readers[kind] = ThreadPoolExecutor(n, thread_name_prefix=f"flashguard-l3-read-{kind}")
-        return self._readers[kind]
-
-    def _read_ahead(self, keys) -> None:
-        """Before pages are promoted one by one (``slots``, ``get`` in a loop): those of ``keys`` only in L3 are
-        read on the prefetch threads meanwhile, in parallel; ``_promote`` takes each read's result."""
-        if self.disk is not None and self.l3_pages and \
-                sum(1 for k in keys if (p := self.pages.get(k)) is not None and p.l2 is None) > 1:
-            self.prefetch(keys, bulk=True)
-
-    def _read_file(self, key: bytes, path: str) -> tuple[dict | torch.Tensor, int, float, float]:
-        """On a reader thread: the page as L2 will hold it (its arena rows when the layout is known, else the
-        encoded dict), the file's size, the seconds of disk and of codec work."""
-        t0 = time.perf_counter()
-        blob = self.disk.read(key, path)
-        t1 = time.perf_counter()
-        enc = self._l2_encoding(blob)
-        rows = enc if isinstance(enc, torch.Tensor) else self.arena.rows(enc)
-        return enc if rows is None else rows, len(blob), t1 - t0, time.perf_counter() - t1
-
-    def install_prefetched(self, wait: bool = False) -> list[bytes]:
-        """The pages the prefetch worker has read go to L2 now, as read by decoding (heat, recency: the step that
-        asked for them picked them); with ``wait``, those still in flight are waited for first. A page promoted
-        meanwhile, released or evicted is skipped; one whose file failed verification is dropped (the sequence
-        that needs it recomputes it, as for a synchronous read). Returns the keys installed."""
-        with self.lock:
-            if not self._fetching:
-                return []
-            if not wait:
-                done = [k for k, (_, fut) in self._fetching.items() if fut.done()]
-            else:
-                done = list(self._fetching)
-            work = [(k, *self._fetching.pop(k)) for k in done]
-        installed = []
-        for key, path, fut in work:
-            try:
-                result = fut.result()
-            except PageLost as exc:
-                result = exc
-            with self.lock:
-                page = self.pages.get(key)
-                if page is None or page.l2 is not None or page.l3 != path:
-                    continue
-                if isinstance(result, PageLost):
-                    self._drop_corrupt(key, page, result)
-                    continue
-                enc, size, disk_s, codec_s = result
-                page.l2 = self.arena.write(enc)
-                self._moved(key, page.l2)
-                page.heat += 1.0
-                page.read_at = self.clock
-                self.pages.move_to_end(key)
-                self.stats.page_faults += 1
-                self.stats.hits["l3"] += 1
-                self.stats.bytes_from_l3 += size
-                self.stats.disk_seconds += disk_s
-                self.stats.codec_seconds += codec_s
-                installed.append(key)
-        if installed:
-            with self.lock:
-                self.moves += 1
-                self._enforce_budgets(protect=set(installed), written=True)
-        return installed
-
     # ---- budgets --------------------------------------------------------------------------
-    @contextlib.contextmanager
-    def deferred(self):
-        """A context (a prefill): pages over the L2 budget stay in L2 (the next chunk attends every page of the
-        prompt: none is read back from disk), and their L3 files are written meanwhile on a worker thread, off
-        the prefill's path. At the end, the writes still in flight are waited for and L2 is brought back to its
-        budget: pages that have their file leave it for free. Nests; yields the store."""
-        with self.lock:
-            self._deferred += 1
-        try:
-            yield self
-        finally:
-            self._end_deferred()
-
     def expect_tokens(self, tokens: int) -> None:
         """``tokens`` new tokens are coming (a prompt being prefilled, inside ``deferred``): L2 makes room for their
         pages (and the one they may complete) at once (``L2Arena.expect``)."""
         with self.lock:
             self.arena.expect(self.arena.used() + -(-tokens // self.config.page_size) + 1)
-
-    def _end_deferred(self) -> None:
-        with self.lock:
-            self._deferred -= 1
-            if self._deferred:
-                return
-            pending = list(self._pending.values())
-        for fut in pending:
-            fut.result()
-        with self.lock:
-            self._enforce_budgets()
-
-    def _write_later(self, key: bytes, page: _Page) -> None:
-        """Write ``page``'s L3 file on the worker (inside ``deferred``): its L2 rows are copied now, under the lock."""
-        if key in self._pending or self.l3_pages + len(self._pending) >= self.l3_pages_max:
-            return
-        if self._writer is None:
-            from concurrent.futures import ThreadPoolExecutor
-
-            self._writer = ThreadPoolExecutor(1, thread_name_prefix="flashguard-l3")
-        rows = torch.from_numpy(self.arena.host[:, page.l2].copy())
-        self._pending[key] = self._writer.submit(self._write_file, key, rows)
-
-    @contextlib.contextmanager
-    def _worker_device(self):
-        if not (self.pin and torch.cuda.is_available() and torch.cuda.is_initialized()):
-            yield torch.device("cpu")
-            return
-        if getattr(self, "_worker_stream", None) is None:
-            self._worker_stream = torch.cuda.Stream()
-        with torch.cuda.stream(self._worker_stream):
-            yield torch.device("cuda", torch.cuda.current_device())
-
-    def _l3_blob(self, rows: torch.Tensor, device: torch.device) -> bytes:
-        """A page's L2 rows as its L3 file's bytes, the codec work on ``device``."""
-        k, v = codecs.decode(self.arena.fields_of(rows.to(device)), torch.float32)
-        return codecs.to_bytes({n: t.cpu() for n, t in codecs.encode(k, v, self.config.l3_codec).items()})
-
-    def _write_file(self, key: bytes, rows: torch.Tensor) -> None:
-        try:
-            t0 = time.perf_counter()
-            try:   # on a GPU (a store that serves one): the codec work there, on the worker's own stream
-                with torch.inference_mode(), self._worker_device() as device:
-                    blob = self._l3_blob(rows, device)
-            except OUT_OF_MEMORY:   # its temporaries do not fit (a 128K output rail, the allocator at its cap)
-                with torch.inference_mode():
-                    blob = self._l3_blob(rows, torch.device("cpu"))
-            t1 = time.perf_counter()
-            path = self.disk.write(key, blob)
-            t2 = time.perf_counter()
-        except OSError as exc:
-            with self.lock:
-                self._pending.pop(key, None)
-                self.stats.disk_errors += 1
-                self._disk_warning(f"cannot write to the L3 folder {self.l3_dir}: {exc.strerror or exc}")
-            return
-        with self.lock:
-            self._pending.pop(key, None)
-            page = self.pages.get(key)
-            if page is None or page.l3 is not None:
-                self.disk.remove(path)
-                return
-            page.l3 = path
-            self.l3_pages += 1
-            self.stats.codec_seconds += t1 - t0
-            self.stats.disk_seconds += t2 - t1
-            self.stats.bytes_to_l3 += len(blob)
 
     def _enforce_budgets(self, protect: set = frozenset(), written: bool = False) -> None:
         """L2 back to its budget (the policy's victims leave; see the module docstring). Inside ``deferred()``

@@ -256,21 +256,21 @@ def test_a_long_prompts_pinned_l2_block_is_allocated_on_a_thread(tmp_path, monke
     layout known when it is announced) starts it at its first page, with a small block meanwhile. The pages moved
     from the small block are intact: the same tokens as an engine that allocates as it goes. (A CPU build has no
     pinned memory: the thread's request falls back to pageable memory, the same path.)"""
-    from flashguard.kv import store as store_mod
+    from flashguard.kv import arena as arena_mod
 
     kv = {"page_size": 16, "l1_tokens": 32, "sink_tokens": 16, "l1_max_tokens": 64, "l2_tokens": 64,
           "l3_tokens": 1 << 16, "policy": "exact", "l2_codec": "fp16", "l3_codec": "fp16-zstd"}
     ids = None
     outs, names = [], []
-    real = store_mod._host_empty
+    real = arena_mod._host_empty
     for ahead in (False, True):
         e = tiny.engine(tmp_path / "model", kv=dict(kv, l3_dir=str(tmp_path / f"l3-{ahead}")), prefill_chunk=32)
         ids = ids or e.tokenizer(tiny.text(3000, seed=5))["input_ids"][:1800]
         arena = e.sessions.page_store().arena
         if ahead:
             arena.pin = True
-            monkeypatch.setattr(store_mod.L2Arena, "AHEAD_BYTES", 0)
-            monkeypatch.setattr(store_mod, "_host_empty", lambda shape, dtype, pin: (
+            monkeypatch.setattr(arena_mod.L2Arena, "AHEAD_BYTES", 0)
+            monkeypatch.setattr(arena_mod, "_host_empty", lambda shape, dtype, pin: (
                 names.append((threading.current_thread().name, shape[1], sys._getframe(1).f_code.co_name)),
                 real(shape, dtype, pin))[1])
         outs.append(e.generate(ids, SamplingParams(max_tokens=4)).text)
@@ -288,19 +288,19 @@ def test_a_larger_announcement_replaces_the_pinned_allocation_on_its_way(monkeyp
     pages stayed in the pool) when a longer prompt is announced: the longer one replaces it, so the growth makes
     room for the longer prompt at once instead of taking the smaller allocation and doubling from there; a
     smaller announcement keeps the larger one; closing waits for and discards one on its way."""
+    from flashguard.kv import arena as arena_mod
     from flashguard.kv import codecs
-    from flashguard.kv import store as store_mod
 
-    monkeypatch.setattr(store_mod.L2Arena, "AHEAD_BYTES", 0)
-    gate, real = threading.Event(), store_mod._host_empty
+    monkeypatch.setattr(arena_mod.L2Arena, "AHEAD_BYTES", 0)
+    gate, real = threading.Event(), arena_mod._host_empty
 
     def slow(shape, dtype, pin):   # the pinning thread waits until the test lets it finish
         if threading.current_thread().name == "flashguard-l2-grow":
             gate.wait(10)
         return real(shape, dtype, pin)
 
-    monkeypatch.setattr(store_mod, "_host_empty", slow)
-    arena = store_mod.L2Arena(pin=True)   # (a CPU build: the pinned request falls back to pageable memory)
+    monkeypatch.setattr(arena_mod, "_host_empty", slow)
+    arena = arena_mod.L2Arena(pin=True)   # (a CPU build: the pinned request falls back to pageable memory)
     k = torch.randn(2, 2, 16, 8)
     page = codecs.encode(k, k, "int8")
     arena.write(page)                      # the layout; 64 slots

@@ -113,7 +113,7 @@ def test_short_chunks_past_the_pool_read_only_the_selected_pages(engine, text_id
     """A short prompt chunk (a question after a long text, a rail's suffix) under the sparse policy attends the
     pages Quest selects for its queries, as a decoding step does, not every page: within the sparse targets of
     every position it prefills (KL <= 0.01 nats, top-1 >= 98% teacher-forced, as above)."""
-    from flashguard.kv.cache import SPARSE_CHUNK_TOKENS
+    from flashguard.kv.layer import SPARSE_CHUNK_TOKENS
 
     m, prefix, chunk, chunks = engine.model, PREFIX, 12, 16
     assert chunk <= SPARSE_CHUNK_TOKENS and chunk * chunks <= STEPS
