@@ -3,6 +3,10 @@
 Rank 0 is the engine; ranks 1..N-1 are page servers (``serve``), one process per peer GPU. All traffic goes through
 ``torch.distributed`` (NCCL between GPUs, gloo on the CPU): no hand-written transport.
 
+Why one file of ~600 lines: rank 0's side (``PeerTier``) and the page servers' (``serve``) are the two halves of one
+message protocol that must match message by message; they are read and changed together, with the protocol's
+description below.
+
 Contract
 --------
 * Placement. Page ``p`` (an index into the sequence's pages) lives on rank ``1 + p % peers``: round robin, so any
