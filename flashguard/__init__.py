@@ -10,8 +10,15 @@ Public names:
     register()                  register the ``flashguard`` engine with NeMo Guardrails
 """
 
-from .config import CacheConfig, EngineConfig
-from .errors import ConfigError, FlashguardError, ModelLoadError, PromptError
+import os
+
+# OpenMP threads that sleep when idle instead of spinning (set before torch loads, where flashguard is imported
+# first: LLMRails with configs/flash, the server); a user's own setting wins. Spinning threads on cores other work
+# shares made decoding and the rails' checks several times slower (docs/benchmarks/startup.md).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+from .config import CacheConfig, EngineConfig  # noqa: E402
+from .errors import ConfigError, FlashguardError, ModelLoadError, PromptError  # noqa: E402
 
 __version__ = "0.1.0"
 
