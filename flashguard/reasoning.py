@@ -27,7 +27,8 @@ reasoning_sink: contextvars.ContextVar[Optional[Callable[[str], None]]] = contex
 
 
 def writes_reasoning(tokenizer) -> bool:
-    """True for a model whose chat template writes ``<think>`` blocks (DeepSeek-R1 distills, QwQ, ...)."""
+    """True for a model whose chat template writes ``<think>`` blocks (DeepSeek-R1 distills, QwQ, ...);
+    ``tokenizer``: a tokenizer or an engine (either has ``chat_template``)."""
     template = getattr(tokenizer, "chat_template", None) or ""
     return isinstance(template, str) and (OPEN in template or CLOSE in template)
 
@@ -42,7 +43,11 @@ def reasoning_budget(config, tokenizer) -> int:
 
 def prompt_opens_think(tokenizer, ids: Sequence[int]) -> bool:
     """True when the prompt's last tokens open a ``<think>`` block (the R1 template's generation prompt)."""
-    tail = tokenizer.decode(list(ids[-8:]), skip_special_tokens=False)
+    return opens_think(tokenizer.decode(list(ids[-8:]), skip_special_tokens=False))
+
+
+def opens_think(tail: str) -> bool:
+    """True when ``tail``, a prompt's last tokens as text (special tokens kept), opens a ``<think>`` block."""
     return tail.rstrip().endswith(OPEN)
 
 

@@ -96,7 +96,7 @@ def read_rows(path: Path, side: str = "output") -> list[dict]:
 def moderation_ids(engine, user: str, bot: str, question: str) -> list[int]:
     """The ids the rail runs for a reply the engine generated: the prompt, the reply's tokens, the suffix."""
     prompt = engine.encode_messages([{"role": "user", "content": user}])
-    reply = engine.tokenizer(bot, add_special_tokens=False)["input_ids"]
+    reply = engine.tokenize(bot)
     return list(prompt) + list(reply) + moderation_suffix(engine, question)
 
 
@@ -164,7 +164,7 @@ def collect(engine, rows: Sequence[dict], settings: ModerationSettings = Moderat
     labels, short_rows = [], []   # short_rows: the rows ``labels`` are of (long and skipped rows are not)
     slides = {size: {"means": [], "labels": [], "message": []} for size in SLIDE_WINDOWS}
     long_labels, long_rows = [], []   # long_rows: the rows ``long_labels`` are of
-    layers = [layer for layer in LONG_LAYERS if layer <= hidden_layers(engine)]
+    layers = [layer for layer in LONG_LAYERS if layer <= engine.layer_count]
     for i, row in enumerate(it):
         if settings.side == "input":
             key = row_key(i, row, settings)
@@ -194,7 +194,7 @@ def collect(engine, rows: Sequence[dict], settings: ModerationSettings = Moderat
 
             ids = moderation_ids(engine, row["user"], row["bot"], settings.prompt)
             start = len(ids) - len(moderation_suffix(engine, settings.prompt))
-            logprobs, hidden, mean, _ = suffix_state(engine, ids, start, range(hidden_layers(engine) + 1),
+            logprobs, hidden, mean, _ = suffix_state(engine, ids, start, range(engine.layer_count + 1),
                                                      task="calibration")
             record = {"hidden": hidden, "mean": mean, "odds": answer_log_odds(logprobs, bad, good)}
             if cache is not None:
@@ -249,8 +249,8 @@ def _input_row(engine, i: int, row: dict, settings: ModerationSettings, layers, 
     if len(question) >= engine.context_length:
         return {"kind": "skip"}   # longer than a small model's context (with the question)
     hidden, mean, _ = pooled_state(engine, ids, message_start(engine, history, ids),
-                                   range(hidden_layers(engine) + 1), task="calibration")
-    logprobs, _, _ = engine.next_token_state(question, task="calibration")
+                                   range(engine.layer_count + 1), task="calibration")
+    logprobs = engine.read(question, task="calibration").logprobs
     return {"kind": "short", "label": int(row["block"]), "hidden": hidden, "mean": mean,
             "odds": answer_log_odds(logprobs, bad, good)}
 
@@ -262,7 +262,7 @@ def harm_tokens(engine, row: dict) -> Optional[tuple[int, int]]:
         return None
     text = row["user"]
     a, b = row.get("harm_span") or (0, len(text))
-    offsets = engine.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+    offsets = engine.token_offsets(text)
     first = next((i for i, (x, y) in enumerate(offsets) if y > a), 0)
     last = next((i for i, (x, y) in reversed(list(enumerate(offsets))) if x < b), len(offsets) - 1)
     return first, last + 1
@@ -331,11 +331,6 @@ def fit_window_probe(long: dict, best: dict, short=None) -> tuple[torch.Tensor, 
     labels = torch.tensor(data["labels"])
     x = data["means"][long["layers"].index(best["layer"])].double()[labels >= 0]
     return _window_fit(x, labels[labels >= 0], best["l2"], short, best["layer"])
-
-
-def hidden_layers(engine) -> int:
-    config = engine.model.config
-    return int(getattr(config, "num_hidden_layers", None) or config.get_text_config().num_hidden_layers)
 
 
 def train(engine, rows: Sequence[dict], settings: ModerationSettings = ModerationSettings(), *,

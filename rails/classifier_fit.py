@@ -177,8 +177,8 @@ def main(args, data: dict, params: dict, settings) -> int:
     rows = chosen_rows(rows, args.max_rows or MAX_ROWS, MIN_PER_CLASS if least is None else least)
     model = next((m.get("model") for m in data.get("models") or [] if m.get("type") == "main"), None) or "flashguard"
     engine = get_engine(EngineConfig.from_parameters(params), model)
-    features_by = "a server (backend: openai)" if not engine.reads_states else \
-        f"the in-process engine ({engine.info().get('weights', '?')} weights)"
+    features_by = "a server (backend: openai)" if not engine.returns_states else \
+        f"the in-process engine ({engine.weights_kind} weights)"
     cache_path: Optional[Path] = Path(args.features) if getattr(args, "features", None) else None
     cache: dict = torch.load(cache_path) if cache_path and cache_path.is_file() else {}
     save = (lambda: torch.save(cache, cache_path)) if cache_path else None

@@ -24,6 +24,7 @@ import math
 import time
 from typing import Callable, Sequence
 
+from flashguard.engine.interface import ChatText
 from flashguard.errors import ConfigError
 
 log = logging.getLogger("flashguard")
@@ -40,22 +41,23 @@ METHOD = "adapter"
 
 def invocation(tokenizer) -> list[int]:
     """The tag's token ids as the chat template renders them at the start of the question (with whatever space
-    the template puts before it): the adapter's invocation."""
-    text = tokenizer.apply_chat_template([{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"},
-                                          {"role": "user", "content": QUESTIONS["input"]}],
-                                         add_generation_prompt=True, tokenize=False)
+    the template puts before it): the adapter's invocation. ``tokenizer``: a tokenizer (training) or an engine (the
+    rails: ``EngineInterface``'s text methods), here and below."""
+    text_ops = ChatText.of(tokenizer)
+    text = text_ops.render_chat([{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"},
+                                 {"role": "user", "content": QUESTIONS["input"]}], add_generation_prompt=True)
     a = text.rfind(TAG)
     b = a + len(TAG)
     try:
-        enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        spans = text_ops.token_offsets(text)
     except (NotImplementedError, ValueError):   # a slow tokenizer: no offsets
-        return list(tokenizer(TAG, add_special_tokens=False)["input_ids"])
-    return [t for t, (s, e) in zip(enc["input_ids"], enc["offset_mapping"]) if e > a and s < b]
+        return text_ops.tokenize(TAG)
+    return [t for t, (s, e) in zip(text_ops.tokenize(text), spans) if e > a and s < b]
 
 
 def answer_tokens(tokenizer) -> tuple[int, int]:
     """(unsafe, safe): the first token of each answer word, as the model writes it after the answer header."""
-    return tuple(tokenizer(ANSWERS[k], add_special_tokens=False)["input_ids"][0] for k in ("unsafe", "safe"))
+    return tuple(ChatText.of(tokenizer).tokenize(ANSWERS[k])[0] for k in ("unsafe", "safe"))
 
 
 def last_occurrence(ids: Sequence[int], seq: Sequence[int]) -> int:
@@ -85,8 +87,7 @@ def start_of(ids: Sequence[int], tokenizer) -> int:
 def check(engine) -> None:
     """The engine's guard was made for this tokenizer's invocation and answers (ConfigError otherwise)."""
     guard = engine.guard
-    tok = engine.tokenizer
-    want = {"invocation": invocation(tok), "answer_ids": list(answer_tokens(tok)), "questions": QUESTIONS}
+    want = {"invocation": invocation(engine), "answer_ids": list(answer_tokens(engine)), "questions": QUESTIONS}
     got = {"invocation": list(guard.invocation), "answer_ids": guard.meta.get("answer_ids"),
            "questions": guard.meta.get("questions")}
     for key in want:
@@ -103,7 +104,7 @@ def threshold(engine, side: str, strictness: str) -> float:
 
 
 def p_unsafe(engine, logprobs) -> float:
-    bad, good = answer_tokens(engine.tokenizer)
+    bad, good = answer_tokens(engine)
     odds = float(logprobs[bad].double() - logprobs[good].double())
     return 1.0 / (1.0 + math.exp(-max(-30.0, min(30.0, odds))))
 
@@ -176,7 +177,7 @@ def moderate_output(engine, bot_message: str, user_message, settings, turn, allo
         tail = _last_tokens(engine, bot_message, engine.context_length - len(suffix) - 64)
         ids, path = engine.encode_messages([{"role": "assistant", "content": tail},
                                             {"role": "user", "content": QUESTIONS["output"]}]), "window"
-    start = start_of(ids, engine.tokenizer)
+    start = start_of(ids, engine)
     return verdict(engine, ids, start, "output", settings, path=path, keep=start, t0=t0)
 
 
@@ -193,17 +194,17 @@ def moderate_input(engine, messages: list, settings):
         return Verdict(allowed=True, p_unsafe=0.0, path="too-long", prompt_tokens=len(conv), prefilled_tokens=0,
                        reused_tokens=0, seconds=time.perf_counter() - t0, method="none",
                        threshold=threshold(engine, "input", settings.strictness))
-    ids, start = guard_ids(engine.encode_messages, engine.tokenizer, messages, "input")
+    ids, start = guard_ids(engine.encode_messages, engine, messages, "input")
     path = "branch"
     if not _fits(engine, ids, "input"):
         last = next((m for m in reversed(messages) if m.get("role") == "user"), messages[-1])
         tail = _last_tokens(engine, str(last.get("content") or ""), engine.context_length - 96)
-        ids, start = guard_ids(engine.encode_messages, engine.tokenizer, [{"role": "user", "content": tail}], "input")
+        ids, start = guard_ids(engine.encode_messages, engine, [{"role": "user", "content": tail}], "input")
         path = "window"
     keep = min(_common(conv, ids), start)
     return verdict(engine, ids, start, "input", settings, path=path, keep=keep, task="input_moderation", t0=t0)
 
 
 def _last_tokens(engine, text: str, n: int) -> str:
-    ids = engine.tokenizer(text, add_special_tokens=False)["input_ids"]
-    return engine.tokenizer.decode(ids[-max(16, n):])
+    ids = engine.tokenize(text)
+    return engine.detokenize(ids[-max(16, n):])

@@ -189,21 +189,19 @@ def moderation_suffix(engine, question: str) -> list[int]:
 
 
 def _render_suffix(engine, question: str) -> list[int]:
-    tok = engine.tokenizer
     marker = "\x00FLASHGUARD-REPLY\x00"
     msgs = [{"role": "user", "content": "u"}, {"role": "assistant", "content": marker},
             {"role": "user", "content": question}]
-    text = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+    text = engine.render_chat(msgs, add_generation_prompt=True)
     tail = text.split(marker, 1)[1]
-    return list(tok(tail, add_special_tokens=False)["input_ids"])
+    return engine.tokenize(tail)
 
 
 def answer_ids(engine, word: str) -> list[int]:
     """First token ids of ``word`` in its usual spellings (" No", "no", ...), memoised per engine."""
     memo = rail_state(engine).answers
     if word not in memo:
-        memo[word] = sorted({engine.tokenizer(w, add_special_tokens=False)["input_ids"][0]
-                             for w in _VARIANTS(word.strip())})
+        memo[word] = sorted({engine.tokenize(w)[0] for w in _VARIANTS(word.strip())})
         engine.keep_exact(memo[word])   # (an int4 lm_head recomputes them at every position)
     return list(memo[word])
 
@@ -213,10 +211,11 @@ def find_turn(engine, bot_message: str):
     wanted = bot_message.strip()
     if not wanted:
         return None
-    for turn in reversed(engine.turns):
+    turns = engine.recent_turns()
+    for turn in reversed(turns):
         if turn.text.strip() == wanted:
             return turn
-    for turn in reversed(engine.turns):
+    for turn in reversed(turns):
         if wanted in turn.text:
             return turn
     return None
@@ -233,7 +232,7 @@ def moderate(engine, bot_message: str, user_message: Optional[str] = None,
     A verdict is remembered per (turn, text, settings): NeMo's streaming output rails check the final
     text again after the last chunk, and that second check costs nothing.
     """
-    with engine.lock:  # the streaming chunk check and the final check can arrive together
+    with engine.exclusive():  # the streaming chunk check and the final check can arrive together
         turn = find_turn(engine, bot_message) if allow_shared else None
         state = rail_state(engine)
         memo = state.verdicts
@@ -292,7 +291,7 @@ def choose_probe(engine, settings: ModerationSettings):
     mode = settings.probe.strip()
     if mode == "off" or settings.guard == "question":
         return None
-    if not engine.reads_states:   # a serving engine (backend: openai) returns log-probabilities, not states
+    if not engine.returns_states:   # a serving engine (backend: openai) returns log-probabilities, not states
         warned = rail_state(engine).probe_warned
         if ("remote", settings.side) not in warned:
             warned.add(("remote", settings.side))
@@ -347,7 +346,7 @@ def choose_classifier(engine, settings: ModerationSettings):
         return None
     if mode != "auto":
         return load_for(engine, mode, settings.side, settings.section)
-    if engine.reads_states:   # in process, probe: off keeps the single question unless a file is named
+    if engine.returns_states:   # in process, probe: off keeps the single question unless a file is named
         return None
     default = (QUESTIONS[settings.side][0].text, "", "No", "Yes")
     mine = (settings.question, settings.policy.strip(), settings.unsafe_answer, settings.safe_answer)
@@ -437,19 +436,19 @@ def turn_ids(engine, turn, settings: ModerationSettings) -> list[int]:
     """The ids of the turn the output rail judges: the prompt and the generated ids; for a reasoning model's turn
     with ``judge_reasoning`` off, the prompt and the final answer only (after an empty ``<think>`` block where the
     prompt opened one, as an R1 model writes when it does not think)."""
-    from flashguard.reasoning import CLOSE, ThinkSplitter, prompt_opens_think, writes_reasoning
+    from flashguard.reasoning import CLOSE, ThinkSplitter, opens_think, writes_reasoning
 
     prompt, output = list(turn.prompt_ids), list(turn.output_ids)
-    if settings.judge_reasoning or not writes_reasoning(engine.tokenizer):
+    if settings.judge_reasoning or not writes_reasoning(engine):
         return prompt + output
-    inside = prompt_opens_think(engine.tokenizer, prompt)
+    inside = opens_think(engine.detokenize(prompt[-8:]))
     splitter = ThinkSplitter(inside=inside)
     reasoning, answer = splitter.feed(turn.text)
     more_reasoning, more_answer = splitter.finish()
     if not (reasoning + more_reasoning).strip():
         return prompt + output
     lead = f"\n{CLOSE}\n\n" if inside else ""
-    return prompt + engine.tokenizer(lead + answer + more_answer, add_special_tokens=False)["input_ids"]
+    return prompt + engine.tokenize(lead + answer + more_answer)
 
 
 def _score(engine, ids, settings, probe, task: str = "moderation",
@@ -480,8 +479,7 @@ def _moderate_windows(engine, bot_message, settings, probe, total, t0, role: str
     """A reply (or, with ``role="user"``, a user message) that with the question does not fit the model's
     context: judge consecutive windows of its tokens (each with the question, prefilled from text) and keep the
     worst. ``path`` is ``"windows"``."""
-    tok = engine.tokenizer
-    reply = tok(bot_message, add_special_tokens=False)["input_ids"]
+    reply = engine.tokenize(bot_message)
     overhead = len(engine.encode_messages([{"role": role, "content": ""},
                                            {"role": "user", "content": settings.prompt}])) + \
         _longest_extra(engine, clf, settings.prompt)
@@ -493,7 +491,7 @@ def _moderate_windows(engine, bot_message, settings, probe, total, t0, role: str
                           "and a piece of the reply; raise models[main].parameters.max_context")
     worst, threshold, method, prefilled, level = 0.0, settings.threshold, "question", 0, ""
     for a in range(0, len(reply), size):
-        window = [{"role": role, "content": tok.decode(reply[a:a + size])}]
+        window = [{"role": role, "content": engine.detokenize(reply[a:a + size])}]
         if probe is not None and probe.rail == "input":   # the input probe reads the window's own prompt
             ids = engine.encode_messages(window)
             (p, reused), method = _score_prompt(engine, ids, probe), "probe"
@@ -543,7 +541,7 @@ def moderate_input(engine, messages: list[dict], settings: Optional[ModerationSe
     from . import guard
 
     settings = settings or ModerationSettings.input_defaults()
-    with engine.lock:
+    with engine.exclusive():
         if guard.chosen(engine, settings):
             return guard.moderate_input(engine, messages, settings)
         t0 = time.perf_counter()
@@ -666,10 +664,10 @@ def message_windows(engine, messages: list[dict], window: int) -> Optional[tuple
     last = messages[-1] if messages else {}
     if not window or last.get("role") != "user":
         return None
-    ids = engine.tokenizer(str(last.get("content") or ""), add_special_tokens=False)["input_ids"]
+    ids = engine.tokenize(str(last.get("content") or ""))
     if len(ids) <= window:
         return None
-    return engine.tokenizer.decode(ids[:window]), engine.tokenizer.decode(ids[-window:])
+    return engine.detokenize(ids[:window]), engine.detokenize(ids[-window:])
 
 
 def content_start(engine, messages: list[dict], ids: Optional[list[int]] = None) -> int:
@@ -731,7 +729,7 @@ def suffix_state(engine, ids: list[int], start: int, layers, task: str = "modera
     """The output rail's forward for a probe that reads the suffix's mean (``features: last+mean``, format version
     2): ``(logprobs [vocab], hidden [layers + 1, d] of the last token, the mean state over ids[start:] at each of
     ``layers`` [len(layers), d], reused)``. ``start`` is the suffix's first position: the turn's pages are reused
-    as by ``engine.next_token_state``, only the suffix runs."""
+    as by any read, only the suffix runs."""
     logprobs, hidden, mean, reused, _ = _pooled_forward(engine, ids, start, layers, task, False)
     return logprobs, hidden, mean, reused
 

@@ -73,7 +73,7 @@ class ModelKey:
         target = os.path.join(src.folder, src.gguf_file) if src.gguf_file else src.folder
         size = os.path.getsize(target) if os.path.isfile(target) else 0
         # lora_path: the adapter changes the hidden states a probe reads, so a base model's probe is not its probe
-        adapter = getattr(engine, "adapter", None)
+        adapter = engine.adapter
         lora = f"+lora-{adapter.digest[:12]}" if adapter is not None else ""
         return cls(identity=src.identity, file=os.path.basename(target.rstrip("/\\")), bytes=size,
                    weights=engine_weights(engine) + lora)

@@ -3,7 +3,8 @@
 Contract:
 - One Engine per model identity per process (see ``registry.get_engine``); every provider,
   ``LLMRails`` and server request shares it.
-- Calls are serialised by ``self.lock``: ``stream()`` holds it from its first ``next()`` until it
+- It implements ``interface.EngineInterface``, all the rails use of it.
+- Calls are serialised by ``self.lock`` (``exclusive()``): ``stream()`` holds it from its first ``next()`` until it
   is exhausted or closed, so two requests never interleave on the cache.
 - The engine keeps the KV cache of the last sequence it ran (the *session*). A new call that
   starts with the same token ids reuses that prefix and prefills only the rest; this is what
@@ -43,6 +44,7 @@ from .budget import Budget, apply_vram_budget, measure_cuda_context, resolve_vra
 from .decode_loop import Delta, Turn, joined
 from .decode_step import DecodeStep
 from .encoding import MessageEncoder
+from .interface import EngineInterface, layers_of
 from .placement import Placement, load_target
 from .reading import Reading
 from .retry import RetryPolicy
@@ -94,8 +96,8 @@ PLAIN_CHAT_TEMPLATE = ("{{ bos_token or '' }}{% for m in messages %}{{ m['role']
 
 
 
-class Engine:
-    reads_states = True   # read() returns hidden states (the probes need them); a RemoteEngine's does not
+class Engine(EngineInterface):
+    returns_states = True   # read() returns hidden states (the probes need them); a RemoteEngine's does not
     MIN_CHUNK = RetryPolicy.MIN_CHUNK
     GPU_CHUNK, CPU_CHUNK = Budget.GPU_CHUNK, Budget.CPU_CHUNK   # prefill_chunk: auto
 
@@ -270,6 +272,14 @@ class Engine:
     @property
     def embedding_on_host(self) -> bool:
         return self.weights_placement.embedding_on_host
+
+    @property
+    def layer_count(self) -> int:
+        return layers_of(self.model.config)
+
+    def exclusive(self):
+        """``self.lock``: no other call moves the session inside it (re-entrant)."""
+        return self.lock
 
     @property
     def weights_kind(self) -> str:
@@ -546,10 +556,6 @@ class Engine:
             }
         out["session"] = session
         return out
-
-    def _remember(self, turn: Turn) -> None:
-        self.turns.append(turn)
-        del self.turns[:-64]
 
     # ---- model facts ---------------------------------------------------------------------
     def _eos_ids(self) -> frozenset[int]:

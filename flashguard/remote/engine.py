@@ -2,25 +2,26 @@
 conversation with the model's own tokenizer and chat template (``model_path``, the embedded model by default),
 streams the reply and asks the rails' questions.
 
-Contract (the public surface of the local ``Engine`` that the provider, the server and the rails use):
+Contract (the public surface of the local ``Engine`` that the provider and the server use; the rails see
+``engine/interface.py``'s ``EngineInterface``, which both implement):
 - ``encode_messages`` / ``decode`` / ``tokenizer`` / ``context_length`` / ``eos_ids``: as the local engine's,
-  from the same tokenizer (``encoding.MessageEncoder``).
+  from the same tokenizer (``encoding.MessageEncoder``); the interface's text methods over it.
 - ``stream(ids, params)`` / ``generate``: one streamed completions request over ``ids``; each reply is kept in
-  ``turns`` (its prompt ids, the reply's ids re-tokenized, its text) so the output rail finds it. The last Delta's
+  ``turns`` (its prompt ids, the reply's ids re-tokenized, its text) so the output rail finds it (``recent_turns``). The last Delta's
   ``prompt_tokens`` is the server's own count of the prompt it ran (``usage.prompt_tokens``; ``len(ids)`` where it
   gives none), so a reply's usage says what the server answered, not what was sent.
 - ``read(ids)``: one completions request over ``ids`` with ``max_tokens: 1`` and the top ``TOP_LOGPROBS``
   log-probabilities of the next token: a ``Reading`` whose ``logprobs`` holds those (every other token at the
   lowest one listed: an upper bound, so a Yes/No verdict whose answer is not listed errs towards blocking).
   ``reused`` is what the server says it took from its prefix cache (``usage.prompt_tokens_details.cached_tokens``,
-  or llama-server's ``timings.cache_n``). No hidden states: ``reads_states`` is False and the rails decide by the
+  or llama-server's ``timings.cache_n``). No hidden states: ``returns_states`` is False and the rails decide by the
   question's Yes/No log-odds (a probe needs the model's states).
 - ``read(ids, adapter_from=k)``: the guard's question (rails/guard.py) with the guard adapter on from ``ids[k]`` (the
   invocation's first token): the request names the server's guard adapter (``lora``), which llama-server runs from
   there on and reuses the conversation before it from the slot's cache. ``guard`` is the ``remote.guard.RemoteGuard``
   of ``guard_adapter`` (None: no guard); every request of a conversation names it (remote/guard.py says why).
 - ``keep_exact(token_ids)``: nothing to do (the server's log-probabilities are its own head's).
-- ``lock`` serialises nothing: each call is its own request, and the server batches concurrent ones.
+- ``exclusive()`` holds nothing: each call is its own request, and the server batches concurrent ones.
 - Where the server reports its slots (llama-server's ``GET /props`` ``total_slots``) and ``slot_leases`` is auto,
   every request names its slot (``id_slot``) from ``slots.SlotLeases``: a turn's requests keep one slot, so the
   conversation's KV is not swapped out between them; a request waits (in this process, in arrival order, at most
@@ -42,6 +43,7 @@ from ..config import EngineConfig
 from ..engine import loader
 from ..engine.encoding import MessageEncoder
 from ..engine.engine import PLAIN_CHAT_TEMPLATE, Delta, Turn, checked_prompt, context_length, joined
+from ..engine.interface import EngineInterface, layers_of
 from ..engine.reading import Reading
 from ..engine.sampling import SamplingParams
 from ..engine.stats import EngineStats
@@ -54,8 +56,8 @@ from . import slots
 log = logging.getLogger("flashguard")
 
 
-class RemoteEngine:
-    reads_states = False
+class RemoteEngine(EngineInterface):
+    returns_states = False
     MISSES = 3          # rail requests in a row that reuse under half of a long prompt before the log says so
     TOP_LOGPROBS = 20   # the most llama-server, vLLM (--max-logprobs) and SGLang return by default
     RESAMPLES = 3       # reads sampled again where the server held the sampled token back (read's comment)
@@ -66,13 +68,14 @@ class RemoteEngine:
         self.label = f"{self.source.label} @ {config.base_url}"   # (engine_stats: apart from a local engine's)
         notice.say("flashguard: %s serves %s; loading its tokenizer (%s) here", config.base_url, model,
                    self.source.label)
-        self.tokenizer, model_config = loader.load_tokenizer(self.source)
+        self.tokenizer, self.model_config = loader.load_tokenizer(self.source)
         if getattr(self.tokenizer, "chat_template", None) is None:
             self.tokenizer.chat_template = PLAIN_CHAT_TEMPLATE
         self.messages = MessageEncoder(self.tokenizer, config.system_prompt)
-        self.context_length = context_length(model_config, config.max_context)
+        self.context_length = context_length(self.model_config, config.max_context)
         self.eos_ids = frozenset(i for i in (self.tokenizer.eos_token_id,) if isinstance(i, int))
-        self.lock = contextlib.nullcontext()
+        self.lock = contextlib.nullcontext()   # (exclusive(): nothing to hold)
+        self.adapter = None   # (lora_path is the server's business)
         self.stats = EngineStats()
         self.turns: list[Turn] = []
         self.client = Client(config.base_url, config.api_key_env, config.timeout_s)
@@ -181,13 +184,25 @@ class RemoteEngine:
         completion = int(usage.get("completion_tokens") or len(out))
         reused = self._cached(usage, timings) or 0
         yield Delta("", finish, int(usage.get("prompt_tokens") or len(ids)), completion)
-        self.turns.append(Turn(tuple(ids), tuple(out), final))
-        del self.turns[:-64]
+        self._remember(Turn(tuple(ids), tuple(out), final))
         self.stats.record(task, prompt=len(ids), prefilled=len(ids) - reused, reused=reused, generated=completion,
                           seconds=time.perf_counter() - t0, first_token_s=first,
                           server_seconds=self._server_s({"timings": timings}))
 
     # ---- the rails' call -----------------------------------------------------------------
+    def exclusive(self):
+        """Nothing to hold: each request is its own, the server batches concurrent ones."""
+        return contextlib.nullcontext()
+
+    @property
+    def layer_count(self) -> int:
+        return layers_of(self.model_config)
+
+    @property
+    def weights_kind(self) -> str:
+        """``server``: the weights are the server's (no probe is keyed by them: ``returns_states`` is False)."""
+        return "server"
+
     def keep_exact(self, token_ids: Sequence[int]) -> None:
         """Nothing to do: the server's log-probabilities are its own head's."""
 
