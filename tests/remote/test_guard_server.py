@@ -221,8 +221,8 @@ def test_the_rails_verdicts_through_the_server_agree_with_the_in_process_engines
     """Both rails' guard verdicts on 32 project rows (rails/data), the same token ids in process (float weights)
     and through the server (its Q4_1 kernels): p_unsafe within a bound, the same verdict at the guard's thresholds
     but for rows at the cut. The trained guard where there is one, else a mild synthetic one."""
-    from benchmarks import guard_remote as bench
     from flashguard.rails.moderation import ModerationSettings
+    from tests import rail_agreement as bench
 
     folder = guards.get("trained", guards["mild"])
     engines = {"float": local(folder), "server": remote(server, folder)}
