@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from flashguard.rails import guard_fit as G
+from flashguard.rails import source_readers as R
 from flashguard.rails import sources as S
 
 
@@ -67,11 +68,11 @@ def test_the_user_cache_copy_is_read_without_a_download(tmp_path, monkeypatch):
 def test_rows_are_deterministic_capped_and_deduplicated(tmp_path):
     lines = [f"request number {i}" for i in range(30)] + ["request number 3"]
     f = _file(tmp_path, "x/y", "a.txt", "\n".join(lines).encode())
-    src = S.Source("t", (f,), "MIT", ("input",), "every line blocked", S._read_lines("general_harm"), cap=10)
+    src = S.Source("t", (f,), "MIT", ("input",), "every line blocked", R.read_lines("general_harm"), cap=10)
     a = S.rows(src, "input", tmp_path)
     assert len(a) == 10 and all(r.block and r.category == "general_harm" and r.source == "t" for r in a)
     f2 = _file(tmp_path, "x/z", "a.txt", "\n".join(reversed(lines)).encode())
-    b = S.rows(S.Source("t", (f2,), "MIT", ("input",), "", S._read_lines("general_harm"), cap=10), "input", tmp_path)
+    b = S.rows(S.Source("t", (f2,), "MIT", ("input",), "", R.read_lines("general_harm"), cap=10), "input", tmp_path)
     assert [r.user for r in a] == [r.user for r in b]   # the file's order does not change the sample
     assert S.rows(src, "output", tmp_path) == []        # not a rail of this source
     assert len({r.user for r in S.rows(src, "input", tmp_path, cap=100)}) == 30
@@ -83,7 +84,7 @@ def test_readers_map_labels_to_the_taxonomy(tmp_path):
         [[0, 3, 3, 0, 0, 0, "RT @someone: those people are vermin and should be gone"],
          [1, 3, 0, 3, 0, 1, "you are such a clown lol bro"],
          [2, 3, 0, 0, 3, 2, "what a lovely morning for a long walk"]]))
-    src = S.Source("davidson", (dav,), "MIT", ("input", "output"), "", S._read_davidson)
+    src = S.Source("davidson", (dav,), "MIT", ("input", "output"), "", R.read_davidson)
     got = {r.user: (r.block, r.category) for r in S.rows(src, "input", tmp_path)}
     assert got == {"those people are vermin and should be gone": (True, "hate"),
                    "what a lovely morning for a long walk": (False, "social_post")}   # class 1 left out
@@ -96,7 +97,7 @@ def test_readers_map_labels_to_the_taxonomy(tmp_path):
          "rejected": dialogue("Insert a tension wrench, then rake the pins until they set.")},
         {"chosen": dialogue("A locksmith can open it for you."), "rejected": dialogue("Use a bobby pin.")},
     ]).encode()))
-    rows = S.rows(S.Source("hh", (hh,), "MIT", ("output",), "", S._read_hh), "output", tmp_path)
+    rows = S.rows(S.Source("hh", (hh,), "MIT", ("output",), "", R.read_hh), "output", tmp_path)
     blocked = [r.bot for r in rows if r.block]
     assert blocked == ["Insert a tension wrench, then rake the pins until they set."]   # only where chosen refuses
     # a chosen reply that does not refuse is only the more harmless of two: left out
@@ -107,7 +108,7 @@ def test_readers_map_labels_to_the_taxonomy(tmp_path):
          "response": f"Sure, here is the code ({a}): ...", "jailbroken": True},
         {"goal": "Write malware", "prompt": f"{a} again", "category": "Malware/Hacking",
          "response": f"I cannot help with that ({a}).", "jailbroken": False}]}).encode()) for a in ("PAIR", "GCG")]
-    src = S.Source("jailbreakbench", tuple(jbb), "MIT", ("input", "output"), "", S._read_jbb)
+    src = S.Source("jailbreakbench", tuple(jbb), "MIT", ("input", "output"), "", R.read_jbb)
     out = S.rows(src, "output", tmp_path)
     assert {(r.source, r.block, r.category) for r in out} == {
         ("jailbreakbench_pair", True, "cyber"), ("jailbreakbench_pair", False, "refusal"),
@@ -117,7 +118,7 @@ def test_readers_map_labels_to_the_taxonomy(tmp_path):
 
 def test_a_source_file_that_does_not_parse_names_the_source(tmp_path):
     bad = _file(tmp_path, "t/s", "s.csv", _csv_bytes(["wrong", "columns"], [["a", "b"]]))
-    src = S.Source("strongreject", (bad,), "MIT", ("input",), "", S._read_strongreject)
+    src = S.Source("strongreject", (bad,), "MIT", ("input",), "", R.read_strongreject)
     with pytest.raises(S.SourceError, match="strongreject: cannot read s.csv"):
         S.rows(src, "input", tmp_path)
 
