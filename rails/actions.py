@@ -2,7 +2,9 @@
 ``flashguard_moderate_input``.
 
 Registered by ``configs/flash/config.py``; used by the ``flashguard moderate output`` / ``flashguard moderate
-input`` flows. They need the main model to be the flashguard provider (they moderate with the same engine).
+input`` flows. They need the main model to be the flashguard provider (they moderate with the same engine). Each
+verdict is published to ``listeners.py`` (the server's request accounting subscribes there: the rails import no
+server).
 """
 
 from __future__ import annotations
@@ -16,8 +18,8 @@ from nemoguardrails.actions.rail_outcome import RailOutcome
 
 from flashguard import notice
 from flashguard.errors import ConfigError
-from flashguard.guardrails.server import record_block, record_verdict
 
+from . import listeners
 from .moderation import ModerationSettings, Verdict, moderate, moderate_input
 
 # Who wants each verdict besides NeMo (``flashguard eval-guard``: rails/evaluate.py reads p_unsafe, which NeMo's
@@ -57,8 +59,6 @@ async def flashguard_moderate_input(llm=None, config=None, context: Optional[dic
     settings = ModerationSettings.from_custom_data(getattr(config, "custom_data", None), side="input")
     messages = conversation(user)
     verdict = await asyncio.to_thread(moderate_input, engine, messages, settings)
-    if not verdict.allowed:   # the server's usage and finish_reason (NeMo streams the refusal as plain text)
-        record_block("input")
     return _outcome("input", verdict)
 
 
@@ -67,10 +67,10 @@ def conversation(user: Optional[str]) -> list[dict]:
     ``raw_llm_request`` with its last user message replaced by the context's ``user_message``)."""
     from nemoguardrails.context import raw_llm_request
 
-    from flashguard.guardrails.provider import _as_dict
+    from flashguard.engine.encoding import as_message
 
     raw = raw_llm_request.get()
-    messages = [_as_dict(m) for m in raw] if isinstance(raw, list) and raw else []
+    messages = [as_message(m) for m in raw] if isinstance(raw, list) and raw else []
     messages = [m for m in messages if isinstance(m.get("content"), str)] if messages else []
     for m in reversed(messages):
         if m["role"] == "user":
@@ -97,7 +97,8 @@ def _outcome(rail: str, verdict) -> RailOutcome:
     meta = {"p_unsafe": verdict.p_unsafe, "method": verdict.method, "threshold": verdict.threshold,
             "strictness": verdict.strictness, "path": verdict.path, "prefilled_tokens": verdict.prefilled_tokens,
             "reused_tokens": verdict.reused_tokens}
-    record_verdict(rail, verdict.allowed, {**meta, "reason": verdict.reason})   # flashguard serve reports it
+    # flashguard serve reports it (guardrails/usage.py listens): the response's field, a blocked request's usage
+    listeners.publish(rail, verdict.allowed, {**meta, "reason": verdict.reason})
     if verdict.allowed:
         return RailOutcome.allow(reason=verdict.reason, metadata=meta)
     if sink is None:   # one line a blocked turn (eval-guard's table counts them instead)

@@ -174,3 +174,18 @@ class MessageEncoder:
             while len(self._kept) > self.KEPT:
                 self._kept.popitem(last=False)
         return list(ids)
+
+
+def as_message(message) -> dict:
+    """``{role, content}`` of a chat message as NeMo and LangChain hand it over: a dict (``role``, or LangChain's
+    ``type``) or a message object (``role`` / ``content`` attributes), their role names mapped to the chat
+    template's (bot -> assistant, human -> user, developer -> system). The provider and the input rail's action
+    read a request's messages with it."""
+    if isinstance(message, dict):
+        return {"role": _role(message.get("role") or message.get("type")), "content": message.get("content")}
+    role = getattr(message, "role", None)
+    return {"role": _role(getattr(role, "value", role)), "content": getattr(message, "content", None)}
+
+
+def _role(role):
+    return {"bot": "assistant", "human": "user", "developer": "system"}.get(role, role)

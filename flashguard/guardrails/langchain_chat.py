@@ -31,7 +31,7 @@ from pydantic import ConfigDict, Field, PrivateAttr, model_validator
 from ..config import EngineConfig
 from ..engine import SamplingParams, get_engine
 from ..errors import YAML_PREFIX, ConfigError
-from .provider import iterate_in_thread
+from .threads import iterate_in_thread
 
 _ROLES = {"human": "user", "ai": "assistant", "system": "system", "tool": "tool", "chat": "user"}
 

@@ -17,17 +17,17 @@ the call may generate ``reasoning_tokens`` more than ``max_tokens``.
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import dataclasses
 import logging
-import threading
 from typing import Any, AsyncIterator, List, Optional, Union
 
 from ..config import EngineConfig
 from ..engine import Engine, SamplingParams, get_engine
 from ..errors import FlashguardError, PromptError
 from ..reasoning import ThinkSplitter, prompt_opens_think, reasoning_budget, reasoning_sink, writes_reasoning
-from .server import record_call, record_error
+from ..engine.encoding import as_message
+from .threads import iterate_in_thread
+from .usage import record_call, record_error
 
 log = logging.getLogger("flashguard")
 
@@ -93,7 +93,7 @@ class FlashGuardModel:
             return self.engine.encode_messages([{"role": "user", "content": prompt}])
         if not isinstance(prompt, list):
             raise PromptError(f"the prompt must be a string or a list of messages, got {type(prompt).__name__}")
-        return self.engine.encode_messages([_as_dict(m) for m in prompt])
+        return self.engine.encode_messages([as_message(m) for m in prompt])
 
     def sampling(self, stop: Optional[List[str]], kwargs: dict) -> SamplingParams:
         unknown = set(kwargs) - {*SAMPLING_KEYS, "stop"} - _IGNORED_PARAMS
@@ -132,67 +132,6 @@ class FlashGuardModel:
         except FlashguardError as exc:  # NeMo's streaming turns it into a bare error frame: keep it for the server
             record_error(exc)
             raise
-
-
-def _as_dict(message: Any) -> dict:
-    if isinstance(message, dict):
-        return {"role": _role(message.get("role") or message.get("type")), "content": message.get("content")}
-    role = getattr(message, "role", None)
-    return {"role": _role(getattr(role, "value", role)), "content": getattr(message, "content", None)}
-
-
-def _role(role: Any) -> Any:
-    return {"bot": "assistant", "human": "user", "developer": "system"}.get(role, role)
-
-
-async def iterate_in_thread(make_iter) -> AsyncIterator:
-    """Run a blocking iterator on a worker thread and yield its items on the event loop.
-
-    Closing the async iterator early stops the worker at its next item (and closes the sync
-    iterator there, which releases the engine lock).
-    """
-    loop = asyncio.get_running_loop()
-    queue: asyncio.Queue = asyncio.Queue()
-    stop = threading.Event()
-    done = object()
-
-    def post(item) -> None:
-        try:
-            loop.call_soon_threadsafe(queue.put_nowait, item)
-        except RuntimeError:  # the consumer's event loop is closed: nobody is listening any more
-            stop.set()
-
-    def work():
-        try:
-            it = make_iter()
-            try:
-                for item in it:
-                    post((item, None))
-                    if stop.is_set():
-                        break
-            finally:
-                close = getattr(it, "close", None)
-                if close:
-                    close()
-        except BaseException as exc:  # handed to the consumer, which re-raises it
-            post((done, exc))
-            return
-        post((done, None))
-
-    # the caller's context goes with the work (a turn's slot lease, remote/slots.py), as asyncio.to_thread's does
-    thread = threading.Thread(target=contextvars.copy_context().run, args=(work,), name="flashguard-decode",
-                              daemon=True)
-    thread.start()
-    try:
-        while True:
-            item, exc = await queue.get()
-            if item is done:
-                if exc is not None:
-                    raise exc
-                return
-            yield item
-    finally:
-        stop.set()
 
 
 USAGE_STATS = "NEMO_GUARDRAILS_NO_USAGE_STATS"

@@ -22,15 +22,15 @@
 
 Everything else (``/v1/rails/configs``, ``/v1/checks``, ...) goes to NeMo's server app.
 
-``RequestBounds`` reads the body of a chat request (at most ``max_body_bytes``), checks it, and answers bad
-input with a 4xx in OpenAI's error envelope (``param`` names the field) before any work: unsupported fields
-(``n > 1``, ``tools``, ``response_format``, ``logprobs``) are refused, not ignored. At most ``max_in_flight``
-chat requests are admitted at once (a local engine serves one at a time, the rest wait on its lock; with
-``backend: openai`` they go to the server together); past that
-the answer is 429 with Retry-After, so memory stays bounded.
-
-``RequestLog`` logs one line per request (method, path, status, tokens, seconds) on the ``flashguard.server``
-logger; prompt and reply text only with ``verbose``.
+Its parts, each in its own module: ``bounds.RequestBounds`` reads the body of a chat request (at most
+``max_body_bytes``), checks it, and answers bad input with a 4xx in OpenAI's error envelope (``param`` names the
+field) before any work: unsupported fields (``n > 1``, ``tools``, ``response_format``, ``logprobs``) are refused,
+not ignored. At most ``max_in_flight`` chat requests are admitted at once (a local engine serves one at a time, the
+rest wait on its lock; with ``backend: openai`` they go to the server together); past that the answer is 429 with
+Retry-After, so memory stays bounded. ``metrics.py`` answers the memory and metrics paths. ``usage.RequestLog``
+logs one line per request (method, path, status, tokens, seconds) on the ``flashguard.server`` logger (prompt and
+reply text only with ``verbose``) and keeps the request's ``RequestUsage``: the tokens of its LLM calls and its
+rails' verdicts.
 """
 
 from __future__ import annotations
@@ -38,7 +38,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import contextvars
 import json
 import logging
 import signal
@@ -46,228 +45,10 @@ import sys
 import threading
 import time
 import uuid
-from dataclasses import dataclass
 
-from ..remote import slots
-
-
-@dataclass(frozen=True)
-class RequestLimits:
-    max_body_bytes: int = 4 * 2**20
-    max_messages: int = 512
-    max_tokens: int = 4096
-    max_in_flight: int = 64   # chat requests admitted at once (running + queued on the engine); more get 429
-
-
-class RequestBounds:
-    def __init__(self, app, limits: RequestLimits = RequestLimits()):
-        self.app = app
-        self.limits = limits
-        self.in_flight = 0
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["method"] == "GET" and scope["path"] in (MEMORY_PATH, METRICS_PATH):
-            return await _memory(scope["path"], send)
-        if scope["type"] != "http" or scope["method"] != "POST" or not scope["path"].endswith("/chat/completions"):
-            return await self.app(scope, receive, send)
-        chunks, size = [], 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return
-            body = message.get("body", b"")
-            size += len(body)
-            if size > self.limits.max_body_bytes:
-                return await _reject(send, 413, f"request body is over {self.limits.max_body_bytes} bytes; "
-                                                "send a shorter conversation")
-            chunks.append(body)
-            if not message.get("more_body"):
-                break
-        raw = b"".join(chunks)
-        problem = self.check(raw)
-        if problem:
-            return await _reject(send, 400, problem[0], param=problem[1])
-        if self.in_flight >= self.limits.max_in_flight:
-            return await _reject(send, 429, f"{self.in_flight} requests are already waiting for the model; "
-                                            "retry in a few seconds", retry_after=5)
-        sent = False
-
-        async def replay():
-            nonlocal sent
-            if sent:
-                return await receive()
-            sent = True
-            return {"type": "http.request", "body": raw, "more_body": False}
-
-        self.in_flight += 1
-        try:
-            with slots.lease():   # a remote engine's requests for this reply keep one server slot (remote/slots.py)
-                return await self.app(scope, replay, send)
-        finally:
-            self.in_flight -= 1
-
-    def check(self, raw: bytes) -> tuple[str, str | None] | None:
-        """``(message, param)`` of the first problem of a chat request body, or None when it can be served."""
-        try:
-            body = json.loads(raw or b"null")
-        except (ValueError, UnicodeDecodeError):
-            return "the request body is not valid JSON", None
-        if not isinstance(body, dict):
-            return "the request body must be a JSON object with a 'messages' list", None
-        messages = body.get("messages")
-        example = 'e.g. [{"role": "user", "content": "hi"}]'
-        if messages is None:
-            return f"messages is missing; send a list of messages, {example}", "messages"
-        if not isinstance(messages, list):
-            return f"messages must be a list of messages, not {type(messages).__name__}; {example}", "messages"
-        if not messages:
-            return f"messages is empty; send at least one message, {example}", "messages"
-        if len(messages) > self.limits.max_messages:
-            return f"{len(messages)} messages is over the limit of {self.limits.max_messages}; send fewer", "messages"
-        for i, m in enumerate(messages):
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-                return f"messages[{i}] must be an object with a 'role'", f"messages[{i}]"
-            problem = _content_problem(m.get("content"), f"messages[{i}].content")
-            if problem:
-                return problem
-        for key in ("max_tokens", "max_completion_tokens"):
-            value = body.get(key)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                      or not 0 < value <= self.limits.max_tokens):
-                return f"{key} must be an integer between 1 and {self.limits.max_tokens}", key
-        return _sampling_problem(body) or _unsupported(body)
-
-
-# the request's sampling fields handed to the provider (OpenAI's, and vLLM's repetition_penalty); unset ones take the
-# config's defaults (models[main].parameters)
-SAMPLING_FIELDS = ("temperature", "top_p", "seed", "stop", "frequency_penalty", "presence_penalty",
-                   "repetition_penalty")
-
-
-def _sampling_problem(body: dict) -> tuple[str, str] | None:
-    """The sampling fields the engine reads (``SamplingParams``' own bounds), checked before any work so the 400
-    names the field as the others do."""
-    def number(value) -> bool:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-    temperature, top_p, seed, stop = (body.get(k) for k in ("temperature", "top_p", "seed", "stop"))
-    if temperature is not None and not (number(temperature) and temperature >= 0):
-        return f"temperature must be a number >= 0 (0 is greedy), got {temperature!r}", "temperature"
-    for key in ("frequency_penalty", "presence_penalty"):
-        value = body.get(key)
-        if value is not None and not (number(value) and -2 <= value <= 2):
-            return f"{key} must be a number in [-2, 2] (0 is off), got {value!r}", key
-    penalty = body.get("repetition_penalty")
-    if penalty is not None and not (number(penalty) and penalty > 0):
-        return f"repetition_penalty must be a number > 0 (1 is off), got {penalty!r}", "repetition_penalty"
-    if top_p is not None and not (number(top_p) and 0 < top_p <= 1):
-        return f"top_p must be a number in (0, 1], got {top_p!r}", "top_p"
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        return f"seed must be an integer, got {seed!r}", "seed"
-    if stop is not None and not (isinstance(stop, str) and stop or isinstance(stop, list)
-                                 and all(isinstance(x, str) and x for x in stop)):
-        return f"stop must be a non-empty string or a list of them, got {stop!r}", "stop"
-    return None
-
-
-def _content_problem(content, where: str) -> tuple[str, str] | None:
-    if content is None or isinstance(content, str):
-        return None
-    if not isinstance(content, list):
-        return f"{where} must be a string or a list of text parts", where
-    for j, part in enumerate(content):
-        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            return (f"{where}[{j}]: only text parts ({{\"type\": \"text\", \"text\": ...}}) are supported, "
-                    f"got {kind!r}", f"{where}[{j}]")
-    return None
-
-
-def _unsupported(body: dict) -> tuple[str, str] | None:
-    """OpenAI fields flashguard cannot honour: a 400 naming the field rather than a silently different answer."""
-    n = body.get("n")
-    if n is not None and n != 1:
-        return f"n={n!r} is not supported: the server returns one choice; send n=1 (or omit n) and repeat the request", "n"
-    for key in ("tools", "functions", "tool_choice", "function_call", "parallel_tool_calls"):
-        if body.get(key) not in (None, [], "none"):
-            return f"{key} is not supported: flashguard serve has no tool calling; remove {key}", key
-    fmt = body.get("response_format")
-    if fmt not in (None, {"type": "text"}):
-        return "response_format is not supported (no JSON mode or schemas); remove it or send {\"type\": \"text\"}", \
-            "response_format"
-    for key in ("logprobs", "top_logprobs"):
-        if body.get(key) not in (None, False):
-            return f"{key} is not supported: the server returns no log-probabilities; remove {key}", key
-    stream = body.get("stream")
-    if stream is not None and not isinstance(stream, bool):
-        return "stream must be true or false", "stream"
-    return None
-
-
-def message_text(content) -> str:
-    """A message's text: the string itself, or its text parts joined (checked by ``RequestBounds`` first)."""
-    if content is None or isinstance(content, str):
-        return content or ""
-    return "".join(part["text"] for part in content)
-
-
-async def _reject(send, status: int, message: str, retry_after: int | None = None, param: str | None = None) -> None:
-    payload = error_body(status, message, param)
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
-    if retry_after is not None:
-        headers.append((b"retry-after", str(retry_after).encode()))
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": payload})
-
-
-def error_body(status: int, message: str, param: str | None = None) -> bytes:
-    """OpenAI's error envelope (the ``openai`` client shows ``message``)."""
-    kind = "invalid_request_error" if status < 500 else "server_error"
-    return json.dumps({"error": {"message": message, "type": kind, "param": param, "code": None}}).encode()
-
-
-MEMORY_PATH = "/v1/flashguard/memory"   # JSON: per-engine memory by category and the task counters
-METRICS_PATH = "/metrics"               # the same numbers in the Prometheus text format
-
-
-def memory_report() -> dict:
-    from .. import engine_stats
-    from ..engine.registry import all_engines
-    from ..vram.accounting import engine_memory
-
-    return {"engines": [engine_memory(e) for e in all_engines()], "stats": engine_stats()}
-
-
-def prometheus(report: dict) -> str:
-    lines = ["# HELP flashguard_memory_bytes Memory by engine, place and category.",
-             "# TYPE flashguard_memory_bytes gauge"]
-    for eng in report["engines"]:
-        model = eng["model"].replace('"', "'")
-        places = [("gpu", eng["gpu"] or {}), ("host", eng["host"])]
-        places.append(("cpu", {k[4:]: v for k, v in eng.items() if k.startswith("cpu_")}))
-        for place, values in places:
-            for cat, v in values.items():
-                if isinstance(v, (int, float)) and "pages" not in cat:
-                    lines.append(f'flashguard_memory_bytes{{model="{model}",place="{place}",category="{cat}"}} {v}')
-    lines += ["# HELP flashguard_tokens_total Tokens by task and kind.", "# TYPE flashguard_tokens_total counter"]
-    for model, tasks in report["stats"].items():
-        model = model.replace('"', "'")
-        for task, counters in tasks.items():
-            for kind, v in (counters.items() if isinstance(counters, dict) else []):
-                if isinstance(v, (int, float)) and "tokens" in kind:
-                    lines.append(f'flashguard_tokens_total{{model="{model}",task="{task}",kind="{kind}"}} {v}')
-    return "\n".join(lines) + "\n"
-
-
-async def _memory(path: str, send) -> None:
-    report = await asyncio.to_thread(memory_report)
-    if path == METRICS_PATH:
-        body, ctype = prometheus(report).encode(), b"text/plain; version=0.0.4"
-    else:
-        body, ctype = json.dumps(report).encode(), b"application/json"
-    await send({"type": "http.response.start", "status": 200,
-                "headers": [(b"content-type", ctype), (b"content-length", str(len(body)).encode())]})
-    await send({"type": "http.response.body", "body": body})
+from .bounds import (SAMPLING_FIELDS, RequestBounds, RequestLimits, error_body,  # noqa: F401 - (re-exported)
+                     message_text)
+from .usage import RequestLog, RequestUsage, current_usage, usage_scope  # noqa: F401 - (re-exported)
 
 
 # -- the OpenAI-compatible app ----------------------------------------------------------------------------------
@@ -412,8 +193,7 @@ class ChatCompletions:
         engine = model.engine
 
         def count() -> tuple[int, int]:
-            return (len(model.prompt_ids(messages)),
-                    len(engine.tokenizer(self.refusal, add_special_tokens=False)["input_ids"]))
+            return len(model.prompt_ids(messages)), len(engine.tokenize(self.refusal))
 
         try:
             prompt, completion = await asyncio.to_thread(count)
@@ -525,107 +305,6 @@ def _error_response(exc: BaseException) -> tuple[bytes, int]:
         e = inner if isinstance(inner, BaseException) else (e.__cause__ or e.__context__)
     log.error("chat completion failed: %s: %s", type(exc).__name__, exc)
     return error_body(500, f"the request failed: {type(exc).__name__}: {exc}"), 500
-
-
-# -- per-request accounting and the request log ----------------------------------------------------------------
-class RequestUsage:
-    """Tokens of the LLM calls one request made (the provider adds each call's last Delta) and the finish
-    reason of its reply."""
-
-    def __init__(self):
-        self.prompt_tokens = 0
-        self.completion_tokens = 0
-        self.finish_reason: str | None = None
-        self.error: BaseException | None = None   # a flashguard error an LLM call raised (its status and message)
-        self.blocked: str | None = None   # "input": flashguard's input rail blocked the request (record_block)
-        self.verdicts: list[dict] = []    # flashguard's rails' verdicts, in order (record_verdict)
-
-    def add(self, prompt_tokens: int, completion_tokens: int, finish_reason: str | None) -> None:
-        self.prompt_tokens += prompt_tokens
-        self.completion_tokens += completion_tokens
-        self.finish_reason = finish_reason
-
-    def openai(self) -> dict:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens}
-
-
-_usage: contextvars.ContextVar[RequestUsage | None] = contextvars.ContextVar("flashguard_request_usage",
-                                                                              default=None)
-
-
-def current_usage() -> RequestUsage:
-    """The running request's ``RequestUsage`` (a fresh one outside a request: adding to it is harmless)."""
-    return _usage.get() or RequestUsage()
-
-
-@contextlib.contextmanager
-def usage_scope():
-    """A ``RequestUsage`` that the LLM calls made inside the block count toward (as a server request's do): how
-    ``flashguard generate`` and ``chat`` learn that a reply was cut at max_tokens (``finish_reason``)."""
-    usage = RequestUsage()
-    token = _usage.set(usage)
-    try:
-        yield usage
-    finally:
-        _usage.reset(token)
-
-
-def record_call(prompt_tokens: int, completion_tokens: int, finish_reason: str | None) -> None:
-    """Called by the provider at the end of each LLM call: counts it toward the running request, if any."""
-    usage = _usage.get()
-    if usage is not None:
-        usage.add(prompt_tokens, completion_tokens, finish_reason)
-
-
-def record_error(exc: BaseException) -> None:
-    """Called by the provider when an LLM call fails: the server answers with this error's status and message."""
-    usage = _usage.get()
-    if usage is not None:
-        usage.error = exc
-
-
-def record_block(rail: str) -> None:
-    """Called by flashguard's input rail when it blocks (``rail``: "input"): a streamed reply then ends with
-    ``finish_reason: "content_filter"`` and counts the prompt and the refusal, though NeMo streams the refusal as
-    plain text."""
-    usage = _usage.get()
-    if usage is not None:
-        usage.blocked = rail
-
-
-def record_verdict(rail: str, allowed: bool, meta: dict) -> None:
-    """Called by flashguard's rails with each verdict (``rail``: "input" or "output"; ``meta``: p_unsafe,
-    threshold, method, strictness, path, prefilled_tokens, reused_tokens, reason): the response's ``flashguard``
-    field and the chat page's panel."""
-    usage = _usage.get()
-    if usage is not None:
-        usage.verdicts.append({"rail": rail, "blocked": not allowed, **meta})
-
-
-class RequestLog:
-    """One log line per HTTP request: method, path, status, prompt/completion tokens, seconds."""
-
-    def __init__(self, app):
-        self.app = app
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        usage, status, start = RequestUsage(), [500], time.perf_counter()
-        token = _usage.set(usage)
-
-        async def send_status(message):
-            if message["type"] == "http.response.start":
-                status[0] = message["status"]
-            await send(message)
-
-        try:
-            await self.app(scope, receive, send_status)
-        finally:
-            _usage.reset(token)
-            log.info("%s %s %d prompt_tokens=%d completion_tokens=%d %.2fs", scope["method"], scope["path"],
-                     status[0], usage.prompt_tokens, usage.completion_tokens, time.perf_counter() - start)
 
 
 def _exit_on_signal(signum, frame) -> None:
