@@ -1,4 +1,4 @@
-"""``flashguard chat`` prompts while the weights load (cli.RailsLoading): the prompt comes once the model's loading
+"""``flashguard chat`` prompts while the weights load (cli_chat.RailsLoading): the prompt comes once the model's loading
 line is out, the first reply waits for the rest, and a failure is reported as before (one line, exit status 2):
 before the prompt when it comes first, at the next message otherwise. Fast: the load is a stand-in, no model."""
 
@@ -11,7 +11,7 @@ import threading
 
 import pytest
 
-from flashguard import cli, notice
+from flashguard import cli, cli_chat, notice
 from flashguard.errors import ConfigError, ModelLoadError
 from tests.conftest import FLASH
 
@@ -32,7 +32,7 @@ def chat(monkeypatch):
         monkeypatch.setattr(handler, "stream", sys.stderr)
 
     def run(load, lines):
-        monkeypatch.setattr(cli, "load_rails", load)
+        monkeypatch.setattr(cli_chat, "load_rails", load)   # (RailsLoading's, in flashguard/cli_chat.py)
         typed = iter(lines)
 
         def fake_input(prompt=""):

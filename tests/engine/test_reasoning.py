@@ -221,7 +221,7 @@ def test_the_server_returns_the_answer_plain_and_streamed(r1_folder, tmp_path):
 
 
 def test_the_chat_shows_the_reasoning_dimmed_only_when_asked(r1_folder, tmp_path, capsys):
-    from flashguard.cli import DIM, PLAIN, _stream_reply
+    from flashguard.cli_chat import DIM, PLAIN, _stream_reply
 
     rails = rails_for(r1_folder, tmp_path)
     scripted(rails.llm)
