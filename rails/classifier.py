@@ -95,7 +95,7 @@ def log_odds(engine, ids: Sequence[int], question: Question, task: str = "modera
              keep: Optional[int] = None):
     """One question's feature after ``ids`` (the conversation's ids and the question's suffix): ``(log_odds,
     Reading)``. Over the top ``TOP_LOGPROBS`` of the next token (``top_view``), as every engine returns them."""
-    from .moderation import answer_ids
+    from .prompts import answer_ids
 
     r = engine.read(ids, task=task, keep=keep)
     lp = top_view(r.logprobs)
@@ -309,9 +309,9 @@ def held_out_scores(x: torch.Tensor, y: torch.Tensor, groups: Sequence[str], tra
 # ---- calibration rows -----------------------------------------------------------------------
 def row_ids(engine, rail: str, row: dict, history: Sequence[dict], question: Question) -> list[int]:
     """The ids the rail runs for a labelled row and ``question``: output, the prompt, the reply's tokens and the
-    question's suffix (``calibrate.moderation_ids``: the shared path after a turn the engine generated); input, the
+    question's suffix (``tuning.moderation_ids``: the shared path after a turn the engine generated); input, the
     conversation (``history`` and the message) and the question as the next user turn."""
-    from .calibrate import input_moderation_ids, moderation_ids
+    from .tuning import input_moderation_ids, moderation_ids
 
     if rail == "output":
         return moderation_ids(engine, row["user"], row["bot"], question.text)
@@ -330,9 +330,9 @@ def row_key(rail: str, row: dict, history: Sequence[dict], question: Question) -
 def collect(engine, rail: str, rows: Sequence[dict], questions: Sequence[Question], cache: Optional[dict] = None,
             progress: bool = False, save: Optional[Callable[[], None]] = None) -> torch.Tensor:
     """``[rows, questions]`` log-odds, each read as the rail reads it (``row_ids``; an input row follows the earlier
-    exchange ``calibrate.earlier_exchange`` gives it). ``cache``: features by ``row_key``, read where present and
+    exchange ``tuning.earlier_exchange`` gives it). ``cache``: features by ``row_key``, read where present and
     added where not; ``save`` is called every 50 rows (a long run keeps what it has)."""
-    from .calibrate import earlier_exchange
+    from .tuning import earlier_exchange
 
     it = enumerate(rows)
     if progress:

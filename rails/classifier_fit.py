@@ -14,8 +14,8 @@ Steps (``fit_sources``):
    much faster on a CPU than a server) or, with ``backend: openai`` in the config, through the server.
    ``--features FILE`` keeps them (a ``.pt`` of derived numbers) so that a second fit reads instead of running.
 3. Questions: forward selection from the rail's default question, adding the candidate that most raises the
-   leave-one-source-out score (``guard_fit._score``: mean over sources of the balanced accuracy at the threshold that
-   blocks 5% of held-out benign rows) while it gains at least ``MIN_GAIN``: each question is one more request a check.
+   leave-one-source-out score (``guard_fit.source_score``: mean over sources of the balanced accuracy at the threshold
+   that blocks 5% of held-out benign rows) while it gains at least ``MIN_GAIN``: each question is one more request a check.
 4. Thresholds: the strictness levels from the chosen classifier's held-out (leave-one-source-out) scores
    (``guard_fit.operating_points``: medium blocks <= 5% of held-out benign rows, low 2%, high 10%).
 5. The classifier fitted on every training row, written with its provenance (sources and their commits, the
@@ -33,7 +33,7 @@ from typing import Optional, Sequence
 import torch
 
 from . import classifier as C
-from .guard_fit import _score, operating_points, rates, source_rows
+from .guard_fit import operating_points, rates, source_rows, source_score
 
 MAX_ROWS = 1200
 MIN_GAIN = 0.003
@@ -62,11 +62,11 @@ def chosen_rows(rows: Sequence[dict], limit: int, least: int = MIN_PER_CLASS) ->
 
 
 def loso_score(x: torch.Tensor, y: torch.Tensor, groups: Sequence[str], train: Sequence[bool]) -> tuple[float, torch.Tensor]:
-    """``(score, held-out scores)`` of a classifier over the columns of ``x`` (``guard_fit._score``)."""
+    """``(score, held-out scores)`` of a classifier over the columns of ``x`` (``guard_fit.source_score``)."""
     oof = C.held_out_scores(x, y, groups, train)
     names = sorted(set(groups))
     src = torch.tensor([names.index(s) for s in groups])
-    return _score(oof, y, src, len(names)), oof
+    return source_score(oof, y, src, len(names)), oof
 
 
 def select(x: torch.Tensor, y: torch.Tensor, groups: Sequence[str], train: Sequence[bool], log=print) -> list[int]:

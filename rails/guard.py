@@ -113,7 +113,7 @@ def verdict(engine, ids: list, start: int, side: str, settings, *, path: str, ke
             task: str = "moderation", t0: float | None = None):
     """One guarded read of ``ids`` (the adapter on from ``start``), as a ``moderation.Verdict``; the session keeps
     at most ``ids[:min(keep, start)]``."""
-    from .moderation import Verdict
+    from .settings import Verdict
 
     t0 = time.perf_counter() if t0 is None else t0
     r = engine.read(ids, task=task, adapter_from=start, keep=keep)
@@ -160,7 +160,7 @@ def moderate_output(engine, bot_message: str, user_message, settings, turn, allo
     """The output rail's guard verdict: the turn's own ids (``path="shared"``: only the end of turn and the question
     run) or, for a reply the engine did not generate, the exchange from text (``"prefill"``). A reply too long for
     the context with the question is judged by its last part (``"window"``)."""
-    from .moderation import moderation_suffix, turn_ids
+    from .prompts import moderation_suffix, turn_ids
 
     t0 = time.perf_counter()
     suffix = moderation_suffix(engine, QUESTIONS["output"])
@@ -186,7 +186,8 @@ def moderate_input(engine, messages: list, settings):
     message (``path="branch"``); the session keeps the conversation, so the generation then prefills only its
     answer header. A conversation longer than the context is not judged (``"too-long"``: the generation refuses
     it); one that fits but not with the question is judged by the message's last part (``"window"``)."""
-    from .moderation import Verdict, _common
+    from .prompts import common_prefix
+    from .settings import Verdict
 
     t0 = time.perf_counter()
     conv = engine.encode_messages(messages)
@@ -201,7 +202,7 @@ def moderate_input(engine, messages: list, settings):
         tail = _last_tokens(engine, str(last.get("content") or ""), engine.context_length - 96)
         ids, start = guard_ids(engine.encode_messages, engine, [{"role": "user", "content": tail}], "input")
         path = "window"
-    keep = min(_common(conv, ids), start)
+    keep = min(common_prefix(conv, ids), start)
     return verdict(engine, ids, start, "input", settings, path=path, keep=keep, task="input_moderation", t0=t0)
 
 

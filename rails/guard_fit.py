@@ -96,9 +96,10 @@ def _balanced(p: torch.Tensor, y: torch.Tensor, threshold: float = 0.5) -> float
     return sum(parts) / len(parts)
 
 
-def _score(oof: torch.Tensor, y: torch.Tensor, src: torch.Tensor, n: int) -> float:
-    """A candidate's score: at its own ``medium`` operating point (the threshold that blocks 5% of the held-out
-    benign rows), the mean over sources of the balanced accuracy: what a user meets, every source counted alike."""
+def source_score(oof: torch.Tensor, y: torch.Tensor, src: torch.Tensor, n: int) -> float:
+    """A candidate's score from its held-out p_unsafe ``oof`` (labels ``y``, each row's source index ``src`` of
+    ``n``): at its own ``medium`` operating point (the threshold that blocks 5% of the held-out benign rows), the mean
+    over sources of the balanced accuracy: what a user meets, every source counted alike."""
     t = operating_points(oof, y.long().tolist(), [])["medium"]["threshold"]
     return sum(_balanced(oof[src == k], y[src == k], t) for k in range(n)) / n
 
@@ -107,7 +108,7 @@ def leave_one_source_out(hidden, pooled, labels: Sequence[int], sources: Sequenc
                          candidates: Sequence[Candidate]) -> list[dict]:
     """Each candidate's out-of-source scores: for every source, a probe fitted on the other *training* sources
     (classes weighted equally) scores that source's rows. Returns the candidates best first, each with ``oof``
-    (every row's held-out p_unsafe) and ``score`` (``_score``)."""
+    (every row's held-out p_unsafe) and ``score`` (``source_score``)."""
     y = torch.tensor(labels, dtype=torch.float64)
     names = sorted(set(sources))
     src = torch.tensor([names.index(s) for s in sources])
@@ -119,16 +120,18 @@ def leave_one_source_out(hidden, pooled, labels: Sequence[int], sources: Sequenc
         for k in range(len(names)):
             held = src == k
             fit = ~held & trainable
-            w, b = fit_logistic(x[fit], y[fit], c.l2, sample_weight=_class_weights(y[fit]))
+            w, b = fit_logistic(x[fit], y[fit], c.l2, sample_weight=class_weights(y[fit]))
             oof[held] = torch.sigmoid(x[held] @ w + b)
-        score = _score(oof, y, src, len(names))
+        score = source_score(oof, y, src, len(names))
         out.append({"layer": c.layer, "features": c.features, "l2": c.l2, "mean_layers": tuple(c.mean_layers),
                     "score": score, "oof": oof})
     out.sort(key=lambda r: (-r["score"], -r["l2"], r["layer"]))
     return out
 
 
-def _class_weights(y: torch.Tensor) -> torch.Tensor:
+def class_weights(y: torch.Tensor) -> torch.Tensor:
+    """Each row's sample weight for a fit on labels ``y``: the two classes weigh half each, however many rows each
+    has (the guard's training uses them too)."""
     pos = float(y.mean())
     return torch.where(y > 0, 0.5 / max(pos, 1e-6), 0.5 / max(1 - pos, 1e-6))
 
@@ -203,16 +206,16 @@ def fit_chosen(hidden, pooled, rows: Sequence[dict], best: dict) -> tuple[torch.
     y = torch.tensor([int(r["block"]) for r in rows], dtype=torch.float64)[keep]
     x = candidate_x(hidden, pooled, Candidate(best["layer"], best["features"], best["l2"],
                                               best["mean_layers"]))[keep]
-    return fit_logistic(x, y, best["l2"], sample_weight=_class_weights(y))
+    return fit_logistic(x, y, best["l2"], sample_weight=class_weights(y))
 
 
 def window_loso(long: dict, long_rows: Sequence[dict], short, short_rows: Sequence[dict], log=print) -> dict:
     """The window probe (input messages longer than the short probe's window) by leave-one-source-out: each
     candidate (window size x ``WINDOW_LAYERS`` x L2) is fitted on the labelled windows of the other training
-    sources' long messages and those sources' short messages' mean states (``calibrate.SHORT_SHARE`` of the
+    sources' long messages and those sources' short messages' mean states (``tuning.SHORT_SHARE`` of the
     weight), and scores a held-out message by its worst window. Returns the best candidate with its ``oof``
     (each long message's held-out worst-window p) and the fit on every training source (``weight``, ``bias``)."""
-    from .calibrate import SHORT_SHARE
+    from .tuning import SHORT_SHARE
 
     y_msg = torch.tensor([int(r["block"]) for r in long_rows], dtype=torch.float64)
     names = sorted(set(r["source"] for r in long_rows))
@@ -241,7 +244,7 @@ def window_loso(long: dict, long_rows: Sequence[dict], short, short_rows: Sequen
                     held = held_msg[message]
                     p = torch.sigmoid(x[held] @ w + b)
                     worst.scatter_reduce_(0, message[held], p, "amax")
-                score = _score(worst, y_msg, src_msg, len(names))
+                score = source_score(worst, y_msg, src_msg, len(names))
                 log(f"  window {size} layer {layer} l2 {l2}: {score:.3f}")
                 if best is None or score > best["score"] + 1e-9:
                     best = {"window": size, "layer": layer, "l2": l2, "score": score, "oof": worst}
@@ -256,7 +259,7 @@ def window_loso(long: dict, long_rows: Sequence[dict], short, short_rows: Sequen
 
 
 def _window_weights(x, y, xs, ys, l2, share):
-    sw = _class_weights(y)
+    sw = class_weights(y)
     if share > 0 and len(ys):
         x, y = torch.cat([x, xs]), torch.cat([y, ys])
         sw = torch.cat([sw, torch.full((len(ys),), share * float(sw.sum()) / len(ys), dtype=torch.float64)])
@@ -281,7 +284,7 @@ def cv_scores(hidden, pooled, rows: Sequence[dict], best: dict, k: int = 5) -> t
     for part in folds(y.long().tolist(), k, groups=[r.get("bot") or r["user"] for r in rows]):
         held = torch.zeros(len(y), dtype=torch.bool)
         held[torch.tensor(part)] = True
-        w, b = fit_logistic(x[~held & train], y[~held & train], best["l2"], sample_weight=_class_weights(y[~held & train]))
+        w, b = fit_logistic(x[~held & train], y[~held & train], best["l2"], sample_weight=class_weights(y[~held & train]))
         oof[held] = torch.sigmoid(x[held] @ w + b)
     return oof
 
@@ -293,7 +296,7 @@ def fit_sources(rows: Sequence[dict], features, settings, key, log=print, thresh
     import dataclasses
     import time
 
-    from .calibrate import WINDOW
+    from .tuning import WINDOW
     from .probe import Probe
 
     t0 = time.perf_counter()

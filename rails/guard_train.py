@@ -303,7 +303,7 @@ def probe_baseline(exs: Sequence[Example], mean: torch.Tensor, last: torch.Tenso
     """The frozen-state probe on the same prompts and splits: per rail, a logistic regression (L2 0.1, classes
     weighted alike) on the question's mean state averaged over the upper third of the layers (the shipped output
     probe's features), leave one source out as the adapter. Returns every row's out-of-source p_unsafe."""
-    from .guard_fit import _class_weights
+    from .guard_fit import class_weights
     from .probe import fit_logistic
 
     top = mean.shape[1] - 1
@@ -322,7 +322,7 @@ def probe_baseline(exs: Sequence[Example], mean: torch.Tensor, last: torch.Tenso
         for name in sorted(set(src)):
             held = torch.tensor([s == name for s in src])
             fit = ~held & trainable if name in names else trainable
-            w, b = fit_logistic(x[fit], y[fit], 0.1, sample_weight=_class_weights(y[fit]))
+            w, b = fit_logistic(x[fit], y[fit], 0.1, sample_weight=class_weights(y[fit]))
             oof[torch.tensor(rows)[held]] = torch.sigmoid(x[held] @ w + b)
         log(f"  probe baseline ({side}): {len(rows)} rows, {len(names)} training sources")
     return oof.float()

@@ -49,6 +49,14 @@ class Lease:
         self.ended = False
         self._lock = threading.Lock()
 
+    def hold(self, leases: "SlotLeases", index: int, slot: "_Slot") -> None:
+        """``slot`` (number ``index`` of ``leases``) is this lease's from now on, unless the lease has ended (a
+        worker thread that outlives its request claims nothing)."""
+        with self._lock:
+            if not self.ended:
+                slot.holder = self
+                self.slots[leases] = index
+
     def end(self) -> None:
         with self._lock:
             self.ended = True
@@ -151,10 +159,7 @@ class SlotLeases:
             slot = self.slots[best]
             slot.busy = True
             if claim is not None and (mine is None or self.slots[mine].holder is not claim):
-                with claim._lock:   # the lease's first request (or its claim lapsed): the slot is the lease's
-                    if not claim.ended:
-                        slot.holder = claim
-                        claim.slots[self] = best
+                claim.hold(self, best, slot)   # the lease's first request (or its claim lapsed): the slot is its
             return best
 
     def _own_idle(self, claim: Lease | None, mine: int | None) -> bool:

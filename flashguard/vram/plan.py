@@ -23,7 +23,9 @@ All numbers are computed from the model shape and the flashguard config, the way
                too, so the host rows stay as they are; GPU 0's parts do not change.
 
 Contract: ``plan(shape, ...)`` returns a frozen ``Plan``; ``Plan.table()`` renders it; ``suggest(...)`` returns the
-config changes (YAML keys) that make a plan fit, or an empty dict when it already fits.
+config changes (YAML keys) that make a plan fit, or an empty dict when it already fits. The model's shape is
+shapes.py's (``Shape``, ``resolve_shape``) and each part's bytes sizes.py's (``weight_bytes``, ``decode_bytes``, ...);
+this module re-exports them.
 """
 
 from __future__ import annotations
@@ -33,55 +35,15 @@ from dataclasses import dataclass
 
 from ..kv import FETCH_BLOCK_TOKENS, Q_TILE
 from ..quant import AWQ_GROUP_SIZE
+# (shapes.py and sizes.py hold the model's shape and its parts' bytes; their names are the planner's too)
+from .shapes import NAMED_SHAPES, Shape, deepseek_1_5b_config, deepseek_7b_config, resolve_shape  # noqa: F401
+from .sizes import (LAPTOP_GB_S, Q4_K_BITS, Q6_K_BITS, decode_bytes, guard_bytes, head_bytes,  # noqa: F401
+                    int4_bytes, kv_read_bytes, layer_bytes, llamacpp_decode_bytes, table_on_host, weight_bytes)
+
 SLACK = 0.08           # reserved - allocated: 5-10% measured in the GPU runs (docs/benchmarks/fit_4gib.md)
 CUDA_CONTEXT = 400 * 2**20
 HEADROOM = 0.10        # share of vram_budget left unplanned: planner error and fragmentation (SLACK covers the
                        # allocator's own); measured NVML at 4 GiB stayed <= 3.36 GiB with 0.15 (0.6 GiB unused)
-
-
-def deepseek_1_5b_config(vocab: int = 151936):
-    """The transformers config of DeepSeek-R1-Distill-Qwen-1.5B (Qwen2: 28 layers, 12 heads, 2 KV heads, head_dim
-    128), for random-weight speed and memory runs and for planning."""
-    from transformers import Qwen2Config
-
-    return Qwen2Config(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
-                       num_key_value_heads=2, head_dim=128, vocab_size=vocab, max_position_embeddings=131072 + 4096,
-                       rope_theta=10000.0, tie_word_embeddings=False)
-
-
-def deepseek_7b_config(vocab: int = 152064):
-    """The transformers config of DeepSeek-R1-Distill-Qwen-7B (Qwen2: 28 layers, hidden 3584, 28 heads, 4 KV heads,
-    head_dim 128, intermediate 18944, untied lm_head), for planning and random-weight runs."""
-    from transformers import Qwen2Config
-
-    return Qwen2Config(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
-                       num_key_value_heads=4, head_dim=128, vocab_size=vocab, max_position_embeddings=131072,
-                       rope_theta=10000.0, tie_word_embeddings=False)
-
-
-@dataclass(frozen=True)
-class Shape:
-    name: str
-    hidden: int
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    intermediate: int
-    vocab: int
-    tied: bool
-    qkv_bias: bool
-    lm_head: str = "float"   # how the output matrix is held: "float", "int8" (Q8_0 codes) or "int4" (int4 codes)
-    context: int = 0         # the model's own context length (max_position_embeddings), 0 where unknown
-
-    @classmethod
-    def from_config(cls, config, name: str = "") -> "Shape":
-        c = config.get_text_config() if hasattr(config, "get_text_config") else config
-        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-        return cls(name or getattr(c, "_name_or_path", "") or c.model_type, c.hidden_size, c.num_hidden_layers,
-                   c.num_attention_heads, c.num_key_value_heads or c.num_attention_heads, head_dim,
-                   c.intermediate_size, c.vocab_size, bool(getattr(c, "tie_word_embeddings", False)),
-                   c.model_type == "qwen2", context=int(getattr(c, "max_position_embeddings", 0) or 0))
 
 
 @dataclass(frozen=True)
@@ -129,58 +91,6 @@ class Plan:
             lines += [f"| {k} | {v / g:.3f} |" for k, v in self.peers.items()]
         lines += ["", "fits" if self.fits else f"does NOT fit: {(self.total - self.gpu_mem) / g:.2f} GiB over"]
         return "\n".join(lines) + "\n"
-
-
-def weight_bytes(s: Shape, kind: str, group: int = AWQ_GROUP_SIZE) -> dict:
-    """Bytes per category for ``kind`` (the ``weights`` key: "int4", or "float" = 16-bit)."""
-    kvd = s.kv_heads * s.head_dim
-    linear = s.layers * (s.hidden * (s.heads * s.head_dim + 2 * kvd) + s.heads * s.head_dim * s.hidden
-                         + 3 * s.hidden * s.intermediate)
-    small = s.layers * (2 * s.hidden + ((s.heads * s.head_dim + 2 * kvd) if s.qkv_bias else 0)) + s.hidden
-    if s.tied and s.lm_head == "float":   # one 16-bit tensor, table and head
-        emb_bytes = s.vocab * s.hidden * 2
-    else:
-        emb_bytes = head_bytes(s, group) + (0 if table_on_host(s, kind) else s.vocab * s.hidden * 2)
-    lin_bytes = int4_bytes(linear, group) if kind == "int4" else linear * 2
-    return {"embeddings + lm_head": emb_bytes, "decoder linears": lin_bytes, "norms + biases": small * 2}
-
-
-def table_on_host(s: Shape, kind: str) -> bool:
-    """The embedding table in host RAM (``engine/host_embedding.py``): int4 weights, unless the table is the head."""
-    return kind == "int4" and not (s.tied and s.lm_head == "float")
-
-
-def head_bytes(s: Shape, group: int = AWQ_GROUP_SIZE) -> int:
-    """The lm_head as held (``Shape.lm_head``): 16-bit; Q8_0 as an int4 pair over ``[x, x]`` (codes a byte a weight,
-    a 16-bit scale and zero per 32 of the doubled input: 1.25 bytes a weight); int4 codes in groups of 32 (a GGUF's
-    Q4 blocks, or ``lm_head: int4``'s codes, whose top rows a token reads from host RAM: counted here too)."""
-    params = s.vocab * s.hidden
-    if s.lm_head == "int8":
-        return int4_bytes(2 * params, 32)
-    if s.lm_head == "int4":
-        from ..quant.lm_head import TOP
-
-        return int4_bytes(params, 32) + TOP * s.hidden * 2
-    return params * 2
-
-
-def int4_bytes(params: int, group: int = AWQ_GROUP_SIZE) -> int:
-    """Codes (half a byte each) plus a 16-bit scale and zero per group."""
-    return params // 2 + (params // group) * 2 * 2
-
-
-def layer_bytes(s: Shape, kind: str, group: int = AWQ_GROUP_SIZE) -> int:
-    """One decoder layer's projections on the device (what a streamed layer copies: ``engine/layer_stream.py``)."""
-    return weight_bytes(s, kind, group)["decoder linears"] // s.layers
-
-
-def guard_bytes(shape: Shape, *, rank: int = 16, upper: float = 0.2, itemsize: int = 2) -> int:
-    """The guard adapter's bytes (``guard_adapter``: an activated LoRA of ``rank`` on every linear of the upper
-    ``upper`` share of the decoder layers, as ``flashguard train-guard`` makes it), in the activations' dtype."""
-    s = shape
-    q, kvd = s.heads * s.head_dim, s.kv_heads * s.head_dim
-    per_layer = rank * ((s.hidden + q) * 2 + (s.hidden + kvd) * 2 + (s.hidden + s.intermediate) * 3)
-    return per_layer * max(1, round(s.layers * upper)) * itemsize
 
 
 def plan(shape: Shape, *, gpu_mem: int, context: int, weights: str = "int4", cache: str = "tiered",
@@ -253,63 +163,6 @@ def plan(shape: Shape, *, gpu_mem: int, context: int, weights: str = "int4", cac
 
 
 MIN_POOL_PAGES = 8   # the smallest pool worth running: sinks, a few window pages and a hot set
-
-
-# A laptop GPU of the 4 GB class (RTX 3050 Laptop: GDDR6 on a 128-bit bus, 192 GB/s): decode there is bound by the
-# bytes a token reads, not by launches, so bytes per token divided by this is the step's floor.
-LAPTOP_GB_S = 192
-
-
-def decode_bytes(shape: Shape, *, weights: str, context: int, kv, group: int = AWQ_GROUP_SIZE) -> dict:
-    """GPU bytes one decoded token reads at ``context`` tokens with a sized ``kv`` (``sized_kv``): the decoder's
-    linears, the lm_head as held (``head_bytes``), and the K/V attended: every token while the
-    pool holds the conversation (``policy: exact`` or a resident context), else the sinks, the window and the pages
-    the sparse policy selects (``budget_tokens`` per KV head) in the pool's codec. Norms and the one embedding row
-    are left out (a few KB)."""
-    w = weight_bytes(shape, weights, group)
-    out = {"decoder linears": w["decoder linears"], "lm_head": head_bytes(shape, group),
-           "kv attended": kv_read_bytes(shape, context=context, kv=kv)}
-    out["total"] = sum(out.values())
-    return out
-
-
-def kv_read_bytes(shape: Shape, *, context: int, kv, value_bytes: int = 2) -> int:
-    """K/V bytes one decoded token attends (``decode_bytes``): ``value_bytes`` a value in a 16-bit pool (4 for an
-    fp32 model on the CPU), the int8 pool's codes and scales otherwise."""
-    pool = kv.l1_tokens if kv.l1_tokens is not None else context
-    if pool >= context or kv.policy == "exact":
-        attended = context
-    else:
-        attended = min(context, kv.sink_tokens + pool + shape.kv_heads * kv.budget_tokens)
-    per_value = float(value_bytes)
-    if kv.l1_codec == "int8":
-        from ..kv.int8_pool import bytes_per_value
-
-        per_value = bytes_per_value()
-    return int(attended * shape.layers * 2 * shape.kv_heads * shape.head_dim * per_value)
-
-
-# llama.cpp's Q4_K_M, as `llama-quantize` writes it: Q4_K (4.5 bits a weight) for most matrices, Q6_K (6.5625) for
-# half the layers' attn_v and ffn_down and for the output matrix; its KV cache q8_0 (34 bytes a 32 values) or f16.
-Q4_K_BITS, Q6_K_BITS = 4.5, 6.5625
-
-
-def llamacpp_decode_bytes(shape: Shape, *, context: int, kv_type: str = "q8_0") -> dict:
-    """The same three parts for llama.cpp's Q4_K_M of ``shape`` with a ``kv_type`` cache attending every token (its
-    decode reads the whole cache: no paging). An estimate from the quantization mix, not a file's tensor table."""
-    kvd = shape.kv_heads * shape.head_dim
-    q = shape.heads * shape.head_dim
-    attn_qko = shape.hidden * (q + kvd) + q * shape.hidden
-    attn_v = shape.hidden * kvd
-    up_gate, down = 2 * shape.hidden * shape.intermediate, shape.hidden * shape.intermediate
-    half = shape.layers // 2
-    bits = shape.layers * (attn_qko + up_gate) * Q4_K_BITS + \
-        (attn_v + down) * (half * Q6_K_BITS + (shape.layers - half) * Q4_K_BITS)
-    per_value = 34 / 32 if kv_type == "q8_0" else 2.0
-    out = {"decoder linears": int(bits / 8), "lm_head": int(shape.vocab * shape.hidden * Q6_K_BITS / 8),
-           "kv attended": int(context * shape.layers * 2 * kvd * per_value)}
-    out["total"] = sum(out.values())
-    return out
 
 
 def planned(budget: int) -> int:
@@ -438,48 +291,6 @@ def plan_cpu(shape: Shape, *, context: int, weights: str, prefill_chunk: int = 5
                                                       * s.head_dim) * 4 + s.heads * chunk * context * 4
                                              + s.vocab * 4 * 2)
     return out
-
-
-NAMED_SHAPES = ("deepseek-r1-distill-qwen-1.5b", "deepseek-r1-distill-qwen-7b", "embedded")
-
-
-def resolve_shape(model: str) -> Shape:
-    """A named shape (``NAMED_SHAPES``, any case), an HF folder, a .gguf file (header only), or ``embedded``; never
-    a network request: anything else is a ModelLoadError listing the names."""
-    import os
-
-    from ..errors import ModelLoadError
-
-    name = model.lower()
-    if name == "deepseek-r1-distill-qwen-1.5b":
-        return Shape.from_config(deepseek_1_5b_config(), name)
-    if name == "deepseek-r1-distill-qwen-7b":
-        return Shape.from_config(deepseek_7b_config(), name)
-    if name == "embedded":   # the config and tokenizer of the GGUF's header: no weights converted
-        from transformers import AutoConfig
-
-        from ..engine import loader
-
-        folder = loader.gguf_meta_folder(loader.resolve_model(None))
-        return Shape.from_config(AutoConfig.from_pretrained(folder), "SmolLM2-135M-Instruct")
-    if os.path.isfile(model):  # a GGUF file: its header holds the shape
-        from ..engine import gguf_header, loader
-
-        try:
-            return Shape.from_config(gguf_header.config_from_header(gguf_header.read_header(model)),
-                                     os.path.basename(model))
-        except ValueError:   # not qwen2: transformers reads the header (config and tokenizer only, cached)
-            from transformers import AutoConfig
-
-            source = loader.resolve_model(model)
-            return Shape.from_config(AutoConfig.from_pretrained(loader.gguf_meta_folder(source)), source.label)
-    if not os.path.isfile(os.path.join(model, "config.json")):
-        raise ModelLoadError(f"unknown model {model!r}: the known names are {', '.join(NAMED_SHAPES)}; an HF model "
-                             "folder (with its config.json) or a .gguf file path works too")
-    from transformers import AutoConfig
-
-    return Shape.from_config(AutoConfig.from_pretrained(model, local_files_only=True),
-                             os.path.basename(model.rstrip("/\\")))
 
 
 def fit_to_budget(shape: Shape, *, budget: int, context: int, weights: str, cache: str, prefill_chunk: int,

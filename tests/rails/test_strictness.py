@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from flashguard import ConfigError
-from flashguard.rails.moderation import ModerationSettings, Verdict, _threshold, probe_threshold
+from flashguard.rails.moderation import ModerationSettings, Verdict, decision_threshold, probe_threshold
 from flashguard.rails.probe import SHIPPED_DIR, STRICTNESS, Probe, ProbeError
 from tests.conftest import FLASH, make_config
 
@@ -167,11 +167,11 @@ def test_no_table_is_logged_once_per_engine_rail_and_table(caplog):
     out, inp = ModerationSettings(strictness="high"), ModerationSettings.input_defaults(strictness="high")
     with caplog.at_level(logging.INFO, logger="flashguard"):
         for _ in range(3):
-            assert _threshold(one, probe(), out) == (0.58, "")
-        _threshold(one, windowed(), inp)
-        _threshold(one, windowed(), inp, long=True)
-        _threshold(two, probe(), out)
-        assert _threshold(one, probe(strictness=TABLE), out) == (0.3, "high")   # a table: nothing to say
+            assert decision_threshold(one, probe(), out) == (0.58, "")
+        decision_threshold(one, windowed(), inp)
+        decision_threshold(one, windowed(), inp, long=True)
+        decision_threshold(two, probe(), out)
+        assert decision_threshold(one, probe(strictness=TABLE), out) == (0.3, "high")   # a table: nothing to say
     lines = [r.getMessage() for r in caplog.records if "strictness table" in r.getMessage()]
     assert len(lines) == 4, lines
     assert "custom_data.flashguard_moderation.strictness (high) does not apply" in lines[0]
@@ -188,7 +188,7 @@ def test_the_reason_names_the_level():
 
 # ---- the rail decides at the level's threshold (the real embedded model) -------------------------------------
 @pytest.mark.slow
-def test_the_input_rail_decides_at_the_levels_threshold(engine, tmp_path):
+def test_the_input_rail_decides_at_the_levelsdecision_threshold(engine, tmp_path):
     """A copy of the shipped input probe with a table whose levels straddle a message's p_unsafe: low allows it,
     high blocks it, and the verdict names the level."""
     from flashguard.rails.moderation import moderate_input
