@@ -15,6 +15,9 @@ Contract:
 - ``check(engine)``: the loaded guard agrees with this tokenizer (its invocation and answer tokens), else a
   ConfigError naming ``guard_adapter``.
 - ``verdict(engine, ids, start, side, settings, ...)``: one read, the Verdict (``method="adapter"``).
+- ``decide(engine, side, settings, adapter, base)``: the rail's verdict where the guard is chosen: the adapter and
+  the probe together (``method="adapter+probe"``) where guard.json was measured with the probe that decides on
+  this engine, else the adapter alone.
 """
 
 from __future__ import annotations
@@ -126,6 +129,69 @@ def verdict(engine, ids: list, start: int, side: str, settings, *, path: str, ke
              "in %.3fs", side, "allow" if v.allowed else "BLOCK", p, cut, v.decided_by, path, v.prefilled_tokens,
              v.reused_tokens, v.seconds)
     return v
+
+
+# ---- the adapter with the probe --------------------------------------------------------------------------------
+
+PAIRED = "adapter+probe"
+
+
+def pairing(engine, side: str, probe) -> float | None:
+    """The adapter's weight in the verdict it makes with ``probe`` (guard.json's ``with_probe``: measured with
+    that probe, named by its digest), or None: no probe, or one the guard was not measured with (said once)."""
+    if probe is None:
+        return None
+    table = engine.guard.meta.get("with_probe") or {}
+    if probe.digest in (table.get("probes") or {}).get(side, []):
+        return float(table["weight"])
+    from .state import rail_state
+
+    warned = rail_state(engine).probe_warned
+    if table and ("pairing", side, probe.digest) not in warned:
+        warned.add(("pairing", side, probe.digest))
+        log.info("flashguard %s moderation: the guard adapter was not measured with this probe (%s); the adapter "
+                 "decides alone", side, probe.digest)
+    return None
+
+
+def paired(engine, side: str, settings, adapter_verdict, probe_verdict, weight: float):
+    """One verdict from both: ``p = sigmoid(w * logit(p_adapter) + (1 - w) * logit(p_probe))``, blocked at the
+    pair's threshold for ``strictness`` (guard.json's ``with_probe.strictness``, from the same validation)."""
+    from .settings import Verdict
+
+    def logit(p: float) -> float:
+        p = min(max(p, 1e-6), 1 - 1e-6)
+        return math.log(p / (1 - p))
+
+    a, b = adapter_verdict, probe_verdict
+    z = weight * logit(a.p_unsafe) + (1 - weight) * logit(b.p_unsafe)
+    p = 1.0 / (1.0 + math.exp(-z))
+    table = ((engine.guard.meta.get("with_probe") or {}).get("strictness") or {}).get(side) or {}
+    cut = float(table.get(settings.strictness, 0.5))
+    v = Verdict(allowed=p < cut, p_unsafe=p, path=f"{b.path}+{a.path}", prompt_tokens=a.prompt_tokens,
+                prefilled_tokens=a.prefilled_tokens + b.prefilled_tokens, reused_tokens=a.reused_tokens,
+                seconds=a.seconds + b.seconds, method=PAIRED, threshold=cut, p_question=a.p_unsafe,
+                strictness=settings.strictness)
+    log.info("flashguard %s moderation: %s (p_unsafe=%.3f from adapter %.3f and probe %.3f, threshold=%.2f, %s) "
+             "prefilled=%d in %.3fs", side, "allow" if v.allowed else "BLOCK", p, a.p_unsafe, b.p_unsafe, cut,
+             v.decided_by, v.prefilled_tokens, v.seconds)
+    return v
+
+
+def decide(engine, side: str, settings, adapter, base):
+    """The verdict where the guard is chosen: with ``guard: auto`` and a probe it was measured with, the adapter
+    and the probe together (``paired``; the probe's read first: the input rail's is the generation's own prefill,
+    which the adapter's branch then reuses), else the adapter alone. ``adapter`` / ``base``: the adapter's verdict
+    and the rail's verdict without the guard (the probe's where one decides), as callables."""
+    from .decide import choose_probe
+
+    weight = pairing(engine, side, choose_probe(engine, settings)) if settings.guard == "auto" else None
+    if weight is None:
+        return adapter()
+    b = base()
+    if b.method != "probe":   # the probe did not judge this message (too long for the context): the adapter alone
+        return b if b.path == "too-long" else adapter()
+    return paired(engine, side, settings, adapter(), b, weight)
 
 
 # ---- the two rails --------------------------------------------------------------------------------------------

@@ -207,7 +207,7 @@ def train(model, kept: Kept, idx: Sequence[int], answers: tuple[int, int], cfg: 
             opt.step()
             sched.step()
             step += 1
-            running = float(loss) if running is None else 0.98 * running + 0.02 * float(loss)
+            running = loss.item() if running is None else 0.98 * running + 0.02 * loss.item()
             if step % 200 == 0 or step == steps:
                 log(f"  {label}step {step}/{steps} loss {running:.4f} ({time.perf_counter() - t0:.0f}s)")
     lora.eval()

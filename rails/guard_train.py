@@ -239,7 +239,7 @@ def train(model, exs: Sequence[Example], idx: Sequence[int], answers: tuple[int,
             sched.step()
             step += 1
             seen += len(batch)
-            running = 0.98 * running + 0.02 * float(loss) if step > 1 else float(loss)
+            running = 0.98 * running + 0.02 * loss.item() if step > 1 else loss.item()
             if step % 200 == 0 or step == steps:
                 log(f"  {label}step {step}/{steps} loss {running:.4f} ({seen} rows, {time.perf_counter() - t0:.0f}s)")
         epoch_batches = batches(exs, idx, cfg, rng)

@@ -85,7 +85,15 @@ def _moderate(engine, bot_message, user_message, settings, turn, allow_shared) -
     from . import guard
 
     if guard.chosen(engine, settings):
-        return guard.moderate_output(engine, bot_message, user_message, settings, turn, allow_shared)
+        return guard.decide(engine, "output", settings,
+                            lambda: guard.moderate_output(engine, bot_message, user_message, settings, turn,
+                                                          allow_shared),
+                            lambda: _without_guard(engine, bot_message, user_message, settings, turn, allow_shared))
+    return _without_guard(engine, bot_message, user_message, settings, turn, allow_shared)
+
+
+def _without_guard(engine, bot_message, user_message, settings, turn, allow_shared) -> Verdict:
+    """The output rail's verdict by the probe, the classifier or the question."""
     t0 = time.perf_counter()
     question = settings.prompt
     probe = choose_probe(engine, settings)

@@ -191,6 +191,12 @@ class Probe:
                                                        and self.model_bytes > 0)
 
     # ---- file ---------------------------------------------------------------------------
+    @property
+    def digest(self) -> str:
+        """What identifies this probe's weights (a guard measured with it names it: ``guard.pairing``)."""
+        body = {k: v for k, v in self.to_json().items() if k not in ("metrics", "strictness", "threshold", "model")}
+        return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
+
     def to_json(self) -> dict:
         return {"format": self.format, "layer": self.layer, "bias": self.bias, "answer_weight": self.answer_weight,
                 "threshold": self.threshold, "question": self.question, "rail": self.rail, "features": self.features,

@@ -102,3 +102,68 @@ def test_guard_modes(trained, tmp_path):
         moderate_input(off, messages, ModerationSettings.input_defaults(guard="adapter"))
     with pytest.raises(ConfigError, match=r"guard must be one of auto, adapter, probe, question"):
         ModerationSettings.from_custom_data({"flashguard_moderation": {"guard": "lora"}})
+
+
+def _probe(engine, rail: str, seed: int):
+    from flashguard.rails.probe import ModelKey, Probe
+
+    key = ModelKey.of(engine)
+    d = engine.model.config.hidden_size
+    g = torch.Generator().manual_seed(seed)
+    return Probe(layer=1, weight=tuple(float(w) for w in torch.randn(d, generator=g) * 0.5), bias=0.1,
+                 answer_weight=0.0, threshold=0.5,
+                 question=(ModerationSettings() if rail == "output" else ModerationSettings.input_defaults()).prompt,
+                 model_file=key.file, model_bytes=key.bytes, model_identity=key.identity, weights=key.weights,
+                 rail=rail)
+
+
+def test_the_adapter_and_the_probe_it_was_measured_with_decide_together(trained, tmp_path):
+    """``guard: auto`` with a probe named in guard.json's ``with_probe``: one verdict from both (the logits
+    averaged at the table's weight, blocked at the pair's threshold), the same as each alone combined by hand;
+    a probe the guard was not measured with leaves the adapter alone; ``guard: adapter`` is the adapter alone."""
+    import json
+    import math
+    import shutil
+
+    folder, model_dir, _, _ = trained
+    paired_folder = tmp_path / "guard"
+    shutil.copytree(folder, paired_folder)
+    engine = tiny.engine(model_dir, "qwen2", guard_adapter="off")
+    files = {}
+    for rail, seed in (("input", 1), ("output", 2)):
+        files[rail] = _probe(engine, rail, seed).save(tmp_path / f"probe-{rail}.json")
+    from flashguard.rails.probe import Probe
+
+    meta = json.loads((paired_folder / "guard.json").read_text())
+    meta["with_probe"] = {"weight": 0.25, "probes": {r: [Probe.load(f).digest] for r, f in files.items()},
+                          "strictness": {r: {"low": 0.9, "medium": 0.6, "high": 0.3} for r in files}}
+    (paired_folder / "guard.json").write_text(json.dumps(meta))
+    engine = tiny.engine(model_dir, "qwen2", guard_adapter=str(paired_folder))
+
+    def logit(p):
+        return math.log(p / (1 - p))
+
+    messages = [{"role": "user", "content": "sea wind zebra tide"}]
+    inp = lambda mode, **kw: ModerationSettings.input_defaults(probe=str(files["input"]), guard=mode, **kw)  # noqa
+    a = moderate_input(engine, messages, inp("adapter"))
+    b = moderate_input(engine, messages, inp("probe"))
+    v = moderate_input(engine, messages, inp("auto", strictness="high"))
+    assert (a.method, b.method, v.method) == ("adapter", "probe", "adapter+probe")
+    assert logit(v.p_unsafe) == pytest.approx(0.25 * logit(a.p_unsafe) + 0.75 * logit(b.p_unsafe), abs=1e-4)
+    assert v.threshold == 0.3 and v.allowed == (v.p_unsafe < 0.3) and v.decided_by == "adapter+probe, strictness high"
+
+    # the output rail on the turn's own pages: both suffixes only
+    reply = "salt rope zebra"
+    engine.teacher_force(engine.encode_messages([{"role": "user", "content": "say"}]),
+                         tiny.tokenizer().encode(reply), reply)
+    out = lambda mode: ModerationSettings(probe=str(files["output"]), guard=mode)  # noqa: E731
+    a, b = (moderate(engine, reply, "say", out(m), use_memo=False) for m in ("adapter", "probe"))
+    v = moderate(engine, reply, "say", out("auto"), use_memo=False)
+    assert v.method == "adapter+probe" and v.threshold == 0.6
+    assert logit(v.p_unsafe) == pytest.approx(0.25 * logit(a.p_unsafe) + 0.75 * logit(b.p_unsafe), abs=1e-4)
+    assert v.path == "shared+shared" and v.prefilled_tokens <= a.prefilled_tokens + b.prefilled_tokens
+
+    # a probe it was not measured with: the adapter alone
+    other = _probe(engine, "input", 7).save(tmp_path / "other.json")
+    v = moderate_input(engine, messages, ModerationSettings.input_defaults(probe=str(other)))
+    assert v.method == "adapter"
