@@ -15,12 +15,15 @@ Contract:
 - ``keep_exact(token_ids)``: those tokens' logits are computed exactly whatever the lm_head (``lm_head: int4``
   recomputes only its top candidates otherwise); the rails name their answers once.
 
-The work is done by parts, each in its own module, which the Engine holds and wires together:
-``budget.Budget`` (vram_budget, the allocator's cap, the tiers and prefill chunk planned within it),
-``placement.Placement`` (where the weights live), ``session_runner.SessionRunner`` (the session: prefill, forwards,
-crops), ``retry.RetryPolicy`` (every retry, held by the runner) and ``decode_loop`` (tokens to text). Public entry
-points are the Engine's methods; ``prefill`` and ``step`` are the supported way for benchmarks and tools to drive
-the decode loop themselves.
+The work is done by parts, each in its own module, which the Engine holds and wires together: ``budget.Budget``
+(vram_budget, the allocator's cap, and the engine's one plan: ``budget.EnginePlan``), ``placement.Placement`` (where
+the weights live), ``session_runner.SessionRunner`` (the session: prefill, forwards, crops), ``retry.RetryPolicy``
+(every retry, held by the runner) and ``decode_loop`` (tokens to text). Start-up runs forward: the Budget, the
+weights loaded where it forecasts, the lm_head held as it calls, the plan made once from the loaded model, the
+layers placed as it says, and the runner given it; the plan changes only by a new object from ``Budget.settle``
+(after the GPU warm-up) or an out-of-memory retry, handed to the runner (``plan`` reads the current one). Public
+entry points are the Engine's methods; ``prefill`` and ``step`` are the supported way for benchmarks and tools to
+drive the decode loop themselves.
 
 Why this file passes 500 lines: it is the facade, every public entry point and the read-only views of the parts'
 state (``info()``, ``flashguard smi``, benchmarks) in one class; the work itself is in the parts.
@@ -149,27 +152,33 @@ class Engine(EngineInterface):
         self.messages = MessageEncoder(self.tokenizer, config.system_prompt)
         self.stats = EngineStats()
         self.context_length = context_length(self.model.config, self.config.max_context)
-        self.weights_placement = Placement(self.model, config, self.device, self.dtype, self.source.label,
-                                           self.budget, streamed_layers)
-        self.weights_placement.hold_lm_head(self.context_length)   # (before place: the planner counts the head)
+        self.weights_placement = Placement(self.model, config, self.device, self.dtype, self.source.label)
+        # (before the plan: the planner counts the head as held)
+        self.weights_placement.hold_lm_head(self.budget.head_budget_wins(self.weights_placement, self.context_length))
+        # the engine's one plan (budget.EnginePlan): the layers that stream, the tiers, the prefill chunk
+        plan = self.budget.plan(self.weights_placement, self.context_length, streamed_layers)
         self.eos_ids = self._eos_ids()
         self._use_causal_sdpa()
         if self.device.type == "cuda":   # (the CPU keeps transformers' norms: the shipped probes read its states)
             from .decode_step import fuse_norms
 
             fuse_norms(self.model)
-        self.weights_placement.place(self.context_length)   # before DecodeStep: it must see the streamed layers
+        # before DecodeStep: it must see the streamed layers
+        self.weights_placement.place(plan.streamed, plan.vram_budget)
         step = DecodeStep(self.model, graphs=config.cuda_graphs and self.device.type == "cuda") \
             if DecodeStep.supports(self.model) else None
-        self.sessions = SessionRunner(self.model, config, self.device, self.dtype, self.budget, step,
+        self.sessions = SessionRunner(self.model, config, self.device, self.dtype, plan, step,
                                       self.model_identity, cache_kwarg(self.model))
         self.turns: list[Turn] = []  # recent generations, newest last (bounded)
-        self.budget.fit(self.weights_placement, self.context_length)
+        self.budget.announce(plan)
         if self.peer_devices:
-            self.peers = peer.start([f"cuda:{i}" for i in self.peer_devices], self.device, self.kv.page_size)
+            self.peers = peer.start([f"cuda:{i}" for i in self.peer_devices], self.device, plan.kv.page_size)
         if self.device.type == "cuda":   # after sizing: the kernels of the pool and pages as planned
             self._warm_up()
-            self.budget.settle(self.weights_placement, self.context_length, self.sessions.forget_pool)
+            settled = self.budget.settle(plan, self.weights_placement)
+            if settled is not plan:   # the warm-up's buffers and graphs were sized by the old plan
+                self.sessions.forget_pool()
+                self.sessions.take_plan(settled)
 
     def _load_guard(self, config: EngineConfig, weights: str):
         """The guard of ``guard_adapter`` (engine/alora.py), or None: ``off``, or ``auto`` with none for this model."""
@@ -234,14 +243,20 @@ class Engine(EngineInterface):
         self.sessions.peers = tier
 
     @property
+    def plan(self):
+        """The engine's plan now (``budget.EnginePlan``, frozen): made at start, replaced only by a new one after
+        the GPU warm-up (``Budget.settle``) or an out-of-memory retry (a smaller prefill chunk)."""
+        return self.sessions.plan
+
+    @property
     def kv(self):
-        """The tiered cache's settings as sized at start (``Budget.fit``)."""
-        return self.budget.kv
+        """The tiered cache's settings as sized at start (the plan's)."""
+        return self.plan.kv
 
     @property
     def prefill_chunk(self) -> int:
         """Tokens a prefill forward runs at most (smaller for good after an out-of-memory)."""
-        return self.budget.prefill_chunk
+        return self.plan.prefill_chunk
 
     @property
     def vram_budget(self) -> int | None:
@@ -502,7 +517,7 @@ class Engine(EngineInterface):
         tensors: the decoder layers' linears and the lm_head as they are held (int4 codes, 16-bit, an int4 pair),
         and the K/V the cache as sized attends (``vram.plan.kv_read_bytes``). ``engine_info()`` and
         ``benchmarks.e2e`` report it beside llama.cpp's estimate (``vram.plan.llamacpp_decode_bytes``)."""
-        return self.weights_placement.decode_bytes(context or self.context_length)
+        return self.weights_placement.decode_bytes(context or self.context_length, self.kv)
 
     def reset_session(self, keep_pages: bool = True) -> None:
         """Drop the cached conversation (the next call prefills from scratch, adopting stored pages). With

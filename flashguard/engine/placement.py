@@ -3,14 +3,16 @@ that stay in host RAM under ``vram_budget``, and what that placement costs a dec
 
 Contract:
 - ``load_target`` runs before the model exists (from its config alone): host RAM with the ``dequant`` int4 layout
-  when the int4 decoder layers will not all fit ``vram_budget``, else the engine's device and ``int4_kernel``.
-- ``Placement(model, ...)`` describes the loaded model (``shape``, ``weights_kind``, ``int4_group``).
-  ``hold_lm_head(context)`` holds the output matrix as the ``lm_head`` key says (``quant/lm_head.py``), once, before
-  ``place``; ``lm_head_kind`` and ``lm_head_reason`` say how and why. ``place()``
-  puts the embedding table in host RAM (int4 on CUDA) and the last ``streamed`` decoder layers in pinned host RAM
-  (``layer_stream.place``), the rest on the device. It runs once, before the decode step is built (the step must
-  see the streamed layers). ``streamed`` is the planner's choice (``planner.layer_placement``), or the count the
-  engine was given (``streamed_layers``: experiments on a placement of their choosing).
+  when the int4 decoder layers will not all fit ``vram_budget`` (the Budget's forecast, ``Budget.streams_at_load``),
+  else the engine's device and ``int4_kernel``. It decides only where the loader puts the weights; the engine's plan
+  is made once, after loading (``budget.EnginePlan``).
+- ``Placement(model, ...)`` describes the loaded model (``shape``, ``weights_kind``, ``int4_group``): the facts the
+  Budget plans from. It never calls the planner and holds no plan. ``hold_lm_head(budget_wins)`` holds the output
+  matrix as the ``lm_head`` key says (``quant/lm_head.py``; ``budget_wins``: the Budget's call,
+  ``Budget.head_budget_wins``), once, before the plan is made; ``lm_head_kind`` and ``lm_head_reason`` say how and
+  why. ``place(streamed)`` puts the embedding table in host RAM (int4 on CUDA) and the last ``streamed`` decoder
+  layers (the plan's ``streamed``) in pinned host RAM (``layer_stream.place``), the rest on the device. It runs
+  once, before the decode step is built (the step must see the streamed layers).
 - ``info()`` and ``decode_bytes()`` only read.
 """
 
@@ -22,7 +24,6 @@ import logging
 import torch
 
 from ..config import EngineConfig
-from ..errors import ConfigError
 from ..quant import lm_head
 from . import loader
 
@@ -33,9 +34,9 @@ def load_target(config: EngineConfig, source: loader.ModelSource, device: torch.
                 weights: str) -> tuple[torch.device, str]:
     """``(device, int4_kernel)`` for the loader: the engine's, or host RAM with the ``dequant`` int4 layout (the
     Triton kernels' bytes, ``layer_stream.place`` switches them) when the model's int4 decoder layers will not
-    all fit ``vram_budget`` (``budget``: the engine's Budget): a 7B's would not fit the device to be moved off it
-    after loading."""
-    from ..vram import plan as planner
+    all fit ``vram_budget`` (``budget``: the engine's Budget, whose ``streams_at_load`` forecasts it): a 7B's would
+    not fit the device to be moved off it after loading."""
+    from ..vram.shapes import Shape
 
     if budget.vram_budget is None or device.type != "cuda" or weights != "int4":
         return device, config.int4_kernel
@@ -43,36 +44,31 @@ def load_target(config: EngineConfig, source: loader.ModelSource, device: torch.
         from transformers import AutoConfig
 
         cfg = AutoConfig.from_pretrained(loader.gguf_meta_folder(source) if source.gguf_file else source.folder)
-        shape = planner.Shape.from_config(cfg, source.label)
+        shape = Shape.from_config(cfg, source.label)
         shape = dataclasses.replace(shape, lm_head=lm_head.planned(config.lm_head, weights))
     except (ValueError, OSError, KeyError, AttributeError):   # the loader says what is wrong
         return device, config.int4_kernel
     context = min(getattr(cfg, "max_position_embeddings", None) or 2048, config.max_context or 1 << 62)
-    streamed, _ = planner.layer_placement(
-        shape, budget=budget.vram_budget, context=context, weights="int4", cache=config.kv_cache,
-        prefill_chunk=config.prefill_chunk or budget.GPU_CHUNK, kv=config.kv, cuda_context=budget.cuda_context)
-    return (torch.device("cpu"), "dequant") if streamed else (device, config.int4_kernel)
+    streams = budget.streams_at_load(shape, context)
+    return (torch.device("cpu"), "dequant") if streams else (device, config.int4_kernel)
 
 
 class Placement:
     """The loaded model's weights and where they live (see the module docstring)."""
 
-    def __init__(self, model, config: EngineConfig, device: torch.device, dtype: torch.dtype, label: str, budget,
-                 streamed_layers: int | None = None):
+    def __init__(self, model, config: EngineConfig, device: torch.device, dtype: torch.dtype, label: str):
         self.model, self.config, self.device, self.dtype, self.label = model, config, device, dtype, label
-        self.budget = budget
-        self.forced = streamed_layers
-        self.streamed = 0   # decoder layers in host RAM (the last ones)
+        self.streamed = 0   # decoder layers in host RAM (the last ones): the plan's, once placed
         self.layer_stream = None   # layer_stream.LayerStream, or None (every layer resident)
         self.embedding_on_host = False
         self.lm_head_reason = None   # hold_lm_head
 
-    def hold_lm_head(self, context: int) -> None:
+    def hold_lm_head(self, budget_wins: bool) -> None:
         """The output matrix in 16 bits, as Q8_0 codes or as int4 codes with its top rows recomputed, as the
-        ``lm_head`` key says (auto: measured, or the budget's call: ``head_budget_wins``), quant/lm_head.py."""
+        ``lm_head`` key says (auto: measured, or the Budget's call ``budget_wins``: ``Budget.head_budget_wins``),
+        quant/lm_head.py."""
         kind, self.lm_head_reason = lm_head.apply(
-            self.config.lm_head, self.model, self.weights_kind, self.device, self.config.int4_kernel,
-            self.head_budget_wins(context))
+            self.config.lm_head, self.model, self.weights_kind, self.device, self.config.int4_kernel, budget_wins)
         log.info("flashguard: lm_head %s (%s)", kind, self.lm_head_reason)
 
     @property
@@ -80,77 +76,39 @@ class Placement:
         """How the output matrix is held: "float", "int8" (Q8_0 codes) or "int4" (int4 codes: ``lm_head.kind_of``)."""
         return lm_head.kind_of(self.model.get_output_embeddings())
 
-    def head_budget_wins(self, context: int) -> bool:
-        """Whether ``vram_budget`` calls for a smaller lm_head: with the 16-bit head more int4 decoder layers would
-        stream from host RAM (or none of the placements would fit) than with the Q8_0 one (``apply`` then holds
-        the fewest device bytes it can: int4 codes where their rows stay in host RAM, else Q8_0)."""
-        if not self._budgeted() or lm_head.kind_of(self.model.get_output_embeddings()) != "float":
-            return False
-        streamed = []
-        for kind in ("float", "int8"):
-            try:
-                streamed.append(self._layer_placement(dataclasses.replace(self.shape(), lm_head=kind), context)[0])
-            except ConfigError:   # nothing fits: the placement after this raises it, naming vram_budget
-                streamed.append(1 << 30)
-        return streamed[1] < streamed[0]
-
-    def _budgeted(self) -> bool:
-        """int4 decoder layers on CUDA under a ``vram_budget``: the case the planner places layers for."""
-        return self.budget.vram_budget is not None and self.device.type == "cuda" and self.weights_kind == "int4"
-
-    def _layer_placement(self, shape, context: int) -> tuple[int, int]:
-        """``planner.layer_placement`` of ``shape`` under the Budget as it stands: (layers streamed, chunk)."""
-        from ..vram import plan as planner
-
-        budget = self.budget
-        return planner.layer_placement(
-            shape, budget=budget.vram_budget, context=context, weights="int4", cache=self.config.kv_cache,
-            prefill_chunk=budget.prefill_chunk, kv=budget.kv, cuda_context=budget.cuda_context,
-            group=self.int4_group(), shrink_chunk=self.config.prefill_chunk is None)
-
-    def place(self, context: int) -> None:
-        """The embedding table and the streamed layers off the device (see the module docstring); once."""
+    def place(self, streamed: int, vram_budget: int | None = None) -> None:
+        """The embedding table and the last ``streamed`` decoder layers off the device (see the module docstring);
+        once. ``vram_budget``: for the log line only."""
         if self.device.type == "cuda" and self.weights_kind == "int4":
             # the GPU needs one row of the table per token; its 16-bit copy would take a quarter of an int4
             # model's GPU memory (vram/plan.py's weight_bytes leaves it out of the GPU's weights)
             from .host_embedding import install
 
             self.embedding_on_host = install(self.model, self.device) > 0
-        self.layer_stream = self._place_layers(context)
+        self.layer_stream = self._place_layers(streamed, vram_budget)
 
-    def streamed_count(self, context: int) -> int:
-        """How many decoder layers stream (``planner.layer_placement``: the fewest that let the int4 layers and the
-        smallest KV window fit ``vram_budget`` on CUDA; it may halve the Budget's prefill chunk, and raises the
-        ConfigError naming ``vram_budget`` and the smallest budget that works)."""
-        if self.forced is not None:
-            return self.forced
-        if not self._budgeted():
-            return 0
-        streamed, self.budget.prefill_chunk = self._layer_placement(self.shape(), context)
-        return streamed
-
-    def _place_layers(self, context: int):
-        """The last ``streamed_count()`` decoder layers in pinned host RAM, copied to the device one layer ahead of
-        use (``layer_stream.place``; DecodeStep's graphs hold the copies, see layer_stream's contract), the rest of
-        the model on the device. Returns the LayerStream, or None (every layer resident)."""
+    def _place_layers(self, streamed: int, vram_budget: int | None):
+        """The last ``streamed`` decoder layers in pinned host RAM, copied to the device one layer ahead of use
+        (``layer_stream.place``; DecodeStep's graphs hold the copies, see layer_stream's contract), the rest of the
+        model on the device. Returns the LayerStream, or None (every layer resident)."""
         from .layer_stream import place
 
-        self.streamed = self.streamed_count(context)
+        self.streamed = streamed
         n = self.model.config.num_hidden_layers
         on_device = all(t.device.type == self.device.type for t in [*self.model.parameters(), *self.model.buffers()])
         if not self.streamed and on_device:
             return None
         if self.streamed:
             log.info("flashguard: vram_budget %.2f GiB: decoder layers %d-%d stream from pinned host RAM, %d resident",
-                     (self.budget.vram_budget or 0) / 2**30, n - self.streamed, n - 1, n - self.streamed)
+                     (vram_budget or 0) / 2**30, n - self.streamed, n - 1, n - self.streamed)
         return place(self.model, self.device, list(range(n - self.streamed, n)), self.config.int4_kernel)
 
     # ---- what was placed -----------------------------------------------------------------------------------
     def shape(self):
         """The planner's Shape of the loaded model; ``lm_head`` says how its output matrix is held."""
-        from ..vram import plan as planner
+        from ..vram.shapes import Shape
 
-        shape = planner.Shape.from_config(self.model.config, self.label)
+        shape = Shape.from_config(self.model.config, self.label)
         return dataclasses.replace(shape, lm_head=self.lm_head_kind)
 
     @property
@@ -187,16 +145,16 @@ class Placement:
                 "slot_bytes": stats["slot_bytes"] if stats else 0,
                 "layer_copies": stats["copies"] if stats else 0}
 
-    def decode_bytes(self, context: int) -> dict:
+    def decode_bytes(self, context: int, kv) -> dict:
         """Bytes one decoded token reads at ``context``, from the loaded tensors: the decoder layers' linears and
-        the lm_head as they are held (int4 codes, 16-bit, an int4 pair), and the K/V the cache as sized attends
-        (``vram.plan.kv_read_bytes``)."""
-        from ..vram import plan as planner
+        the lm_head as they are held (int4 codes, 16-bit, an int4 pair), and the K/V the cache as sized (``kv``:
+        the plan's) attends (``vram.plan.kv_read_bytes``)."""
+        from ..vram.sizes import kv_read_bytes
 
         linears = sum(lm_head.read_bytes(m) for layer in self.model.model.layers
                       for name, m in layer.named_modules() if name.endswith("_proj"))
         out = {"decoder linears": linears, "lm_head": lm_head.read_bytes(self.model.get_output_embeddings()),
-               "kv attended": planner.kv_read_bytes(self.shape(), context=context, kv=self.budget.kv,
-                                                    value_bytes=self.dtype.itemsize)}
+               "kv attended": kv_read_bytes(self.shape(), context=context, kv=kv,
+                                            value_bytes=self.dtype.itemsize)}
         out["total"] = sum(out.values())
         return out

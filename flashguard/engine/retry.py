@@ -5,9 +5,10 @@ forward, each new session and each crop, and nothing else catches these failures
 Contract:
 - Out of GPU memory (``OUT_OF_MEMORY``) in a forward: the session is already back at the tokens before it
   (``KVSession.forward`` undoes), and the allocator's cached blocks go back to the device. Many tokens run again
-  in halves, down to ``MIN_CHUNK`` a forward, and the Budget keeps the smaller prefill chunk for good. A single
-  decode token gets ``DECODE_OOM_TRIES`` more tries after the decode step's graphs (each holds a memory pool of its
-  own) are given back too. Past that, ``GpuMemoryError`` says what to change. ``oom_retries`` counts the
+  in halves, down to ``MIN_CHUNK`` a forward, and the smaller prefill chunk is kept for good: a new plan
+  (``EnginePlan.with_prefill_chunk``) handed to the runner (``SessionRunner.take_plan``), never a field written.
+  A single decode token gets ``DECODE_OOM_TRIES`` more tries after the decode step's graphs (each holds a memory
+  pool of its own) are given back too. Past that, ``GpuMemoryError`` says what to change. ``oom_retries`` counts the
   out-of-memory errors met.
 - A page lost in a forward (``PageLost``: a stored page failed verification, or the forward's pages could not be
   settled): the session is dropped without keeping its pages and the whole sequence is recomputed by prefill,
@@ -63,7 +64,7 @@ class RetryPolicy:
                 try:
                     reused = self.start(ids[:base])
                     logits = None
-                    chunk = sessions.budget.prefill_chunk   # (an out-of-memory below halves it for later calls)
+                    chunk = sessions.plan.prefill_chunk   # (an out-of-memory below halves it for later calls)
                     for a in range(reused, base, chunk):
                         logits = self._fitting(ids[a:a + chunk])
                     if base < len(ids):
@@ -93,14 +94,15 @@ class RetryPolicy:
                     # recording its graph beside the graphs of earlier sessions
                     self._give_back(step_graphs=True)
                     return self._fitting(tokens, tries_left - 1, deltas)
-                budget = sessions.budget.vram_budget
+                budget = sessions.plan.vram_budget
                 raise GpuMemoryError(
                     f"out of GPU memory for a {len(tokens)}-token step"
                     + (f" within vram_budget {budget / 2**30:.2f} GiB" if isinstance(budget, int) else "")
                     + "; set models[main].parameters.weights: int4, a smaller kv.l1_tokens, a smaller "
                     "prefill_chunk, or a larger vram_budget (`flashguard plan` shows what fits)") from exc
             half = len(tokens) // 2
-            sessions.budget.prefill_chunk = max(self.MIN_CHUNK, min(sessions.budget.prefill_chunk, half))
+            plan = sessions.plan
+            sessions.take_plan(plan.with_prefill_chunk(max(self.MIN_CHUNK, min(plan.prefill_chunk, half))))
             log.warning("flashguard: out of GPU memory on %d tokens; retrying in chunks of %d", len(tokens), half)
             self._fitting(tokens[:half], deltas=deltas)
             return self._fitting(tokens[half:], deltas=deltas)

@@ -4,8 +4,11 @@ Contract:
 - ``session`` is the KVSession of the last sequence run, or None; ``ids`` the tokens whose K/V it holds. The
   runner is the only code that makes, crops or drops a session, and ``drop`` is the one place a session ends (its
   page references go back to the store, the step graphs over buffers that are gone go with them).
+- ``plan`` is the engine's plan (``budget.EnginePlan``, frozen): the cache's settings (``plan.kv``) and the prefill
+  chunk are read from it at each use, never copied. ``take_plan`` is how a new plan arrives (``Budget.settle``
+  after the warm-up; an out-of-memory retry's smaller chunk): nothing else replaces it, and nothing writes into it.
 - ``prefill(ids)`` brings the session to ``ids``: the longest prefix it holds is kept (or a new session adopts
-  stored pages), the rest runs in chunks of the Budget's ``prefill_chunk``; returns (the next token's logits,
+  stored pages), the rest runs in chunks of the plan's ``prefill_chunk``; returns (the next token's logits,
   tokens reused). ``forward(tokens)`` runs more tokens after what the session holds. Both go through the retry
   policy (retry.py) for out-of-memory and lost pages; ``forward_once`` is the bare forward it retries.
 - A single token runs as a decode step (``DecodeStep``: one graph per step where the pages are resident) unless a
@@ -34,10 +37,10 @@ log = logging.getLogger("flashguard")
 
 
 class SessionRunner:
-    def __init__(self, model, config, device: torch.device, dtype: torch.dtype, budget, step, model_identity: str,
+    def __init__(self, model, config, device: torch.device, dtype: torch.dtype, plan, step, model_identity: str,
                  cache_kwarg: str):
         self.model, self.config, self.device, self.dtype = model, config, device, dtype
-        self.budget = budget   # its kv (the cache's settings as sized) and prefill_chunk, read at each use
+        self.plan = plan   # budget.EnginePlan: its kv (the cache's settings) and prefill_chunk, read at each use
         self.step = step   # decode_step.DecodeStep, or None (the model's forward runs single tokens too)
         self.model_identity = model_identity
         self.cache_kwarg = cache_kwarg
@@ -47,6 +50,11 @@ class SessionRunner:
         self.peers = None   # kv/peer.PeerTier: the conversation's off-window pages on the peer GPUs (kv.peer_gpus)
         self.tap = None   # Engine.read: the reading.Tap collecting states in the forwards of one read
         self.retry = RetryPolicy(self)
+
+    def take_plan(self, plan) -> None:
+        """``plan`` (a new ``budget.EnginePlan``) from now on: the settled plan after the warm-up, or an
+        out-of-memory retry's plan with a smaller prefill chunk."""
+        self.plan = plan
 
     @property
     def ids(self) -> list[int]:
@@ -60,7 +68,7 @@ class SessionRunner:
         if self.store is None and self.config.kv_cache == "tiered":
             from ..kv.store import PageStore
 
-            self.store = PageStore(self.budget.kv, pin_memory=self.device.type == "cuda")
+            self.store = PageStore(self.plan.kv, pin_memory=self.device.type == "cuda")
         return self.store
 
     def new_session(self):
@@ -73,7 +81,7 @@ class SessionRunner:
                 from ..kv.pool import PoolBuffers
 
                 self.pool = PoolBuffers()
-            session = TieredSession(self.model, self.budget.kv, self.page_store(), self.model_identity,
+            session = TieredSession(self.model, self.plan.kv, self.page_store(), self.model_identity,
                                     preallocate=on_gpu, pool=self.pool if on_gpu else None)
             if self.peers is not None and self.peers.lost is None:
                 try:
@@ -120,7 +128,7 @@ class SessionRunner:
         # here if this is the engine's first prompt: a first prefill outside ``deferred`` read its own pages back
         # from disk in every chunk once L2 was full (a fresh engine's 128K prompt with a 16K L2 never finished)
         store = self.page_store()
-        kv = self.budget.kv
+        kv = self.plan.kv
         with store.deferred() if store is not None else contextlib.nullcontext():
             reused = self.reuse_prefix(ids)
             rest = ids[reused:]
@@ -140,7 +148,7 @@ class SessionRunner:
             alone = self.config.kv_cache == "dynamic" or kv.l1_tokens is None or len(ids) <= kv.l1_tokens
             body = rest[:-1] if alone else rest
             while a < len(body):
-                chunk = self.budget.prefill_chunk  # may shrink inside forward after an out-of-memory
+                chunk = self.plan.prefill_chunk  # may shrink inside forward after an out-of-memory (a new plan)
                 logits = self.forward(body[a:a + chunk])
                 a += chunk
             if alone:
@@ -217,7 +225,7 @@ class SessionRunner:
         are built now (an 8-token forward uses neither; the first long prompt ran at less than half the speed of
         later ones). The session is released without keeping its pages (with a pool smaller than two chunks, the
         few that left its window stay in the store unreferenced, the first to be evicted)."""
-        chunk = self.budget.prefill_chunk
+        chunk = self.plan.prefill_chunk
         ids = [0] * max(2, min(2 * chunk, context - 1))
         saved, self.session = self.session, self.new_session()
         try:

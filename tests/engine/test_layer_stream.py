@@ -117,15 +117,18 @@ def test_which_layers_a_budget_streams():
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_the_engine_places_streamed_layers(tmp_path, monkeypatch, arch):
-    """The engine's placement path (``Placement.place`` -> ``layer_stream.place``) with the planner's decision
+    """The engine's placement path (``Placement.place`` -> ``layer_stream.place``) with the plan's decision
     forced (on the CPU there is no vram_budget): the last layers stream through two slots from host copies, the
     engine's generations, its prefix reuse and a second conversation equal the resident engine's, and
     ``engine_info()``'s placement says where each part lives."""
-    from flashguard.engine.placement import Placement
+    from flashguard.engine.budget import Budget
 
     resident = tiny.engine(tmp_path / "a", arch, net=tiny.model(arch, layers=4))
-    monkeypatch.setattr(Placement, "streamed_count", lambda self, context: 3)
+    plan = Budget.plan
+    monkeypatch.setattr(Budget, "plan", lambda self, placement, context, streamed_layers=None:
+                        plan(self, placement, context, 3))
     streamed = tiny.engine(tmp_path / "b", arch, net=tiny.model(arch, layers=4))
+    assert streamed.plan.streamed == 3
     place = streamed.info()["placement"]
     assert place["layers_resident"] == [0] and place["layers_streamed"] == [1, 2, 3]
     assert place["streamed_from"] == "host RAM" and place["slot_bytes"] == 2 * place["streamed_layer_bytes"] > 0
