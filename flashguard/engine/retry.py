@@ -19,7 +19,9 @@ Contract:
   the pages before it, up to ``ADOPT_TRIES`` times, then the session starts empty.
 - A page lost while a session is cropped: the session is dropped without keeping its pages (the caller prefills
   again).
-Any other exception propagates at once, the session back at its ids. (``Engine.read`` running a probe's span once
+Any other exception propagates at once, the session back at its ids. The policy writes none of the runner's
+fields: it asks the runner to ``open``, ``drop`` or run (``forward_once``), crops the session through its own
+method, and hands a smaller chunk forward as a new plan (``SessionRunner.take_plan``). (``Engine.read`` running a probe's span once
 more after stored pages were adopted past it is no retry of a failure: its states must come from that call.)
 """
 
@@ -124,13 +126,13 @@ class RetryPolicy:
         sessions = self.sessions
         sessions.drop(keep_pages=True)
         for _ in range(self.ADOPT_TRIES):
-            sessions.session = sessions.new_session()
+            session = sessions.open()
             try:
-                return sessions.session.adopt(ids, sessions.dtype, sessions.device)
+                return session.adopt(ids, sessions.dtype, sessions.device)
             except PageLost as exc:
                 log.warning("flashguard: %s; adopting the stored pages before it", exc)
                 sessions.drop(keep_pages=False)
-        sessions.session = sessions.new_session()
+        sessions.open()
         return 0
 
     def crop(self, n: int) -> bool:

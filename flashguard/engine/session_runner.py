@@ -2,8 +2,9 @@
 
 Contract:
 - ``session`` is the KVSession of the last sequence run, or None; ``ids`` the tokens whose K/V it holds. The
-  runner is the only code that makes, crops or drops a session, and ``drop`` is the one place a session ends (its
-  page references go back to the store, the step graphs over buffers that are gone go with them).
+  runner is the only code that makes, crops or drops a session and the only writer of its own fields: ``open``
+  is the one place a session starts (the retry policy asks for it), ``drop`` the one place it ends (its page
+  references go back to the store, the step graphs over buffers that are gone go with them).
 - ``plan`` is the engine's plan (``budget.EnginePlan``, frozen): the cache's settings (``plan.kv``) and the prefill
   chunk are read from it at each use, never copied. ``take_plan`` is how a new plan arrives (``Budget.settle``
   after the warm-up; an out-of-memory retry's smaller chunk): nothing else replaces it, and nothing writes into it.
@@ -90,6 +91,12 @@ class SessionRunner:
                     log.warning("flashguard: %s; serving from the store", err)
             return session
         return DynamicSession(self.model.config)
+
+    def open(self):
+        """A new, empty session (``new_session``) becomes the runner's; returns it. (What it holds before is
+        ``drop``ped first by the caller.)"""
+        self.session = self.new_session()
+        return self.session
 
     def drop(self, keep_pages: bool) -> None:
         """The one place a session ends: its page references go back to the store."""
