@@ -1,6 +1,12 @@
 """A model's shape, as the planner reads it: ``Shape`` (layers, heads, widths, vocabulary, how the lm_head is held,
 the model's own context) from a transformers config, and ``resolve_shape(model)`` from a name, a folder or a GGUF
 header, never from the network (a ModelLoadError lists the known names).
+
+Why ``resolve_shape`` imports the engine (inside the function, for ``embedded``, a .gguf file or its folder only):
+reading a model's header is the loader's (``engine/loader.py``: where the embedded model is, its GGUF metadata
+folder; ``engine/gguf_header.py``), and ``flashguard plan`` plans a model by name without loading it. The engine
+never reaches ``resolve_shape``: its plan (``engine/budget.py``) takes a ``Shape`` made from the loaded model's
+config, so the plan calls into vram/ and vram/ does not call back.
 """
 
 from __future__ import annotations

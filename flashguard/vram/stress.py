@@ -8,6 +8,12 @@ decode latency p50/p99 and tok/s, allocation rate (GB/s of bytes the CUDA alloca
 page faults (L3 reads per decode step), the store's L2 hit ratio, peak allocated/reserved memory, the planner's
 prediction for the same settings, the per-category memory table, and joules per token where NVML reports energy.
 ``--cache dynamic`` runs transformers' DynamicCache instead (the comparison row).
+
+Why this module imports the engine (inside its functions, never at import time): the stress tool is a driver of
+the engine's own parts (an ``Engine`` for a model by path, ``DecodeStep``, the allocator's cap), sitting on top of
+both vram/ and the engine, as ``flashguard stress`` does. The dependency that matters runs the other way and once:
+the engine's plan (``engine/budget.py``) calls into vram/ to plan, and nothing in vram/ that the plan calls
+imports the engine.
 """
 
 from __future__ import annotations
