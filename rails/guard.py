@@ -143,7 +143,8 @@ def pairing(engine, side: str, probe) -> float | None:
         return None
     table = engine.guard.meta.get("with_probe") or {}
     if probe.digest in (table.get("probes") or {}).get(side, []):
-        return float(table["weight"])
+        weight = table["weight"]   # one for both rails, or one per rail
+        return float(weight[side] if isinstance(weight, dict) else weight)
     from .state import rail_state
 
     warned = rail_state(engine).probe_warned
@@ -168,7 +169,8 @@ def paired(engine, side: str, settings, adapter_verdict, probe_verdict, weight: 
     p = 1.0 / (1.0 + math.exp(-z))
     table = ((engine.guard.meta.get("with_probe") or {}).get("strictness") or {}).get(side) or {}
     cut = float(table.get(settings.strictness, 0.5))
-    v = Verdict(allowed=p < cut, p_unsafe=p, path=f"{b.path}+{a.path}", prompt_tokens=a.prompt_tokens,
+    path = a.path if a.path == b.path else f"{b.path}+{a.path}"   # e.g. "shared"; the input rail's "prompt+branch"
+    v = Verdict(allowed=p < cut, p_unsafe=p, path=path, prompt_tokens=max(a.prompt_tokens, b.prompt_tokens),
                 prefilled_tokens=a.prefilled_tokens + b.prefilled_tokens, reused_tokens=a.reused_tokens,
                 seconds=a.seconds + b.seconds, method=PAIRED, threshold=cut, p_question=a.p_unsafe,
                 strictness=settings.strictness)
@@ -182,16 +184,17 @@ def decide(engine, side: str, settings, adapter, base):
     """The verdict where the guard is chosen: with ``guard: auto`` and a probe it was measured with, the adapter
     and the probe together (``paired``; the probe's read first: the input rail's is the generation's own prefill,
     which the adapter's branch then reuses), else the adapter alone. ``adapter`` / ``base``: the adapter's verdict
-    and the rail's verdict without the guard (the probe's where one decides), as callables."""
+    and the rail's verdict without the guard (the probe's where one decides), as callables; ``adapter(first)``:
+    ``first`` is false after the probe's read (which counted the rail's fallback, if any, once)."""
     from .decide import choose_probe
 
     weight = pairing(engine, side, choose_probe(engine, settings)) if settings.guard == "auto" else None
     if weight is None:
-        return adapter()
+        return adapter(True)
     b = base()
     if b.method != "probe":   # the probe did not judge this message (too long for the context): the adapter alone
-        return b if b.path == "too-long" else adapter()
-    return paired(engine, side, settings, adapter(), b, weight)
+        return b if b.path == "too-long" else adapter(False)
+    return paired(engine, side, settings, adapter(False), b, weight)
 
 
 # ---- the two rails --------------------------------------------------------------------------------------------
@@ -222,7 +225,8 @@ def _fits(engine, ids: list, side: str) -> bool:
     return len(ids) < engine.context_length
 
 
-def moderate_output(engine, bot_message: str, user_message, settings, turn, allow_shared: bool):
+def moderate_output(engine, bot_message: str, user_message, settings, turn, allow_shared: bool,
+                    count_fallback: bool = True):
     """The output rail's guard verdict: the turn's own ids (``path="shared"``: only the end of turn and the question
     run) or, for a reply the engine did not generate, the exchange from text (``"prefill"``). A reply too long for
     the context with the question is judged by its last part (``"window"``)."""
@@ -236,7 +240,7 @@ def moderate_output(engine, bot_message: str, user_message, settings, turn, allo
         msgs = ([{"role": "user", "content": user_message}] if user_message else []) + \
             [{"role": "assistant", "content": bot_message}]
         ids, path = engine.encode_messages(msgs + [{"role": "user", "content": QUESTIONS["output"]}]), "prefill"
-        if allow_shared:
+        if allow_shared and count_fallback:
             engine.stats.record("moderation", prompt=0, prefilled=0, reused=0, generated=0, seconds=0.0,
                                 fallback=True)
     if not _fits(engine, ids, "output"):

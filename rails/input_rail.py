@@ -47,7 +47,8 @@ def moderate_input(engine, messages: list[dict], settings: Optional[ModerationSe
     settings = settings or ModerationSettings.input_defaults()
     with engine.exclusive():
         if guard.chosen(engine, settings):
-            return guard.decide(engine, "input", settings, lambda: guard.moderate_input(engine, messages, settings),
+            return guard.decide(engine, "input", settings,
+                                lambda first: guard.moderate_input(engine, messages, settings),
                                 lambda: _without_guard(engine, messages, settings))
         return _without_guard(engine, messages, settings)
 

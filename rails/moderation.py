@@ -86,8 +86,8 @@ def _moderate(engine, bot_message, user_message, settings, turn, allow_shared) -
 
     if guard.chosen(engine, settings):
         return guard.decide(engine, "output", settings,
-                            lambda: guard.moderate_output(engine, bot_message, user_message, settings, turn,
-                                                          allow_shared),
+                            lambda first: guard.moderate_output(engine, bot_message, user_message, settings, turn,
+                                                                allow_shared, count_fallback=first),
                             lambda: _without_guard(engine, bot_message, user_message, settings, turn, allow_shared))
     return _without_guard(engine, bot_message, user_message, settings, turn, allow_shared)
 

@@ -74,9 +74,11 @@ class ModerationSettings:
                    wherever no probe decides (remote, or ``probe: off``)
     guard          what decides: "auto" (default): the guard adapter where the engine holds one
                    (models[main].parameters.guard_adapter; rails/guard.py: a trained activated LoRA on the
-                   conversation's own pages), else the probe / classifier / question as below; "adapter": the guard
-                   always (an error where none is loaded); "probe": the probe, classifier or question, never the
-                   guard; "question": the single question alone (no guard, probe or classifier)
+                   conversation's own pages), together with the probe where the guard was measured with it
+                   (guard.json's with_probe: one verdict from both), else the probe / classifier / question as
+                   below; "adapter": the guard adapter alone (an error where none is loaded); "probe": the probe,
+                   classifier or question, never the guard adapter; "question": the single question alone (no
+                   guard adapter, probe or classifier)
     judge_reasoning  output rail, reasoning models: false (default) judges the final answer only (the prompt, the
                    answer's tokens and the suffix: the answer is prefilled again, the reasoning is not seen); true
                    judges the reasoning and the answer as generated (the turn's own pages: only the suffix)

@@ -11,8 +11,9 @@ level's threshold is the smallest at which at most its share of the benign rows 
 ``strictness`` and ``metrics.levels_from``) and prints each level's rates.
 
 With ``--probe-report`` (the same rows judged by the probes alone), also the pair's table (``with_probe``: the
-verdict ``guard: auto`` makes from the adapter and the probe together, rails/guard.py ``paired``): the weight
-(``--weight``, 0.5: the two alike, not fitted), the digests of the probes it holds for (``--probes``: the files the
+verdict ``guard: auto`` makes from the adapter and the probe together, rails/guard.py ``paired``): per rail, the
+adapter's weight (of 0.5, 0.6, ... 1.0: the one whose harmful-blocked shares at the three levels add up highest on
+these rows; ``--weight`` fixes one instead), the digests of the probes it holds for (``--probes``: the files the
 probe report was made with, and any others of the same fit) and its levels, from the combined scores of the rows.
 """
 
@@ -44,7 +45,7 @@ def main() -> int:
     ap.add_argument("--note", default="", help="where the validation rows came from, kept in guard.json")
     ap.add_argument("--probe-report", type=Path, help="eval-guard's report of the same rows with guard: probe")
     ap.add_argument("--probes", nargs="*", type=Path, default=[], help="the probe files the pair holds for")
-    ap.add_argument("--weight", type=float, default=0.5, help="the adapter's weight in the pair")
+    ap.add_argument("--weight", type=float, help="the adapter's weight in the pair (default: chosen per rail)")
     args = ap.parse_args()
     rep = json.loads(args.report.read_text(encoding="utf-8"))
     meta_path = args.guard / "guard.json"
@@ -65,21 +66,32 @@ def main() -> int:
     if args.probe_report:
         probe_rows = json.loads(args.probe_report.read_text(encoding="utf-8"))["verdicts"]
         mine = {v["row"]: v for v in rep["verdicts"]}
-        pair_levels, digests = {}, {}
+        pair_levels, digests, weights = {}, {}, {}
         for side in ("input", "output"):
             pairs = [(mine[v["row"]], v) for v in probe_rows
                      if v["rail"] == side and v.get("method") == "probe" and v["row"] in mine
                      and mine[v["row"]]["rail"] == side]
-            z = torch.tensor([args.weight * _logit(a["p_unsafe"]) + (1 - args.weight) * _logit(b["p_unsafe"])
-                              for a, b in pairs], dtype=torch.float64)
             labels = [int(str(a["label"]).lower() in HARMFUL) for a, _ in pairs]
-            points = operating_points(torch.sigmoid(z), labels, [])
+
+            def points_at(w: float) -> dict:
+                z = torch.tensor([w * _logit(a["p_unsafe"]) + (1 - w) * _logit(b["p_unsafe"]) for a, b in pairs],
+                                 dtype=torch.float64)
+                return operating_points(torch.sigmoid(z), labels, [])
+
+            grid = [args.weight] if args.weight is not None else [0.5, 0.6, 0.7, 0.8, 0.9, 1.0]
+            scored = {w: points_at(w) for w in grid}
+            for w, pts in scored.items():
+                print(f"{side:6} weight {w:.1f}: harmful blocked " +
+                      " / ".join(f"{pts[k]['harmful_blocked']:.1%}" for k in pts) + " at " + " / ".join(pts))
+            weights[side] = max(grid, key=lambda w: (sum(v["harmful_blocked"] for v in scored[w].values()), -w))
+            points = scored[weights[side]]
             pair_levels[side] = {k: v["threshold"] for k, v in points.items()}
             for k, v in points.items():
-                print(f"{side:6} {k:6} adapter+probe threshold {v['threshold']:.4f}: benign blocked "
-                      f"{v['benign_blocked']:.1%}, harmful blocked {v['harmful_blocked']:.1%} ({len(pairs)} rows)")
+                print(f"{side:6} {k:6} adapter+probe (weight {weights[side]:.1f}) threshold {v['threshold']:.4f}: "
+                      f"benign blocked {v['benign_blocked']:.1%}, harmful blocked {v['harmful_blocked']:.1%} "
+                      f"({len(pairs)} rows)")
             digests[side] = sorted({Probe.load(f).digest for f in args.probes if (Probe.load(f).rail == side)})
-        meta["with_probe"] = {"weight": args.weight, "probes": digests, "strictness": pair_levels}
+        meta["with_probe"] = {"weight": weights, "probes": digests, "strictness": pair_levels}
     meta.setdefault("metrics", {})["levels_from"] = {"report": args.report.name, "checks": rep.get("checks"),
                                                      "note": args.note}
     meta_path.write_text(json.dumps(meta, indent=1) + "\n", encoding="utf-8")

@@ -98,6 +98,17 @@ PLAIN_CHAT_TEMPLATE = ("{{ bos_token or '' }}{% for m in messages %}{{ m['role']
                        "{% if add_generation_prompt %}assistant:{% endif %}")
 
 
+def _guard_note(folder) -> str:
+    """The start-up line's end: which guard adapter the rails use (docs/moderation.md)."""
+    from pathlib import Path
+
+    from . import alora
+
+    if folder is None:
+        return ""
+    shipped = Path(folder).parent == alora.shipped_dir()
+    return "; the rails: the shipped guard adapter" if shipped else f"; the rails: the guard adapter {folder}"
+
 
 class Engine(EngineInterface):
     returns_states = True   # read() returns hidden states (the probes need them); a RemoteEngine's does not
@@ -124,13 +135,15 @@ class Engine(EngineInterface):
         t0 = time.perf_counter()
         # the weights key resolved (auto: int4 for a Q4 GGUF on the CPU, loader.choose_weights) and why
         weights, self.weights_reason = loader.choose_weights(config.weights, self.source, self.device)
+        guard_folder = self._guard_folder(config)
         if model is not None:
             self.model, self.tokenizer = model, tokenizer
             self.dtype = next(model.parameters()).dtype
         else:
-            notice.say("flashguard: loading %s on %s, %s weights (%s)", self.source.label,
+            # the one start-up line: the model, where, which weights and why, and the rails' guard adapter
+            notice.say("flashguard: loading %s on %s, %s weights (%s)%s", self.source.label,
                        "the CPU" if self.device.type == "cpu" else self.device, weights,
-                       self.weights_reason)
+                       self.weights_reason, _guard_note(guard_folder))
             # host RAM when int4 layers stream (Placement.place)
             where, kernel = load_target(config, self.source, self.device, self.budget, weights)
             self.model, self.tokenizer = loader.load(self.source, where, self.dtype, weights, kernel)
@@ -147,7 +160,7 @@ class Engine(EngineInterface):
             self.adapter = lora.read_adapter(config.lora_path, self.model)
             lora.apply_adapter(self.model, self.adapter, self.dtype)
         # guard_adapter: the rails' activated LoRA, on only for their suffixes (read(adapter_from=...))
-        self.guard = self._load_guard(config, weights)
+        self.guard = self._load_guard(guard_folder, weights)
         self.lock = threading.RLock()
         self.messages = MessageEncoder(self.tokenizer, config.system_prompt)
         self.stats = EngineStats()
@@ -180,18 +193,23 @@ class Engine(EngineInterface):
                 self.sessions.forget_pool()
                 self.sessions.take_plan(settled)
 
-    def _load_guard(self, config: EngineConfig, weights: str):
-        """The guard of ``guard_adapter`` (engine/alora.py), or None: ``off``, or ``auto`` with none for this model."""
+    def _guard_folder(self, config: EngineConfig):
+        """The folder of ``guard_adapter`` (engine/alora.py), or None: ``off``, or ``auto`` with none for this model."""
         from . import alora
 
         if config.guard_adapter == "off":
             return None
-        folder = alora.find(self.source) if config.guard_adapter == "auto" else config.guard_adapter
+        return alora.find(self.source) if config.guard_adapter == "auto" else config.guard_adapter
+
+    def _load_guard(self, folder, weights: str):
+        """The guard in ``folder`` (``_guard_folder``), checked against the model and weights; None without one."""
+        from . import alora
+
         if folder is None:
             return None
         guard = alora.load(folder, self.source, self.model, weights, self.device, self.dtype)
-        notice.say("flashguard: the rails' guard adapter: %s (rank %d on %d modules, %.1f MB)",
-                   guard.folder, guard.adapter.rank, len(guard.adapter.layers), guard.bytes / 1e6)
+        log.info("flashguard: the rails' guard adapter: %s (rank %d on %d modules, %.1f MB)",
+                 guard.folder, guard.adapter.rank, len(guard.adapter.layers), guard.bytes / 1e6)
         return guard
 
     def _warm_up(self) -> None:
