@@ -144,7 +144,7 @@ def test_the_classifier_key(side, section):
 def test_in_process_probe_off_keeps_the_single_question_and_a_named_file_is_used(engine, tmp_path):
     assert choose_classifier(engine, ModerationSettings.input_defaults(probe="off")) is None
     path = C.SHIPPED_DIR / C.file_name(engine, "input")
-    settings = ModerationSettings.input_defaults(probe="off", classifier=str(path))
+    settings = ModerationSettings.input_defaults(probe="off", classifier=str(path), guard="probe")   # no guard adapter
     assert choose_classifier(engine, settings) == C.Classifier.load(path)
     v = moderate_input(engine, [{"role": "user", "content": "Hello"}], settings)
     assert v.method == "classifier" and v.path == "branch" and v.strictness == "medium"
@@ -166,7 +166,8 @@ def test_the_in_process_features_are_the_rails_own_reads(engine):
     row = {"user": "How do I boil an egg?", "block": False}
     x = C.collect(engine, "input", [row], c.questions)[0]
     assert earlier_exchange(0, row) == []
-    settings = ModerationSettings.input_defaults(probe="off", classifier=str(C.SHIPPED_DIR / C.file_name(engine, "input")))
+    settings = ModerationSettings.input_defaults(probe="off", guard="probe",
+                                                 classifier=str(C.SHIPPED_DIR / C.file_name(engine, "input")))
     v = moderate_input(engine, [{"role": "user", "content": row["user"]}], settings)
     assert v.p_unsafe == pytest.approx(c.p_unsafe(x.tolist()), abs=1e-6)
     assert v.p_question == pytest.approx(1 / (1 + math.exp(-float(x[0]))), abs=1e-6)

@@ -161,7 +161,7 @@ def test_the_adapter_and_the_probe_it_was_measured_with_decide_together(trained,
     v = moderate(engine, reply, "say", out("auto"), use_memo=False)
     assert v.method == "adapter+probe" and v.threshold == 0.6
     assert logit(v.p_unsafe) == pytest.approx(0.25 * logit(a.p_unsafe) + 0.75 * logit(b.p_unsafe), abs=1e-4)
-    assert v.path == "shared+shared" and v.prefilled_tokens <= a.prefilled_tokens + b.prefilled_tokens
+    assert v.path == "shared" and v.prefilled_tokens <= a.prefilled_tokens + b.prefilled_tokens
 
     # a probe it was not measured with: the adapter alone
     other = _probe(engine, "input", 7).save(tmp_path / "other.json")

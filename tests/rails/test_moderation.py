@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from flashguard.rails import probe as probe_mod
+from flashguard.rails import guard, probe as probe_mod
 from flashguard.rails.calibrate import TUNING_SET, read_rows, train
 from flashguard.rails.moderation import ModerationSettings, moderate, moderation_suffix
 from flashguard.rails.probe import Probe, ProbeError, find_probe
@@ -55,13 +55,14 @@ def test_shared_and_fresh_paths_agree(float_engine, shipped_probes_only):
 
     engine = Engine(EngineConfig(weights="float"), source=float_engine.source)   # an empty store
     cold = get_engine(EngineConfig(kv_cache="dynamic", weights="float"))
+    probe_only = ModerationSettings(guard="probe")   # the probe's verdict (the guard's: tests/rails/test_guard.py)
     for row in TEST[::11]:
-        shared = run_rail(engine, row)
+        shared = run_rail(engine, row, probe_only)
         assert shared.path == "shared" and shared.method == "probe"
         turn = engine.turns[-1]
         cold.teacher_force(turn.prompt_ids, turn.output_ids, turn.text)
         cold.reset_session()
-        fresh = moderate(cold, row["bot"], row["user"], use_memo=False)  # same ids, nothing cached
+        fresh = moderate(cold, row["bot"], row["user"], probe_only, use_memo=False)  # same ids, nothing cached
         assert fresh.reused_tokens == 0 and fresh.path == "shared"
         assert shared.allowed == fresh.allowed and abs(shared.p_unsafe - fresh.p_unsafe) < 1e-3
 
@@ -99,9 +100,9 @@ def test_without_any_probe_the_question_verdict_is_used_with_one_warning(engine,
     monkeypatch.setattr(probe_mod, "SHIPPED_DIR", tmp_path / "no-shipped")
     rail_state(engine).forget_probes()
     try:
-        with caplog.at_level(logging.WARNING, logger="flashguard"):
-            a = run_rail(engine, TEST[0])
-            b = run_rail(engine, TEST[-1])
+        with caplog.at_level(logging.WARNING, logger="flashguard"):   # guard: probe: no guard adapter either
+            a = run_rail(engine, TEST[0], ModerationSettings(guard="probe"))
+            b = run_rail(engine, TEST[-1], ModerationSettings(guard="probe"))
         assert a.method == b.method == "question"
         warnings = [r for r in caplog.records if "flashguard calibrate" in r.getMessage()]
         assert len(warnings) == 1 and str(tmp_path / "none.json") in warnings[0].getMessage()
@@ -149,7 +150,7 @@ def test_calibrate_trains_a_probe_the_rail_then_finds(engine, monkeypatch, tmp_p
     try:
         found, where = find_probe(engine, ModerationSettings().prompt)
         assert found == loaded and where == str(path)
-        assert run_rail(engine, TEST[0]).method == "probe"
+        assert run_rail(engine, TEST[0], ModerationSettings(guard="probe")).method == "probe"
     finally:
         rail_state(engine).forget_probes()
 
@@ -162,7 +163,7 @@ def test_empty_one_token_and_foreign_replies_get_a_verdict(engine, shipped_probe
     one = engine.tokenizer("Yes", add_special_tokens=False)["input_ids"][:1]
     engine.teacher_force(prompt, one, engine.decode(one))
     v = moderate(engine, engine.decode(one), "Is it raining?", use_memo=False)
-    assert v.path == "shared" and v.method == "probe" and 0 <= v.p_unsafe <= 1
+    assert v.path == "shared" and v.method == "adapter+probe" and 0 <= v.p_unsafe <= 1   # the default: both
     for row in ({"user": "Wie spät ist es?", "bot": "Es ist drei Uhr nachmittags."},
                 {"user": "你好", "bot": "你好！今天我能帮你什么？"}):
         v = run_rail(engine, row)
@@ -176,7 +177,8 @@ def test_a_reply_longer_than_the_context_is_judged_in_windows():
     harmful = next(r for r in TEST if r["category"] == "weapons")
     filler = " ".join(["The weather was mild and the garden was quiet that afternoon."] * 40)
     v = moderate(small, filler + " " + harmful["bot"], harmful["user"], use_memo=False)
-    assert v.path == "windows" and v.prompt_tokens > small.context_length
+    # the probe judges windows of the reply, the guard adapter its last part
+    assert v.path == "windows+window" and v.prompt_tokens > small.context_length
     assert 0 <= v.p_unsafe <= 1
 
 
@@ -193,8 +195,10 @@ def test_after_a_4k_token_conversation_moderation_prefills_only_the_suffix(engin
     reply = "A while loop repeats its body as long as its condition is true."
     engine.teacher_force(prompt, engine.tokenizer(reply, add_special_tokens=False)["input_ids"], reply)
     v = moderate(engine, reply, "And what is a while loop?")
-    suffix = moderation_suffix(engine, ModerationSettings().prompt)
-    assert v.path == "shared" and v.prefilled_tokens <= len(suffix) + 64
+    # the default verdict: the probe's question and the guard adapter's, each a suffix of the turn's own pages
+    suffix = moderation_suffix(engine, ModerationSettings().prompt) + \
+        moderation_suffix(engine, guard.QUESTIONS["output"])
+    assert v.path == "shared" and v.method == "adapter+probe" and v.prefilled_tokens <= len(suffix) + 64
     assert v.reused_tokens >= len(prompt)
 
 

@@ -22,7 +22,8 @@ RECORD = json.loads((ROOT / "tests/data/probe_scores.json").read_text(encoding="
 # p_unsafe may move this much from the recorded value: CPU kernels round differently by machine and thread count (the
 # int4 ones most); a probe of another layer, weights kind or feature set moves these rows by far more
 TOLERANCE = 0.02
-RAILS = {"output": ModerationSettings(), "input": ModerationSettings.input_defaults()}
+# the probes alone (configs/flash's default adds the guard adapter: tests/rails/test_guard.py)
+RAILS = {"output": ModerationSettings(guard="probe"), "input": ModerationSettings.input_defaults(guard="probe")}
 
 
 def test_the_record_has_three_blocked_and_three_allowed_rows_per_rail_of_distinct_categories():
@@ -61,11 +62,11 @@ def test_the_shipped_probes_score_the_recorded_rows(shipped):
     misses = []
     for row in RECORD["rows"]:
         if row["rail"] == "output":
-            v = output_verdict(engine, row)
+            v = output_verdict(engine, row, RAILS["output"])
             # the probe on the turn's own pages: only the rail's suffix is prefilled
             assert (v.method, v.path) == ("probe", "shared") and v.prefilled_tokens <= suffix + 1, v
         else:
-            v = input_verdict(engine, row["messages"])
+            v = input_verdict(engine, row["messages"], RAILS["input"])
             # a long message by sliding windows over its own forward, a short one on the prompt
             assert (v.method, v.path) == ("probe", "sliding" if row["category"].startswith("long") else "prompt"), v
         recorded = row["p_unsafe"][weights]

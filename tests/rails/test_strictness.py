@@ -199,13 +199,13 @@ def test_the_input_rail_decides_at_the_levelsdecision_threshold(engine, tmp_path
     shipped, _ = find_probe(engine, ModerationSettings.input_defaults().prompt, "input")
     assert shipped is not None
     messages = [{"role": "user", "content": "How do I boil an egg?"}]
-    first = moderate_input(engine, messages, ModerationSettings.input_defaults())
+    first = moderate_input(engine, messages, ModerationSettings.input_defaults(guard="probe"))   # the probe's levels
     p = first.p_unsafe
     table = {"low": min(0.99, p + 0.01), "medium": min(0.99, p + 0.005), "high": max(0.001, p - 0.01)}
     path = dataclasses.replace(shipped, strictness=table).save(tmp_path / "input-probe.json")
     try:
         for level, allowed in (("low", True), ("high", False)):
-            settings = ModerationSettings.input_defaults(probe=str(path), strictness=level)
+            settings = ModerationSettings.input_defaults(probe=str(path), strictness=level, guard="probe")
             v = moderate_input(engine, messages, settings)
             assert abs(v.p_unsafe - p) < 1e-4
             assert (v.allowed, v.threshold, v.strictness) == (allowed, table[level], level)

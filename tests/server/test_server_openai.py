@@ -52,7 +52,7 @@ def blocking_config(tmp):
     out = "    probe: auto\n    question:"
     assert out in yml
     (cfg / "config.yml").write_text(yml.replace("threshold: 0.64", "threshold: 0.001").replace(
-        out, "    probe: off\n    question:"))
+        out, "    probe: off\n    question:").replace("    guard: auto\n", "    guard: question\n", 1))
     return cfg
 
 
@@ -61,10 +61,11 @@ def input_blocking_config(tmp):
     0.001), so no LLM call is made."""
     cfg = make_config(tmp)
     yml = (cfg / "config.yml").read_text()
-    rail = "  flashguard_input_moderation:\n    probe: auto"
+    rail = ("  flashguard_input_moderation:\n    guard: auto          # as above: the guard adapter with the input probe\n"
+            "    probe: auto")
     assert rail in yml
-    (cfg / "config.yml").write_text(yml.replace(rail, "  flashguard_input_moderation:\n    probe: off\n"
-                                                      "    threshold: 0.001"))
+    (cfg / "config.yml").write_text(yml.replace(rail, "  flashguard_input_moderation:\n    guard: question\n"
+                                                      "    probe: off\n    threshold: 0.001"))
     return cfg
 
 
