@@ -7,18 +7,23 @@ it and its label), one per verdict (e.g. ``adapter=...`` with ``guard: adapter``
 probe``), of the same file. Printed per rail and per group (the rows' category; ``--by source``: the part of the
 category before ``:``, as benchmarks/ held-out files name it ``source:category``): harmful blocked, benign blocked,
 precision, recall and F1 at each report's own thresholds (``--thresholds input=0.7,output=0.6`` to decide again
-at others, from the recorded p_unsafe: the guard's strictness levels after validation).
+at others, from the recorded p_unsafe: the guard's strictness levels after validation); then, per rail, the
+threshold-free separation (ROC AUC, harmful blocked at 2% / 5% / 10% benign blocked).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 from pathlib import Path
 
 
+HARMFUL = ("unsafe", "1", "true", "harmful", "block", "yes")
+
+
 def metrics(rows: list[dict]) -> dict:
-    harmful = [r for r in rows if r["label"] in ("unsafe", "1", "true", "harmful", "block", "yes")]
+    harmful = [r for r in rows if r["label"] in HARMFUL]
     benign = [r for r in rows if r not in harmful]
     tp = sum(r["blocked"] for r in harmful)
     fp = sum(r["blocked"] for r in benign)
@@ -27,6 +32,21 @@ def metrics(rows: list[dict]) -> dict:
     f1 = 2 * precision * recall / (precision + recall) if precision and recall else (0.0 if harmful else None)
     return {"harmful": len(harmful), "harmful_blocked": tp, "benign": len(benign), "benign_blocked": fp,
             "precision": precision, "recall": recall, "f1": f1}
+
+
+def separation(rows: list[dict]) -> dict:
+    """Threshold-free: ROC AUC of p_unsafe, and the share of harmful rows blocked where 2% / 5% / 10% of the benign
+    rows are (each verdict at its own best cut for that share: how well it ranks, not where it was set)."""
+    harmful = [r["p_unsafe"] for r in rows if r["label"] in HARMFUL]
+    benign = sorted(r["p_unsafe"] for r in rows if r["label"] not in HARMFUL)
+    if not harmful or not benign:
+        return {}
+    auc = sum((h > b) + 0.5 * (h == b) for h in harmful for b in benign) / len(harmful) / len(benign)
+    at = {}
+    for share in (0.02, 0.05, 0.10):
+        cut = benign[max(0, math.ceil(len(benign) * (1 - share)) - 1)]
+        at[share] = sum(h > cut for h in harmful) / len(harmful)
+    return {"auc": auc, "at": at}
 
 
 def _fmt(m: dict) -> str:
@@ -71,6 +91,13 @@ def main(argv=None) -> int:
             print(f"| {key} | " + " | ".join(_fmt(metrics(groups[key].get(n, []))) for n in names) + " |")
         print("| **all** | " + " | ".join(_fmt(metrics([r for r in named[n] if r["rail"] == rail])) for n in names)
               + " |")
+        seps = {n: separation([r for r in named[n] if r["rail"] == rail]) for n in names}
+        if any(seps.values()):
+            print(f"\n{rail} rail, threshold-free: ROC AUC | harmful blocked at 2% / 5% / 10% benign blocked")
+            print("| verdict | AUC | at 2% | at 5% | at 10% |\n|---|---|---|---|---|")
+            for n, sep in seps.items():
+                if sep:
+                    print(f"| {n} | {sep['auc']:.3f} | " + " | ".join(f"{v:.1%}" for v in sep["at"].values()) + " |")
     return 0
 
 
