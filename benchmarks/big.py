@@ -87,7 +87,7 @@ def make_model(cfg, dtype: torch.dtype = torch.float16, lm_head: str = "int4", s
     engine places them), built without any 16-bit copy of them: seconds for the 7B (~3.6 GB of codes)."""
     from transformers import Qwen2ForCausalLM
 
-    from flashguard.quant.awq_load import _rebuild_meta_buffers
+    from flashguard.quant.awq_load import rebuild_meta_buffers
     from flashguard.quant.int4_linear import set_module
 
     g = torch.Generator().manual_seed(seed)
@@ -119,7 +119,7 @@ def make_model(cfg, dtype: torch.dtype = torch.float16, lm_head: str = "int4", s
         for name, p in list(module.named_parameters(recurse=False)):
             if p.device.type == "meta":
                 module._parameters[name] = torch.nn.Parameter(torch.ones(p.shape, dtype=dtype), requires_grad=False)
-    _rebuild_meta_buffers(model, torch.device("cpu"))
+    rebuild_meta_buffers(model, torch.device("cpu"))
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.device.type == "meta"]
     if left:
         raise RuntimeError(f"make_model left tensors on the meta device: {left[:4]}")
