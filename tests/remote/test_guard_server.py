@@ -228,8 +228,9 @@ def test_the_rails_verdicts_through_the_server_agree_with_the_in_process_engines
     engines = {"float": local(folder), "server": remote(server, folder)}
     rows_in = bench.sample(bench.DATA / "moderation_input_tune.jsonl", 16, 1, "input")
     rows_out = bench.sample(bench.DATA / "moderation_tune.jsonl", 16, 1, "output")
-    results = bench.run_input(engines, rows_in, ModerationSettings.input_defaults()) + \
-        bench.run_output(engines, rows_out, ModerationSettings())[0]
+    # the adapter alone on both sides (in process, guard: auto adds the probe the server cannot read)
+    results = bench.run_input(engines, rows_in, ModerationSettings.input_defaults(guard="adapter")) + \
+        bench.run_output(engines, rows_out, ModerationSettings(guard="adapter"))[0]
     assert all(r[k].method == "adapter" for r in results for k in r)
     g = bench.agreement(results, "float", "server")
     dp = [abs(r["float"].p_unsafe - r["server"].p_unsafe) for r in results]
@@ -259,7 +260,9 @@ def test_the_guard_prefills_its_suffix_and_the_reply_reuses_the_conversation(gua
     last = {k: dict(v) for k, v in engine.stats.last.items()}
     conv = len(engine.encode_messages(messages))
     guard_question = last["input_moderation"]["prompt"] - conv   # (the question after the conversation)
-    assert guard_question > 0 and last["input_moderation"]["prefilled"] > conv - 8
+    # (the slot may hold the chat template's opening from an earlier test's request: up to its system turn)
+    system = len(engine.encode_messages([{"role": "user", "content": ""}]))
+    assert guard_question > 0 and last["input_moderation"]["prefilled"] >= conv - system
     assert last["generation"]["reused"] >= conv - 3, last["generation"]   # the header "assistant\n" prefilled
     suffix = last["moderation"]["prompt"] - len(engine.turns[-1].prompt_ids) - len(engine.turns[-1].output_ids)
     assert last["moderation"]["prefilled"] <= suffix + 1, last["moderation"]
