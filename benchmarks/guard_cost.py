@@ -5,10 +5,11 @@
 A conversation of about ``--context`` tokens (benign exchanges of the project's tuning set, each reply
 teacher-forced as the engine's own turn, so its pages are the generation's) ends with one more user message and
 its reply; then, alternately, each verdict kind judges the last reply (output rail) and the last user message
-(input rail) on the conversation's own pages: ``guard: adapter`` (the guard's question through the adapter) and
-``guard: probe`` (the shipped probe; the input probe reads the generation's own prefill, so its check is the
-prompt's last token). Printed: the median and p90 milliseconds of each check, the tokens it prefilled and reused,
-and the ratio adapter / probe. The session goes back to the conversation between repeats (the checks' suffixes
+(input rail) on the conversation's own pages: ``guard: auto`` (configs/flash's default: the adapter and the probe
+together), ``guard: adapter`` (the guard's question through the adapter) and ``guard: probe`` (the shipped probe,
+the verdict before the guard; the input probe reads the generation's own prefill, so its check is the prompt's last
+token). Printed: the median and p90 milliseconds of each check, the tokens it prefilled and reused,
+and the ratios auto / probe and adapter / probe. The session goes back to the conversation between repeats (the checks' suffixes
 are cropped away), as in a chat turn. Timings on a shared machine vary with its load: compare rows of one run.
 """
 
@@ -57,7 +58,7 @@ def main(argv=None) -> int:
     ctx = len(prompt) + len(engine.turns[-1].output_ids)
     table = {}
     for _ in range(a.repeats + 1):
-        for kind in ("adapter", "probe"):
+        for kind in ("auto", "adapter", "probe"):
             out_s = ModerationSettings(guard=kind)
             in_s = ModerationSettings.input_defaults(guard=kind)
             engine.teacher_force(prompt, engine.turns[-1].output_ids, reply)   # the session at the turn
@@ -74,9 +75,11 @@ def main(argv=None) -> int:
         lines.append(f"| {rail} | {vals[-1][3]} | {statistics.median(ms):.0f} | {ms[int(0.9 * (len(ms) - 1))]:.0f} | "
                      f"{vals[-1][1]} | {vals[-1][2]} |")
     for rail in ("input", "output"):
-        ad = statistics.median(v[0] for v in table[("adapter", rail)][1:])
         pr = statistics.median(v[0] for v in table[("probe", rail)][1:])
-        lines.append(f"\n{rail} rail: adapter / probe = {ad / pr:.2f}x")
+        for kind in ("auto", "adapter"):
+            ms = statistics.median(v[0] for v in table[(kind, rail)][1:])
+            lines.append(f"{'' if kind == 'adapter' else chr(10)}{rail} rail: {table[(kind, rail)][-1][3]} / probe = "
+                         f"{ms / pr:.2f}x")
     text = "\n".join(lines)
     print(text)
     if a.out:
