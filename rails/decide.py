@@ -60,9 +60,10 @@ def decision_threshold(engine, probe, settings: ModerationSettings, long: bool =
     return threshold, level
 
 
-def choose_probe(engine, settings: ModerationSettings):
+def choose_probe(engine, settings: ModerationSettings, quiet: bool = False):
     """The probe the verdict uses, or None for the question verdict (``probe: auto`` without a probe warns once
-    per engine and question, naming the file ``flashguard calibrate`` would write)."""
+    per engine and question, naming the file ``flashguard calibrate`` would write). ``quiet``: no log lines (the
+    guard adapter asks which probe it would pair with; its verdict needs none of them)."""
     from .probe import Probe, ProbeError, find_probe, ModelKey, CALIBRATE_HINT
 
     mode = settings.probe.strip()
@@ -70,7 +71,7 @@ def choose_probe(engine, settings: ModerationSettings):
         return None
     if not engine.returns_states:   # a serving engine (backend: openai) returns log-probabilities, not states
         warned = rail_state(engine).probe_warned
-        if ("remote", settings.side) not in warned:
+        if not quiet and ("remote", settings.side) not in warned:
             warned.add(("remote", settings.side))
             log.info("flashguard moderation: the openai backend returns no hidden states; %s.probe is not used "
                      "(the %s rail decides by its questions' log-odds)", settings.section, settings.side)
@@ -78,7 +79,7 @@ def choose_probe(engine, settings: ModerationSettings):
     if mode == "auto":
         probe, where = find_probe(engine, settings.prompt, settings.side)
         default = INPUT_THRESHOLD if settings.side == "input" else DEFAULT_THRESHOLD
-        if probe is not None and settings.threshold != default:
+        if probe is not None and settings.threshold != default and not quiet:
             warned = rail_state(engine).threshold_warned
             if settings.threshold not in warned:
                 warned.add(settings.threshold)
@@ -87,7 +88,7 @@ def choose_probe(engine, settings: ModerationSettings):
                             "strictness: low, medium or high to move it). Set probe: off to decide by the question "
                             "and that threshold", settings.section, settings.threshold, where,
                             probe_threshold(probe, settings)[0])
-        if probe is None:
+        if probe is None and not quiet:
             warned = rail_state(engine).probe_warned
             if settings.prompt not in warned:
                 warned.add(settings.prompt)

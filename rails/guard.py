@@ -139,20 +139,38 @@ PAIRED = "adapter+probe"
 def pairing(engine, side: str, probe) -> float | None:
     """The adapter's weight in the verdict it makes with ``probe`` (guard.json's ``with_probe``: measured with
     that probe, named by its digest), or None: no probe, or one the guard was not measured with (said once)."""
+    from .state import rail_state
+
     if probe is None:
         return None
     table = engine.guard.meta.get("with_probe") or {}
-    if probe.digest in (table.get("probes") or {}).get(side, []):
-        weight = table["weight"]   # one for both rails, or one per rail
-        return float(weight[side] if isinstance(weight, dict) else weight)
-    from .state import rail_state
-
     warned = rail_state(engine).probe_warned
+    if probe.digest in (table.get("probes") or {}).get(side, []):
+        weight = table.get("weight")   # one for both rails, or one per rail
+        weight = weight.get(side) if isinstance(weight, dict) else weight
+        levels = (table.get("strictness") or {}).get(side) or {}
+        if isinstance(weight, (int, float)) and 0 <= weight <= 1 and all(k in levels for k in ("low", "medium",
+                                                                                               "high")):
+            return float(weight)
+        if ("pairing-table", side) not in warned:
+            warned.add(("pairing-table", side))
+            log.warning("flashguard %s moderation: %s/guard.json's with_probe has no weight or no low / medium / high "
+                        "levels for the %s rail; the guard adapter decides alone (tools/guard_levels.py writes them)",
+                        side, engine.guard.folder, side)
+        return None
     if table and ("pairing", side, probe.digest) not in warned:
         warned.add(("pairing", side, probe.digest))
-        log.info("flashguard %s moderation: the guard adapter was not measured with this probe (%s); the adapter "
-                 "decides alone", side, probe.digest)
+        log.warning("flashguard %s moderation: the guard adapter %s was measured with other probes than this one "
+                    "(%s); the adapter decides alone. custom_data.%s.guard: probe decides by this probe instead, "
+                    "or tools/guard_levels.py measures the two together", side, engine.guard.folder,
+                    probe.digest, _section(side))
     return None
+
+
+def _section(side: str) -> str:
+    from .settings import SECTIONS
+
+    return SECTIONS[side]
 
 
 def paired(engine, side: str, settings, adapter_verdict, probe_verdict, weight: float):
@@ -188,7 +206,7 @@ def decide(engine, side: str, settings, adapter, base):
     ``first`` is false after the probe's read (which counted the rail's fallback, if any, once)."""
     from .decide import choose_probe
 
-    weight = pairing(engine, side, choose_probe(engine, settings)) if settings.guard == "auto" else None
+    weight = pairing(engine, side, choose_probe(engine, settings, quiet=True)) if settings.guard == "auto" else None
     if weight is None:
         return adapter(True)
     b = base()

@@ -24,7 +24,12 @@ def moderate_input(engine, messages: list[dict], settings: Optional[ModerationSe
     """Score the user's last message of ``messages`` (the conversation as the generation will send it) with one
     forward pass on the conversation's own pages.
 
-    With the model's input probe (``path="prompt"``, the default where one exists): the pass is the generation's
+    With a guard adapter (``guard: auto``, the default where the model has one): the adapter's question branches off
+    the conversation after the message (rails/guard.py), and where the guard was measured with the model's input
+    probe, the probe's read below runs first and the two make one verdict (``method="adapter+probe"``, ``path`` both
+    reads': ``prompt+branch``, ``sliding+branch``, ...). The probe's own verdict (``guard: probe``) is as follows.
+
+    With the model's input probe (``path="prompt"``, the default without a guard adapter): the pass is the generation's
     own prefill (the chat template of ``messages`` with its generation prompt: the engine reuses what it holds of
     the conversation and prefills the new message), and the probe reads the hidden states of the message (their
     mean over its turn, and/or the last token's, where the model is about to answer: ``probe.features``). Nothing

@@ -10,9 +10,13 @@ it generated, never re-tokenised text) followed by a short suffix: the chat temp
 assistant turn and a user question. Because that input starts with the turn's own ids, the engine
 finds them in its cache and prefills only the suffix.
 
-The verdict comes from that one forward pass (the model never generates free text):
+The verdict comes from that one forward pass (the model never generates free text), or from two:
 
-- ``probe`` (the default where a probe exists for the model): a logistic regression on the hidden state of
+- ``adapter+probe`` (``guard: auto``, configs/flash's default where the model has a guard adapter measured with its
+  probe, as the embedded SmolLM2 has): the guard adapter's read and the probe's read, each a suffix on the turn's
+  pages, made one verdict (``guard.decide``); ``adapter`` (``guard: adapter``, or a guard measured with no probe):
+  the guard adapter's read alone (rails/guard.py).
+- ``probe`` (``guard: probe``, or no guard adapter for the model): a logistic regression on the hidden state of
   the suffix's last token (``rails/probe.py``), trained by ``flashguard calibrate`` on a labelled set; the
   embedded SmolLM2's probes (float and int4) ship in the package.
 - ``classifier`` (the default where the engine returns no hidden states: ``backend: openai``): a logistic regression

@@ -61,9 +61,10 @@ class ModerationSettings:
     safe_answer    the answer word that means "allow"
     threshold      question verdict: block when P(unsafe_answer) / (P(unsafe) + P(safe)) >= threshold
                    (a probe carries its own threshold, calibrated with it)
-    strictness     low | medium (default) | high: the probe's threshold for that level, from the probe's
-                   strictness table (medium: <= 5% of held-out benign rows blocked; low blocks fewer, high more:
-                   docs/moderation.md); a probe without a table decides at its own threshold (logged once)
+    strictness     low | medium (default) | high: the threshold of what decides (the guard adapter, the pair of
+                   adapter and probe, the probe: each file's strictness table) for that level (medium: <= 5% of
+                   validation benign rows blocked; low blocks fewer, high more: docs/moderation.md); a probe without
+                   a table decides at its own threshold (logged once)
     probe          "auto": the model's probe (user cache, then shipped) if there is one, else the question
                    verdict with one warning; "off": the question verdict; or the path of a probe file
     classifier     where no probe decides: "auto" (default): an engine without hidden states (backend: openai)

@@ -54,7 +54,8 @@ def main() -> int:
     for side in ("input", "output"):
         rows = [v for v in rep["verdicts"] if v["rail"] == side and v.get("method") == "adapter"]
         if not rows:
-            raise SystemExit(f"{args.report}: no {side} verdicts decided by the adapter (guard: adapter in the config?)")
+            raise SystemExit(f"{args.report}: no {side} verdicts decided by the adapter alone (the config's "
+                             "custom_data.*.guard: adapter?)")
         p = torch.tensor([v["p_unsafe"] for v in rows], dtype=torch.float64)
         labels = [int(str(v["label"]).lower() in HARMFUL) for v in rows]
         points = operating_points(p, labels, [])
@@ -65,12 +66,11 @@ def main() -> int:
     meta["strictness"] = levels
     if args.probe_report:
         probe_rows = json.loads(args.probe_report.read_text(encoding="utf-8"))["verdicts"]
-        mine = {v["row"]: v for v in rep["verdicts"]}
+        mine = {(v["row"], v["rail"]): v for v in rep["verdicts"]}
         pair_levels, digests, weights = {}, {}, {}
         for side in ("input", "output"):
-            pairs = [(mine[v["row"]], v) for v in probe_rows
-                     if v["rail"] == side and v.get("method") == "probe" and v["row"] in mine
-                     and mine[v["row"]]["rail"] == side]
+            pairs = [(mine[(v["row"], side)], v) for v in probe_rows
+                     if v["rail"] == side and v.get("method") == "probe" and (v["row"], side) in mine]
             labels = [int(str(a["label"]).lower() in HARMFUL) for a, _ in pairs]
 
             def points_at(w: float) -> dict:

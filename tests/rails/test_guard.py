@@ -167,3 +167,31 @@ def test_the_adapter_and_the_probe_it_was_measured_with_decide_together(trained,
     other = _probe(engine, "input", 7).save(tmp_path / "other.json")
     v = moderate_input(engine, messages, ModerationSettings.input_defaults(probe=str(other)))
     assert v.method == "adapter"
+
+
+def test_a_pairing_table_without_its_levels_leaves_the_adapter_alone_and_says_so(trained, tmp_path, caplog):
+    """guard.json's with_probe naming the probe but lacking a rail's levels: never a silent 0.5 cut; the adapter
+    decides alone and one warning names the file and the tool that writes them."""
+    import json
+    import logging
+    import shutil
+
+    from flashguard.rails.probe import Probe
+
+    folder, model_dir, _, _ = trained
+    broken = tmp_path / "guard"
+    shutil.copytree(folder, broken)
+    engine = tiny.engine(model_dir, "qwen2", guard_adapter="off")
+    path = _probe(engine, "input", 1).save(tmp_path / "probe-input.json")
+    meta = json.loads((broken / "guard.json").read_text())
+    meta["with_probe"] = {"weight": {"input": 0.7}, "probes": {"input": [Probe.load(path).digest]},
+                          "strictness": {"input": {"low": 0.9, "medium": 0.6}}}   # no "high"
+    (broken / "guard.json").write_text(json.dumps(meta))
+    engine = tiny.engine(model_dir, "qwen2", guard_adapter=str(broken))
+    settings = ModerationSettings.input_defaults(probe=str(path))
+    with caplog.at_level(logging.WARNING, logger="flashguard"):
+        for _ in range(2):
+            v = moderate_input(engine, [{"role": "user", "content": "sea wind tide"}], settings)
+            assert v.method == "adapter"
+    warnings = [r.getMessage() for r in caplog.records if "with_probe" in r.getMessage()]
+    assert len(warnings) == 1 and "guard.json" in warnings[0] and "tools/guard_levels.py" in warnings[0]
