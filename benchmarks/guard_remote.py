@@ -23,6 +23,7 @@ of a verdict (tokens prefilled and reused, the rail's seconds, median).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import subprocess
@@ -102,8 +103,9 @@ def main(argv=None) -> int:
         engines["server"] = get_engine(EngineConfig.from_parameters(
             {**params, "backend": "openai", "base_url": url, "guard_adapter": str(folder)}), "smollm2")
         n_in = args.rows // 2
-        settings_in = ModerationSettings.from_custom_data(custom, side="input")
-        settings_out = ModerationSettings.from_custom_data(custom, side="output")
+        # the guard adapter alone on every engine (in process, guard: auto would add the probe a server cannot read)
+        settings_in = dataclasses.replace(ModerationSettings.from_custom_data(custom, side="input"), guard="adapter")
+        settings_out = dataclasses.replace(ModerationSettings.from_custom_data(custom, side="output"), guard="adapter")
         results = {"input": run_input(engines, sample(DATA / "moderation_input_tune.jsonl", n_in, args.seed, "input"),
                                       settings_in),
                    }
