@@ -96,8 +96,11 @@ def test_files_are_sealed_private_and_removed_on_close(engine, tmp_path):
     assert files
     for name in files:
         blob = open(os.path.join(folder, name), "rb").read()
-        assert blob.startswith(b"FGL3") and b"FGP1" not in blob and b"\x28\xb5\x2f\xfd" not in blob
-        assert b"marbles" not in blob and b"blue" not in blob
+        # sealed: an unsealed page would show its own magic (FGP1) or zstd's at its head; four given bytes turn up
+        # by chance somewhere in megabytes of ciphertext (about once in a thousand runs), so only the head is read
+        head = blob[4:68]
+        assert blob.startswith(b"FGL3") and b"FGP1" not in head and b"\x28\xb5\x2f\xfd" not in head
+        assert b"marbles" not in blob   # (seven bytes: by chance about never)
         if os.name == "posix":
             assert stat.S_IMODE(os.stat(os.path.join(folder, name)).st_mode) == 0o600
     if os.name == "posix":
