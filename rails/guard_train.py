@@ -52,6 +52,9 @@ class TrainConfig:
     max_tokens: int = 1024          # a prompt's length at most (the judged message cut in the middle)
     warmup: float = 0.05
     seed: int = 0
+    first_layer: int = 0            # the adapter holds layers first_layer.. (0: every layer)
+    benign_weight: float = 1.0      # the allowed rows' weight against the blocked rows' (the safe share, tuned)
+    max_seconds: float = 0.0        # > 0: fewer steps where the planned ones would take longer (the schedule follows)
 
 
 @dataclass
@@ -63,6 +66,7 @@ class Example:
     source: str
     category: str
     train: bool = True
+    made: str = ""          # the rule that made the row (rails/lab/made_rows.py), "" for a source's own row
 
 
 # ---- examples ---------------------------------------------------------------------------------------------------
@@ -95,7 +99,7 @@ def example(row: dict, tokenizer, encode, max_tokens: int) -> Example:
         messages[longest]["content"] = _cut(messages[longest]["content"], tokenizer, max(16, n - over - 8))
         ids, start = guard.guard_ids(encode, tokenizer, messages, row["side"])
     return Example(ids, start, row["side"], int(bool(row["block"])), row["source"], row.get("category", ""),
-                   bool(row.get("train", True)))
+                   bool(row.get("train", True)), row.get("made", ""))
 
 
 def examples(rows: Sequence[dict], tokenizer, max_tokens: int, log=print) -> list[Example]:
@@ -192,15 +196,16 @@ def answer_logodds(logits: torch.Tensor, answers: tuple[int, int]) -> torch.Tens
 
 # ---- training ---------------------------------------------------------------------------------------------------
 
-def class_weights(exs: Sequence[Example], idx: Sequence[int]) -> dict:
-    """(side, label) -> weight: each rail's harmful and benign rows weigh alike in total."""
+def class_weights(exs: Sequence[Example], idx: Sequence[int], benign: float = 1.0) -> dict:
+    """(side, label) -> weight: each rail's harmful and benign rows weigh alike in total (the benign ones
+    ``benign`` times that)."""
     counts: dict = {}
     for i in idx:
         key = (exs[i].side, exs[i].block)
         counts[key] = counts.get(key, 0) + 1
     sides = {k[0] for k in counts}
     total = len(idx)
-    return {k: total / (len(sides) * 2 * c) for k, c in counts.items()}
+    return {k: total / (len(sides) * 2 * c) * (benign if k[1] == 0 else 1.0) for k, c in counts.items()}
 
 
 def train(model, exs: Sequence[Example], idx: Sequence[int], answers: tuple[int, int], cfg: TrainConfig,
@@ -210,41 +215,59 @@ def train(model, exs: Sequence[Example], idx: Sequence[int], answers: tuple[int,
 
     torch.manual_seed(cfg.seed)
     device = next(model.parameters()).device
-    lora = TrainableLora(model, cfg.targets, cfg.rank, cfg.alpha, cfg.dropout, seed=cfg.seed).to(device)
-    weights = class_weights(exs, idx)
+    lora = TrainableLora(model, cfg.targets, cfg.rank, cfg.alpha, cfg.dropout, seed=cfg.seed,
+                         first_layer=cfg.first_layer).to(device)
+    return fit_loop(model, lora, lambda batch: forward_batch(model, batch, lora.deltas()), lora.parameters(), exs,
+                    idx, answers, cfg, log, label)
+
+
+def fit_loop(model, module, logits_of, params, exs, idx, answers, cfg: TrainConfig, log=print, label: str = ""):
+    """The training loop shared by the adapter (``train``) and the lab's full fine-tune: AdamW, warm-up and a
+    cosine schedule over the planned steps (fewer where ``cfg.max_seconds`` would be passed: the rate is measured
+    on the first 20 steps and the schedule follows the new count), the answer token's weighted cross-entropy."""
+    params = [p for p in params if p.requires_grad]
+    device = next(model.parameters()).device
+    weights = class_weights(exs, idx, cfg.benign_weight)
     rng = random.Random(cfg.seed)
     epoch_batches = batches(exs, idx, cfg, rng)
-    steps = max(1, int(len(epoch_batches) * cfg.epochs))
-    opt = torch.optim.AdamW(lora.parameters(), lr=cfg.lr, weight_decay=0.0)
-    warm = max(1, int(steps * cfg.warmup))
+    plan = [max(1, int(len(epoch_batches) * cfg.epochs))]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
+    warm = max(1, int(plan[0] * cfg.warmup))
     sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / steps))))
+        opt, lambda s: min(1.0, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / plan[0]))))
     target = {1: answers[0], 0: answers[1]}
     t0, seen, running = time.perf_counter(), 0, 0.0
     model.eval()
     step = 0
-    while step < steps:
+    while step < plan[0]:
         for b in epoch_batches:
-            if step >= steps:
+            if step >= plan[0]:
                 break
             batch = [exs[i] for i in b]
-            logits = forward_batch(model, batch, lora.deltas())
+            logits = logits_of(batch)
             y = torch.tensor([target[e.block] for e in batch], device=device)
             w = torch.tensor([weights[(e.side, e.block)] for e in batch], device=device)
             loss = (F.cross_entropy(logits, y, reduction="none") * w).sum() / w.sum()
             opt.zero_grad(set_to_none=True)
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(lora.parameters(), 1.0)
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
             opt.step()
             sched.step()
             step += 1
             seen += len(batch)
             running = 0.98 * running + 0.02 * loss.item() if step > 1 else loss.item()
-            if step % 200 == 0 or step == steps:
-                log(f"  {label}step {step}/{steps} loss {running:.4f} ({seen} rows, {time.perf_counter() - t0:.0f}s)")
+            if cfg.max_seconds and step == 20:
+                rate = (time.perf_counter() - t0) / step
+                fits = step + int((cfg.max_seconds - (time.perf_counter() - t0)) / rate)
+                if fits < plan[0]:
+                    log(f"  {label}{plan[0]} steps would take {plan[0] * rate:.0f}s: {fits} within {cfg.max_seconds:.0f}s")
+                    plan[0] = max(step + 1, fits)
+            if step % 200 == 0 or step == plan[0]:
+                log(f"  {label}step {step}/{plan[0]} loss {running:.4f} ({seen} rows, {time.perf_counter() - t0:.0f}s)")
         epoch_batches = batches(exs, idx, cfg, rng)
-    lora.eval()
-    return lora
+    module.eval()
+    module.steps, module.rows_seen = step, seen
+    return module
 
 
 @torch.no_grad()

@@ -1,32 +1,30 @@
 #!/usr/bin/env bash
-# tools/guard_gpu.sh: the shipped guard adapters' training and leave-one-source-out validation on one large GPU
-# (the device tool's machine), for the embedded SmolLM2 and for Gemma 3 270M (the second model), side by side.
+# tools/guard_gpu.sh: the guard's recipe at scale (rails/lab/recipe.py) on one large GPU (the device tool's
+# machine), for the embedded SmolLM2 and for Gemma 3 270M side by side, in one launch per model and one collection.
 #
-#   bash tools/guard_gpu.sh pack            # here: .devcarry/gpu/s_NN (SmolLM2, the rows, the wheels), g_NN (Gemma)
-#   bash tools/guard_gpu.sh receive         # there, once per carried part (~57 MB beside the tree): to /tmp/fg
-#   bash tools/guard_gpu.sh start MODEL     # there: unpacks, installs, starts MODEL's jobs in the background
-#   bash tools/guard_gpu.sh wait OUT [S]    # there: waits up to S seconds (default 540), copies results to OUT
-#   bash tools/guard_gpu.sh train NAME UPPER [OPTIONS]  # there: `train-guard --loso` on kept states (the shipped
-#                                           # guard's recipe), in the background, to $W/NAME
-#   bash tools/guard_gpu.sh collect OUT [S] # there: waits up to S seconds for the train runs, packs them to OUT
+#   bash tools/guard_gpu.sh pack              # here: .devcarry/gpu/s_NN (SmolLM2, the rows, wheels), g_NN (Gemma)
+#   bash tools/guard_gpu.sh receive           # there, once per call that carries a part: to $W
+#   bash tools/guard_gpu.sh start smollm2     # there: the sweep, the full fine-tune bound and the probe on source
+#                                             # group 0..4, then the chosen recipe's other groups and final adapter
+#   bash tools/guard_gpu.sh start gemma       # there: the default recipe (rank 32, every layer) on the groups
+#   bash tools/guard_gpu.sh collect OUT [S]   # there: waits up to S seconds (default 540), copies results to OUT
 #
-# What runs (rails/guard_jobs.py): for each model, `prepare` (the rows tokenized), FOLD_WORKERS `fold` jobs (one
-# adapter per held-out training source, --fold-rows rows, --fold-epochs epochs) and one `final` job (the adapter on
-# every training source, then the probe baseline), all at once on the one GPU; `collect` when all are done.
-# The rows (third-party text: rails/data/SOURCES.md) are made here by
-#   python -c "from pathlib import Path; from flashguard.rails import guard_data as d;
-#              d.save(d.rows(Path('/work/sources')), Path('.devcarry/guard_rows.jsonl.gz'))"
+# The rows (third-party text: rails/data/SOURCES.md) are made here, from the pinned sources laid out in a folder:
+#   python -m flashguard.rails.lab.rows /work/sources .devcarry/guard_rows.jsonl.gz
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 W=${GUARD_WORK:-/tmp/fg}
-PART_BYTES=${PART_BYTES:-58600000}
-FOLD_WORKERS=${FOLD_WORKERS:-4}
-FOLD_ROWS=${FOLD_ROWS:-12000}
-FOLD_EPOCHS=${FOLD_EPOCHS:-1}
+PART_BYTES=${PART_BYTES:-54000000}
+P1=${P1:-240}     # seconds of training for each phase-1 job (sweep candidates, full fine-tune folds)
+P2=${P2:-300}     # the chosen recipe's folds and final adapter; Gemma's jobs
+# candidate -> its options (rails/lab/recipe.py run); fold 0 chooses among them
+declare -A OPTS=([r16]="--rank 16" [r32]="--rank 32" [r64]="--rank 64" [r32h]="--rank 32 --first 0.5"
+                 [r32b]="--rank 32 --benign-weight 1.5")
+COMMON="--epochs 2 --batch-tokens 32768 --max-batch 64"
 
 install_bundle() {   # once per machine: the SmolLM2 bundle unpacked and checked, its wheels and flashguard to /tmp/site
   [ -f "$W/s/SHA256SUMS" ] && return 0
-  mkdir -p "$W/s" && cat "$W"/s_* | tar xf - -C "$W/s" && (cd "$W/s" && sha256sum -c SHA256SUMS)
+  mkdir -p "$W/s" && cat "$W"/s_* | tar xf - -C "$W/s" && (cd "$W/s" && sha256sum -c SHA256SUMS) || return 1
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
     "$W"/s/whl/*.whl 2>&1 | tail -2
   rm -rf /tmp/fg_src && mkdir -p /tmp/fg_src
@@ -53,7 +51,7 @@ pack)
   (cd /tmp/fg_pack/s && sha256sum smollm2.gguf rows.jsonl.gz > SHA256SUMS)
   (cd /tmp/fg_pack/g && sha256sum gemma.gguf > SHA256SUMS)
   tar chf - -C /tmp/fg_pack/s . | split -b "$PART_BYTES" -d -a 2 - "$out/s_"
-  tar chf /tmp/fg_pack/g.tar -C /tmp/fg_pack/g . && split -n 5 -d -a 2 /tmp/fg_pack/g.tar "$out/g_"
+  tar chf - -C /tmp/fg_pack/g . | split -b "$PART_BYTES" -d -a 2 - "$out/g_"
   ls -la "$out"
   ;;
 receive)
@@ -61,32 +59,7 @@ receive)
   for f in .devcarry/gpu/*_??; do [ -f "$f" ] && cp "$f" "$W/"; done
   ls -la "$W"
   ;;
-train)   # train NAME UPPER [train-guard options...]: the kept-states run (train-guard --loso) in the background
-  set -e
-  n=${2:?usage: train NAME UPPER [options]}; u=${3:?usage: train NAME UPPER [options]}; shift 3
-  mkdir -p "$W"
-  for f in .devcarry/gpu/s_??; do [ -f "$f" ] && cp "$f" "$W/"; done
-  install_bundle
-  echo "$n" >> "$W/started"
-  ( cd /tmp/fg_src && PYTHONPATH=/tmp/site FLASHGUARD_CACHE_DIR=$W/cache PYTHONUNBUFFERED=1 OMP_NUM_THREADS=2 \
-    setsid nohup bash -c "python3 -c 'import sys; from flashguard.cli import main; sys.exit(main(sys.argv[1:]))' \
-      train-guard --device cuda --rows $W/s/rows.jsonl.gz --upper $u --loso --out $W/$n --report $W/$n/report.json \
-      $* && echo done > $W/$n.done" > "$W/$n.log" 2>&1 < /dev/null & )
-  echo "started $n: $(date)"
-  ;;
-collect)   # collect OUT [SECONDS]: waits for the started runs (up to SECONDS, default 540), packs each to OUT/NAME.tgz
-  OUTDIR=${2:?usage: collect OUT [SECONDS]}; LIMIT=${3:-540}; t=0
-  all_done() { for n in $(cat "$W/started"); do [ -f "$W/$n.done" ] || return 1; done; }
-  while ! all_done && [ "$t" -lt "$LIMIT" ]; do sleep 10; t=$((t + 10)); done
-  mkdir -p "$OUTDIR"
-  for n in $(cat "$W/started"); do
-    echo "== $n"; tail -n 6 "$W/$n.log"
-    [ -f "$W/$n.done" ] && tar czf "$OUTDIR/$n.tgz" -C "$W" "$n" "$n.log"
-  done
-  cat "$W/smi.txt" 2>/dev/null
-  all_done && echo ALL DONE || echo "still running after $LIMIT s"
-  ;;
-start)   # start MODEL (smollm2 or gemma): unpack its bundle, start its jobs in the background
+start)   # start MODEL (smollm2 or gemma): unpack, install, start MODEL's jobs in the background
   set -e
   m=${2:?usage: start smollm2|gemma}
   mkdir -p "$W"
@@ -97,37 +70,57 @@ start)   # start MODEL (smollm2 or gemma): unpack its bundle, start its jobs in 
     mkdir -p "$W/g" && cat "$W"/g_* | tar xf - -C "$W/g" && (cd "$W/g" && sha256sum -c SHA256SUMS)
     model=$W/g/gemma.gguf
   fi
+  J="python3 -m flashguard.rails.lab.recipe"
+  D=$W/$m
   {
-    echo "export PYTHONPATH=/tmp/site FLASHGUARD_CACHE_DIR=$W/cache PYTHONUNBUFFERED=1 OMP_NUM_THREADS=2"
-    echo "J='python3 -m flashguard.rails.guard_jobs'"
-    echo "\$J prepare $W/$m --model $model --rows $W/s/rows.jsonl.gz --workers 6 > $W/$m.prepare.log 2>&1"
-    for i in $(seq 0 $((FOLD_WORKERS - 1))); do
-      echo "\$J fold $W/$m --part $i --of $FOLD_WORKERS --fold-rows $FOLD_ROWS --fold-epochs $FOLD_EPOCHS > $W/$m.fold$i.log 2>&1 &"
-    done
-    echo "\$J final $W/$m --probe-baseline > $W/$m.final.log 2>&1 &"
-    echo "wait"
-    echo "\$J collect $W/$m --out $W/$m-guard > $W/$m.collect.log 2>&1"
+    echo "export PYTHONPATH=/tmp/site FLASHGUARD_CACHE_DIR=$W/cache PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1"
+    echo "cd /tmp/fg_src"
+    echo "$J prepare $D --model $model --rows $W/s/rows.jsonl.gz --workers 6 > $W/$m.prepare.log 2>&1"
+    if [ "$m" = smollm2 ]; then
+      for c in "${!OPTS[@]}"; do
+        echo "$J run $D $c-g0 --fit group:0 ${OPTS[$c]} $COMMON --seconds $P1 > $W/$m.$c-g0.log 2>&1 &"
+      done
+      for k in 0 1 2 3 4; do
+        echo "$J run $D full-g$k --fit group:$k --full --lr 2e-5 --epochs 2 --batch-tokens 4096 --max-batch 16 --seconds $P1 > $W/$m.full-g$k.log 2>&1 &"
+      done
+      echo "$J probe $D > $W/$m.probe.log 2>&1 &"
+      echo "wait"
+      echo "best=\$($J choose $D)"
+      echo "echo \"chose \$best\" > $W/$m.chosen"
+      echo "declare -A OPTS=($(for c in "${!OPTS[@]}"; do printf '[%s]="%s" ' "$c" "${OPTS[$c]}"; done))"
+      echo "for k in 1 2 3 4; do $J run $D \$best-g\$k --fit group:\$k \${OPTS[\$best]} $COMMON --seconds $P2 > $W/$m.\$best-g\$k.log 2>&1 & done"
+      echo "$J run $D \$best-all --fit all \${OPTS[\$best]} $COMMON --seconds $P2 > $W/$m.\$best-all.log 2>&1 &"
+      echo "wait"
+      echo "$J collect $D --recipe \$best --out $W/$m-guard > $W/$m.collect.log 2>&1"
+    else
+      for k in 0 1 2 3 4; do
+        echo "$J run $D r32-g$k --fit group:$k --rank 32 $COMMON --seconds $P2 > $W/$m.r32-g$k.log 2>&1 &"
+      done
+      echo "wait"
+      echo "$J collect $D --recipe r32 --out $W/$m-guard > $W/$m.collect.log 2>&1"
+    fi
     echo "echo done > $W/$m.done"
   } > "$W/$m.driver.sh"
   echo "$m" >> "$W/started"
   setsid nohup bash "$W/$m.driver.sh" > "$W/$m.driver.log" 2>&1 < /dev/null &
   echo "started $m: $(date)"
   ;;
-wait)
-  OUTDIR=${2:?usage: wait OUT [SECONDS]}; LIMIT=${3:-540}; t=0
+collect)
+  OUTDIR=${2:?usage: collect OUT [SECONDS]}; LIMIT=${3:-540}; t=0
   done_all() { for m in $(cat "$W/started"); do [ -f "$W/$m.done" ] || return 1; done; }
   while ! done_all && [ "$t" -lt "$LIMIT" ]; do sleep 10; t=$((t + 10)); done
   mkdir -p "$OUTDIR"
   for m in $(cat "$W/started"); do
-    echo "== $m"; tail -n 2 "$W"/$m.*.log 2>/dev/null | grep -v "^$" | tail -n 30
-    ls "$W/$m" 2>/dev/null | tr '\n' ' '; echo
+    echo "== $m $(cat $W/$m.chosen 2>/dev/null)"
+    for f in "$W"/$m.*.log; do echo "-- $f"; grep -v "Loading weights\|Writing model" "$f" | tail -n 3; done
     [ -f "$W/$m/report.json" ] && cp "$W/$m/report.json" "$OUTDIR/$m-report.json"
     [ -f "$W/$m/scores.json" ] && gzip -c "$W/$m/scores.json" > "$OUTDIR/$m-scores.json.gz"
+    [ -d "$W/$m-guard" ] && tar czf "$OUTDIR/$m-guard.tgz" -C "$W" "$m-guard"
   done
-  cat "$W"/*.log > "$OUTDIR/logs.txt" 2>/dev/null
-  [ -d "$W/smollm2-guard" ] && cp "$W"/smollm2-guard/* "$OUTDIR/"
+  tar czf "$OUTDIR/logs.tgz" -C "$W" $(cd "$W" && ls *.log *.chosen smi.txt 2>/dev/null)
+  cat "$W/smi.txt" 2>/dev/null; nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader
   done_all && echo ALL DONE || echo "still running after $LIMIT s"
   ;;
 *)
-  echo "usage: bash tools/guard_gpu.sh pack | receive | train NAME UPPER [OPTIONS] | collect OUT [SECONDS] | start MODEL | wait OUT [SECONDS]"; exit 2 ;;
+  echo "usage: bash tools/guard_gpu.sh pack | receive | start smollm2|gemma | collect OUT [SECONDS]"; exit 2 ;;
 esac
