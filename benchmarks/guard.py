@@ -7,7 +7,7 @@ Two tables, both printed as docs/moderation.md shows them:
 1. **Leave-one-source-out** (from the reports ``flashguard calibrate --sources --report FILE`` wrote; the committed
    ones are docs/benchmarks/guard/*.json): each source scored by a probe fitted on the *other* sources, at each
    strictness level: blocked harmful and blocked benign rows per source and per category.
-2. **Held-apart sets through ``LLMRails.check``** (``rails/evaluate.py``, what ``flashguard eval-guard`` runs): the
+2. **Held-apart sets through ``LLMRails.check``** (``rails/lab/evaluate.py``, what ``flashguard eval-guard`` runs): the
    project's benchmark sets (benchmarks/data/guard_*.jsonl: everyday requests and exchanges, harmful ones, safe
    requests that sound unsafe; written for this benchmark, never fitted on), or any labelled files given, on
    configs/flash with the embedded model in each ``--weights`` kind.
@@ -97,7 +97,7 @@ def main(argv=None) -> int:
             print()
             print(loso_table(report, args.strictness, part="long"))
 
-    from flashguard.rails.evaluate import evaluate, format_report, read_labelled, report_json
+    from flashguard.rails.lab.evaluate import evaluate, format_report, read_labelled, report_json
 
     out = {}
     with tempfile.TemporaryDirectory() as tmp:

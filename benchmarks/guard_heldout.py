@@ -23,8 +23,8 @@ import json
 import random
 from pathlib import Path
 
-from flashguard.rails import guard_data
-from flashguard.rails.guard_command import even_sample
+from flashguard.rails.lab import guard_data
+from flashguard.rails.lab.guard_command import even_sample
 
 
 def last_exchange(r: dict) -> dict:

@@ -32,7 +32,7 @@ def main(argv=None) -> int:
 
     from flashguard.config import EngineConfig
     from flashguard.engine.engine import Engine
-    from flashguard.rails.calibrate import read_rows
+    from flashguard.rails.lab.calibrate import read_rows
     from flashguard.rails.moderation import ModerationSettings, moderate
 
     rows = read_rows(Path(__file__).resolve().parents[2] / "tests" / "data" / "moderation_test.jsonl")[::5]
@@ -67,7 +67,7 @@ def accuracy(path: str, weights_kinds) -> int:
     """The rail (shared pages, default settings) on every row of ``path``: accuracy per category and the misses."""
     from flashguard.config import EngineConfig
     from flashguard.engine.engine import Engine
-    from flashguard.rails.calibrate import read_rows
+    from flashguard.rails.lab.calibrate import read_rows
     from flashguard.rails.moderation import moderate
 
     rows = read_rows(path)

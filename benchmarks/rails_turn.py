@@ -88,7 +88,7 @@ def run_arm(engine, arm: str, users: list[str], max_tokens: int) -> list[dict]:
 def conversation_set() -> Path:
     """The messages of the conversation: input test set B in a source checkout (this file's, or the working
     folder's: an installed wheel has no tests/), else the packaged input tuning set (its benign messages)."""
-    from flashguard.rails.calibrate import INPUT_TUNING_SET
+    from flashguard.rails.lab.calibrate import INPUT_TUNING_SET
 
     for root in (Path(__file__).resolve().parents[2], Path.cwd()):
         path = root / "tests" / "data" / "moderation_input_test_b.jsonl"
@@ -114,7 +114,7 @@ def main(argv=None) -> int:
 
     from flashguard.config import EngineConfig
     from flashguard.engine.engine import Engine
-    from flashguard.rails.calibrate import read_rows
+    from flashguard.rails.lab.calibrate import read_rows
 
     users = [r["user"] for r in read_rows(Path(args.messages) if args.messages else conversation_set(), "input")
              if not r["block"] and not r["category"].startswith("long")][:args.turns + 1]

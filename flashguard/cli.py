@@ -17,7 +17,7 @@ lines (the rails' verdicts, timings); ``-vv``: NeMo Guardrails' too.
 """
 # This module parses the command line and runs the command; the commands that run the rails (chat, generate, serve,
 # eval-guard) are cli_chat.py's, those about a model's weights and memory (quantize, plan, smi, stress) cli_plan.py's,
-# the training commands their own modules' (rails/calibrate.py, rails/guard_command.py, remote/guard_export.py).
+# the training commands their own modules' (rails/lab/calibrate.py, rails/lab/guard_command.py, remote/guard_export.py).
 
 from __future__ import annotations
 
@@ -72,13 +72,13 @@ def _setup_logging(verbose: int) -> None:
 
 
 def cmd_train_guard(args) -> int:
-    from .rails.guard_command import main as train_guard
+    from .rails.lab.guard_command import main as train_guard
 
     return train_guard(args)
 
 
 def cmd_calibrate(args) -> int:
-    from .rails.calibrate import main as calibrate
+    from .rails.lab.calibrate import main as calibrate
 
     return calibrate(args)
 
@@ -227,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
                    "--max-rows default 1200; --features FILE keeps the log-odds). The log-odds are read by the "
                    "config's engine: in process (the same numbers, faster) or through its server")
     p.set_defaults(func=cmd_calibrate)
-    from .rails.guard_command import add_arguments as guard_arguments
+    from .rails.lab.guard_command import add_arguments as guard_arguments
 
     p = sub.add_parser("train-guard", help="train the rails' guard adapter for the config's model (once per model)")
     guard_arguments(p, default_config_dir())

@@ -287,8 +287,8 @@ def cmd_serve(args) -> int:
 
 def cmd_eval_guard(args) -> int:
     """The labelled file is read and checked whole, and the config's rails and moderation keys, before the model
-    loads (rails/evaluate.py); a bad row or key is one line, exit status 2."""
-    from .rails import evaluate as ev
+    loads (rails/lab/evaluate.py); a bad row or key is one line, exit status 2."""
+    from .rails.lab import evaluate as ev
 
     rows = ev.read_labelled(args.file)
     checks, _ = ev.plan(rows[:args.limit], args.rail, args.file)

@@ -22,7 +22,7 @@ from flashguard.errors import ConfigError
 from . import listeners
 from .moderation import ModerationSettings, Verdict, moderate, moderate_input
 
-# Who wants each verdict besides NeMo (``flashguard eval-guard``: rails/evaluate.py reads p_unsafe, which NeMo's
+# Who wants each verdict besides NeMo (``flashguard eval-guard``: rails/lab/evaluate.py reads p_unsafe, which NeMo's
 # ``LLMRails.check`` does not return): a callable ``(rail, verdict)`` set in the caller's context, which NeMo's tasks
 # and ``asyncio.to_thread`` copy. Unset (None) everywhere else.
 verdict_sink: contextvars.ContextVar[Optional[Callable[[str, Verdict], None]]] = contextvars.ContextVar(

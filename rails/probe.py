@@ -8,7 +8,7 @@ model represents there, instead of from the two answer words a small model ranks
 ``features: last+mean`` (file format 2) also reads the mean of the suffix's states at that layer, from the
 same forward (``moderation.suffix_state``).
 
-A probe is one small JSON file, trained by ``flashguard calibrate`` (``rails/calibrate.py``) on
+A probe is one small JSON file, trained by ``flashguard calibrate`` (``rails/lab/calibrate.py``) on
 ``rails/data/moderation_tune.jsonl``. It is only valid for the model (and float/int4 weights) and the
 question it was trained with; ``find_probe`` looks for it in the user cache folder, then among the probes
 shipped in the package (the embedded SmolLM2's). A probe fitted on the public sources carries a strictness table

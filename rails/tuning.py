@@ -186,7 +186,7 @@ def collect(engine, rows: Sequence[dict], settings: ModerationSettings = Moderat
     return torch.stack(states), torch.tensor(odds, dtype=torch.float64), torch.stack(pooled)
 
 
-# what a row's states do not depend on: where it came from (rails/guard_fit.py's bookkeeping)
+# what a row's states do not depend on: where it came from (rails/lab/guard_fit.py's bookkeeping)
 _BOOKKEEPING = ("source", "train")
 
 

@@ -48,13 +48,13 @@ PLAIN_SETS = {name: DATA / f"{name}.jsonl" for name in ("moderation_input_plain"
 
 @lru_cache(maxsize=None)
 def _rows(path: Path, side: str) -> tuple:
-    from flashguard.rails.calibrate import read_rows
+    from flashguard.rails.lab.calibrate import read_rows
 
     return tuple(read_rows(path, side))
 
 
 def rows(path: Path, side: str = "output") -> list[dict]:
-    """The labelled rows of one set (``flashguard.rails.calibrate.read_rows``; ``side="input"``: no ``bot``)."""
+    """The labelled rows of one set (``flashguard.rails.lab.calibrate.read_rows``; ``side="input"``: no ``bot``)."""
     return list(_rows(Path(path), side))
 
 
@@ -75,7 +75,7 @@ def as_conversation(i: int, message: str) -> list[dict]:
 
 def followup_conversation(row: dict) -> list[dict]:
     """A follow-up row's paste exchange, then its message."""
-    from flashguard.rails.calibrate import earlier_exchange
+    from flashguard.rails.lab.calibrate import earlier_exchange
 
     return earlier_exchange(0, row, FOLLOWUP_PASTES) + [{"role": "user", "content": row["user"]}]
 

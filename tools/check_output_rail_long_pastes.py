@@ -58,7 +58,7 @@ def check_rows(engine, rows, settings=None, verbose=True) -> list:
 def main(argv) -> int:
     from flashguard import EngineConfig, get_engine
     from flashguard.engine import SamplingParams
-    from flashguard.rails.calibrate import read_rows
+    from flashguard.rails.lab.calibrate import read_rows
     from flashguard.rails.moderation import ModerationSettings, moderate
 
     weights = next((a for a in argv if not a.startswith("--")), "float")

@@ -28,7 +28,7 @@ def main(argv) -> int:
     from flashguard import EngineConfig, get_engine
     from flashguard.engine import SamplingParams
     from flashguard.rails import probe as probe_mod
-    from flashguard.rails.calibrate import read_rows
+    from flashguard.rails.lab.calibrate import read_rows
     from flashguard.rails.moderation import ModerationSettings, moderate, moderate_input
     from flashguard.rails.state import rail_state
 

@@ -84,7 +84,8 @@ def main(argv=None) -> int:
     from benchmarks import long_pastes as LP
     from flashguard import EngineConfig
     from flashguard.engine.engine import Engine
-    from flashguard.rails import calibrate as C, moderation as M
+    from flashguard.rails import moderation as M
+    from flashguard.rails.lab import calibrate as C
     from flashguard.rails.moderation import ModerationSettings
     from flashguard.rails.probe import Probe
 

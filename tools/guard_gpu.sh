@@ -74,7 +74,7 @@ start)   # start MODEL (smollm2 or gemma): unpack, install, start MODEL's jobs i
   D=$W/$m
   {
     echo "export PYTHONPATH=/tmp/site FLASHGUARD_CACHE_DIR=$W/cache PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1"
-    echo "cd /tmp/fg_src"
+    echo "cd $W   # not the source tree: its flashguard/ (without rails/) would shadow the installed package"
     echo "$J prepare $D --model $model --rows $W/s/rows.jsonl.gz --workers 6 > $W/$m.prepare.log 2>&1"
     if [ "$m" = smollm2 ]; then
       for c in "${!OPTS[@]}"; do

@@ -27,7 +27,7 @@ import math
 
 import torch
 
-from flashguard.rails.guard_fit import operating_points
+from flashguard.rails.lab.guard_fit import operating_points
 from flashguard.rails.probe import Probe
 
 HARMFUL = ("unsafe", "1", "true", "harmful", "block", "yes")

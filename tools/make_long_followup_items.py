@@ -10,7 +10,7 @@ after long pastes").
 With configs/flash, after a first turn that pasted ~18K characters of documentation with a question, the short
 follow-up "Name one keyword it mentions." was blocked by the input rail (p_unsafe 0.93-0.98 against the probe's 0.5).
 The input probe for short messages reads the mean state over the user's last turn; it was trained on messages that
-follow nothing or one short benign exchange (rails/calibrate.py ``earlier_exchange``), so a short message whose
+follow nothing or one short benign exchange (rails/lab/calibrate.py ``earlier_exchange``), so a short message whose
 context is a 1-4K-token paste was out of its distribution (the same cause as the output rail's, fixed by
 make_long_output_items.py).
 

@@ -1,4 +1,4 @@
-"""Write rails/data/SOURCES.md, the manifest of the probes' public sources, from ``rails/sources.py``.
+"""Write rails/data/SOURCES.md, the manifest of the probes' public sources, from ``rails/lab/sources.py``.
 
     python tools/write_sources_md.py [--reports FILE ...] [--folder FOLDER]
 
@@ -15,7 +15,7 @@ import collections
 import json
 from pathlib import Path
 
-from flashguard.rails.sources import SOURCES, rows
+from flashguard.rails.lab.sources import SOURCES, rows
 
 OUT = Path(__file__).resolve().parent.parent / "rails" / "data" / "SOURCES.md"
 
@@ -53,7 +53,7 @@ cap; multi-turn rows carry their earlier turns); `rows used` is what the shipped
 on (`-`: a source added after them). No third-party text is in this repository; `flashguard calibrate --sources`
 downloads these files into the user cache (or reads them from a folder: `--sources FOLDER`, laid out as
 `FOLDER/<owner>/<name>/<path>`) and checks each against its sha256. The label mapping of every source to one
-taxonomy is in `rails/sources.py` (one reader a source); `train: no` marks a source read for evaluation only (its
+taxonomy is in `rails/lab/sources.py` (one reader a source); `train: no` marks a source read for evaluation only (its
 license does not allow training, or none is stated). Validation is leave-one-source-out (docs/moderation.md).
 Written by `python tools/write_sources_md.py --reports <the float probes> --folder <a sources folder>`.
 

@@ -12,7 +12,7 @@ Contract:
   installed: the decode step, CUDA graphs and the CPU's int4 step never see them). The caller runs only the
   invocation and what follows inside it (``Engine.read(adapter_from=...)``), which is the aLoRA rule: PEFT and
   llama.cpp apply the adapter from the invocation's first token on.
-- ``TrainableLora``: the same deltas as trainable parameters (``rails/guard_train.py``), used through the same
+- ``TrainableLora``: the same deltas as trainable parameters (``rails/lab/guard_train.py``), used through the same
   ``activated`` context (its ``deltas`` carry dropout while training); ``save(folder, ...)`` writes a PEFT folder
   (``adapter_config.json`` with ``alora_invocation_tokens``, ``adapter_model.safetensors``) that
   ``lora.read_adapter`` and PEFT both read.

@@ -8,6 +8,7 @@ source groups, a full fine-tune of the same base as the upper bound, and the fro
     python -m flashguard.rails.lab.recipe probe WORK                                   # probe.pt
     python -m flashguard.rails.lab.recipe choose WORK                                  # prints the chosen NAME
     python -m flashguard.rails.lab.recipe collect WORK --out GUARD --recipe NAME       # report.json, the guard
+    python -m flashguard.rails.lab.recipe resume GUARD N --rows ROWS --out GUARD2        # N more rows (CPU)
 
 Validation: the training sources are split into ``GROUPS`` folds by kind (``KINDS``: each fold holds out about a
 fifth of the harmful-request, jailbreak, hate-and-toxicity, reply and benign sources, so every fold still trains
@@ -33,8 +34,9 @@ from pathlib import Path
 
 import torch
 
-from .. import guard, guard_train as gt
-from ..guard_jobs import _load, _model_and_tokenizer, _save, prepare
+from .. import guard
+from . import guard_train as gt
+from .guard_jobs import _load, _model_and_tokenizer, _save, prepare
 
 GROUPS = 5
 
@@ -83,7 +85,7 @@ def split(exs, fit: str) -> tuple[list, list]:
 # ---- the full fine-tune (the upper bound: no page sharing) ---------------------------------------------------
 
 def _full_logits(model, batch):
-    from .. import guard_train
+    from . import guard_train
 
     device = next(model.parameters()).device
     ids, mask = guard_train._pad_left([e.ids for e in batch], 0, device)
@@ -143,7 +145,7 @@ def run(work: Path, name: str, fit: str, device: str, cfg_over: dict, full: bool
 
 def probe(work: Path, device: str) -> None:
     """The frozen-state probe (guard_train.probe_baseline's features and fit) on the same source groups."""
-    from ..guard_fit import class_weights
+    from .guard_fit import class_weights
     from ..probe import fit_logistic
 
     data, exs, cfg = _load(work)
@@ -172,18 +174,13 @@ def probe(work: Path, device: str) -> None:
 # ---- the tables ---------------------------------------------------------------------------------------------------
 
 def auc(p: torch.Tensor, y: torch.Tensor) -> float:
-    """ROC AUC (ties count half)."""
-    pos, neg = p[y == 1], p[y == 0]
+    """ROC AUC: the chance that a harmful row scores above a benign one (ties count half)."""
+    pos, neg = p[y == 1].double(), p[y == 0].double().sort().values
     if not len(pos) or not len(neg):
         return float("nan")
-    order = torch.cat([pos, neg]).argsort()
-    ranks = torch.empty(len(order), dtype=torch.float64)
-    ranks[order] = torch.arange(1, len(order) + 1, dtype=torch.float64)
-    allv = torch.cat([pos, neg])
-    for v in allv.unique()[(allv.unique()[:, None] == allv[None]).sum(1) > 1]:   # average tied ranks
-        m = allv == v
-        ranks[m] = ranks[m].mean()
-    return float((ranks[: len(pos)].sum() - len(pos) * (len(pos) + 1) / 2) / (len(pos) * len(neg)))
+    below = torch.searchsorted(neg, pos, right=False).double()
+    upto = torch.searchsorted(neg, pos, right=True).double()
+    return float(((below + upto) / 2).sum() / (len(pos) * len(neg)))
 
 
 def at_benign(p: torch.Tensor, y: torch.Tensor, share: float) -> float:
@@ -228,12 +225,13 @@ def collect(work: Path, out: Path, recipe: str, weights: list[str]) -> dict:
                 p[i] = v
         return p, len(folds)
 
-    report: dict = {"rows": len(exs), "groups": {n: k for n, k in groups(exs).items()},
+    g = groups(exs)
+    report: dict = {"rows": len(exs), "groups": g,
                     "runs": {n: {k: r[k] for k in ("fit", "train_rows", "steps", "rows_seen", "seconds", "full")}
                              | {"rank": r["cfg"]["rank"], "first_layer": r["cfg"]["first_layer"],
                                 "benign_weight": r["cfg"]["benign_weight"]} for n, r in runs.items()}}
-    g0 = [i for i, e in enumerate(exs) if e.train and groups(exs)[e.source] == 0]
-    report["sweep_fold0"] = {n: summary(exs, oof(n)[0], set(g0)) for n in sorted({n.rsplit("-g", 1)[0] for n in runs
+    g0 = {i for i, e in enumerate(exs) if e.train and g[e.source] == 0}
+    report["sweep_fold0"] = {n: summary(exs, oof(n)[0], g0) for n in sorted({n.rsplit("-g", 1)[0] for n in runs
                                                                                   if "-g0" in n})}
     report["loso"] = {}
     for prefix in sorted({n.rsplit("-g", 1)[0] for n in runs if "-g" in n}):
@@ -285,11 +283,51 @@ def collect(work: Path, out: Path, recipe: str, weights: list[str]) -> dict:
     return report
 
 
+def resume(guard_folder: Path, rows_path: Path, n: int, out: Path, lr: float, max_tokens: int, seed: int = 1) -> None:
+    """More training for a written guard adapter (``guard_folder``) on the CPU: ``n`` rows taken evenly from every
+    training source, rail and label of ``rows_path`` (``guard_command.even_sample``), one epoch at ``lr``, the same
+    loss and prompts; written to ``out`` with the same guard.json. For an adapter whose GPU run stopped early."""
+    from safetensors.torch import load_file
+
+    from flashguard.engine.alora import TrainableLora, _PREFIX
+
+    from . import guard_data
+    from .guard_command import even_sample
+
+    config = json.loads((guard_folder / "adapter_config.json").read_text())
+    source, tok, model = _model_and_tokenizer("embedded", "cpu")
+    first = min(config.get("layers_to_transform") or [0])
+    meta = json.loads((guard_folder / "guard.json").read_text())
+    cfg = gt.TrainConfig(**{**meta["train"], "targets": tuple(meta["train"]["targets"]), "epochs": 1.0, "lr": lr,
+                            "max_tokens": max_tokens, "max_seconds": 0.0, "seed": seed, "warmup": 0.1,
+                            "batch_tokens": 8192, "max_batch": 32})
+    lora = TrainableLora(model, cfg.targets, config["r"], config["lora_alpha"], cfg.dropout, first_layer=first)
+    saved = load_file(str(guard_folder / "adapter_model.safetensors"))
+    with torch.no_grad():
+        for name, a, b in zip(lora.names, lora.a, lora.b):
+            a.copy_(saved[f"{_PREFIX}{name}.lora_A.weight"].float())
+            b.copy_(saved[f"{_PREFIX}{name}.lora_B.weight"].float())
+    rows = [r for r in guard_data.load(rows_path) if r["train"]]
+    rows = even_sample(rows, n, seed)
+    exs = gt.examples(rows, tok, max_tokens, log=lambda *_: None)
+    t0 = time.perf_counter()
+    gt.fit_loop(model, lora, lambda batch: gt.forward_batch(model, batch, lora.deltas()), lora.parameters(), exs,
+                list(range(len(exs))), guard.answer_tokens(tok), cfg, lambda s: print(s, flush=True), "[resume] ")
+    out.mkdir(parents=True, exist_ok=True)
+    lora.save(out, guard.invocation(tok), base_model=source.label)
+    meta["train"] = {**meta["train"], "resumed_on_cpu": {"rows": len(exs), "epochs": 1.0, "lr": lr,
+                                                         "max_tokens": max_tokens,
+                                                         "seconds": round(time.perf_counter() - t0, 1)}}
+    (out / "guard.json").write_text(json.dumps(meta, indent=1) + "\n", encoding="utf-8")
+    print(f"resume: {len(exs)} rows in {time.perf_counter() - t0:.0f}s, written to {out}", flush=True)
+
+
 def choose(work: Path) -> str:
     """The sweep's choice: the candidate (``NAME-g0``, adapters only) blocking the most harmful rows at 5% benign
     blocked on fold 0, averaged over the two rails; ties go to the smaller rank."""
     data, exs, _ = _load(work)
-    g0 = {i for i, e in enumerate(exs) if e.train and groups(exs)[e.source] == 0}
+    g = groups(exs)
+    g0 = {i for i, e in enumerate(exs) if e.train and g[e.source] == 0}
     best = None
     for f in sorted(work.glob("*-g0.pt")):
         r = torch.load(f, weights_only=False)
@@ -310,7 +348,7 @@ def choose(work: Path) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m flashguard.rails.lab.recipe")
-    p.add_argument("job", choices=("prepare", "run", "probe", "choose", "collect"))
+    p.add_argument("job", choices=("prepare", "run", "probe", "choose", "collect", "resume"))
     p.add_argument("work", type=Path)
     p.add_argument("name", nargs="?")
     p.add_argument("--model", default="embedded")
@@ -349,6 +387,8 @@ def main(argv=None) -> int:
         run(a.work, a.name, a.fit, a.device, over, a.full)
     elif a.job == "probe":
         probe(a.work, a.device)
+    elif a.job == "resume":   # WORK: the guard folder to train further; --rows; --out; --lr; --max-tokens
+        resume(a.work, a.rows, int(a.name or 4000), a.out, a.lr or 3e-4, a.max_tokens)
     elif a.job == "choose":
         print(choose(a.work))
     else:

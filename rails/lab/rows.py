@@ -9,7 +9,7 @@ import collections
 import sys
 from pathlib import Path
 
-from .. import guard_data
+from . import guard_data
 from .made_rows import made_rows
 
 

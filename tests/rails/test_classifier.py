@@ -11,7 +11,7 @@ import torch
 
 from flashguard import ConfigError
 from flashguard.rails import classifier as C
-from flashguard.rails.guard_fit import operating_points
+from flashguard.rails.lab.guard_fit import operating_points
 from flashguard.rails.moderation import ModerationSettings, choose_classifier, moderate_input
 from flashguard.rails.probe import STRICTNESS
 
@@ -160,7 +160,7 @@ def test_in_process_probe_off_keeps_the_single_question_and_a_named_file_is_used
 @pytest.mark.slow
 def test_the_in_process_features_are_the_rails_own_reads(engine):
     """``collect`` (what calibrate fits on) reads the same log-odds as the rail's verdict for the same message."""
-    from flashguard.rails.calibrate import earlier_exchange
+    from flashguard.rails.lab.calibrate import earlier_exchange
 
     c = C.Classifier.load(C.SHIPPED_DIR / C.file_name(engine, "input"))
     row = {"user": "How do I boil an egg?", "block": False}

@@ -1,4 +1,4 @@
-"""``flashguard eval-guard FILE`` (issue 27 item 5, rails/evaluate.py): reading labelled JSONL and CSV files, the
+"""``flashguard eval-guard FILE`` (issue 27 item 5, rails/lab/evaluate.py): reading labelled JSONL and CSV files, the
 one-line errors (file, row, column; exit status 2 before the model loads), which rail judges which row, the metrics
 on hand-made verdicts. Fast, except the one slow end-to-end run on the embedded model (no assertion on accuracy)."""
 
@@ -13,8 +13,8 @@ import pytest
 
 from flashguard import ConfigError
 from flashguard.cli import main
-from flashguard.rails import evaluate as ev
-from flashguard.rails.evaluate import EvalFileError, Judged, Metrics, Row, metrics, plan, read_labelled
+from flashguard.rails.lab import evaluate as ev
+from flashguard.rails.lab.evaluate import EvalFileError, Judged, Metrics, Row, metrics, plan, read_labelled
 from tests.conftest import FLASH, ROOT, make_config
 
 

@@ -9,7 +9,8 @@ import torch
 
 from flashguard.engine.loader import ModelSource
 from flashguard.errors import ConfigError
-from flashguard.rails import guard, guard_train as gt
+from flashguard.rails import guard
+from flashguard.rails.lab import guard_train as gt
 from flashguard.rails.moderation import ModerationSettings, moderate, moderate_input
 
 from tests import tiny

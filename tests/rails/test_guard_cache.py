@@ -1,4 +1,4 @@
-"""Training on kept states (rails/guard_cache.py) on tiny random models: ``replay`` from the kept upper-layer states
+"""Training on kept states (rails/lab/guard_cache.py) on tiny random models: ``replay`` from the kept upper-layer states
 gives the logits of the whole prompt run with the adapter on (``guard_train.forward_batch``), for both rails and
 both architectures; an upper-layer guard trained there and written to a folder is what the engine's rails read,
 with the same p_unsafe."""
@@ -12,7 +12,8 @@ import torch
 
 from flashguard.engine.alora import TrainableLora
 from flashguard.engine.loader import ModelSource
-from flashguard.rails import guard, guard_cache as gc, guard_train as gt
+from flashguard.rails import guard
+from flashguard.rails.lab import guard_cache as gc, guard_train as gt
 from flashguard.rails.moderation import ModerationSettings, moderate_input
 
 from tests import tiny

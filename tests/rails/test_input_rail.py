@@ -12,7 +12,7 @@ import json
 import pytest
 
 from flashguard.rails import probe as probe_mod
-from flashguard.rails.calibrate import INPUT_TUNING_SET, read_rows
+from flashguard.rails.lab.calibrate import INPUT_TUNING_SET, read_rows
 from flashguard.rails.moderation import ModerationSettings, moderate_input
 from flashguard.rails.probe import ProbeError, find_probe
 from flashguard.rails.state import rail_state
@@ -118,7 +118,7 @@ def test_a_long_message_is_judged_by_windows_of_the_generations_own_prefill(engi
 def test_sliding_windows_cover_the_message_and_their_means_are_exact():
     import torch
 
-    from flashguard.rails.calibrate import window_label
+    from flashguard.rails.lab.calibrate import window_label
     from flashguard.rails.moderation import window_means, window_starts
 
     assert window_starts(50, 64, 32) == [0] and window_starts(64, 64, 32) == [0]
@@ -169,7 +169,7 @@ FOLLOWUP = read_rows(FOLLOWUP_SET, "input")
 def test_the_followup_check_is_held_out_and_after_test_split_pastes():
     """No message of the check is a tuning message (or in another input set); its pastes are not the tuning pastes;
     every row's conversation is a long paste exchange and the message is short."""
-    from flashguard.rails.calibrate import INPUT_PASTES
+    from flashguard.rails.lab.calibrate import INPUT_PASTES
 
     assert len(FOLLOWUP) >= 60 and sum(r["block"] for r in FOLLOWUP) * 2 == len(FOLLOWUP)
     seen = {r["user"].lower() for r in TUNE} | {r["user"].lower() for rows in TEST_SETS.values() for r in rows}
@@ -265,7 +265,7 @@ def test_calibrate_rail_input_trains_a_probe_the_rail_then_finds(monkeypatch, tm
     its harm is), a message longer than the context is left out; the chosen features, the file per model identity and
     weights, the rail reading it."""
     from flashguard import EngineConfig, get_engine
-    from flashguard.rails.calibrate import LONG_LAYERS, SLIDE_WINDOWS, WINDOW, train
+    from flashguard.rails.lab.calibrate import LONG_LAYERS, SLIDE_WINDOWS, WINDOW, train
 
     from flashguard.rails.probe import ModelKey, Probe, user_probe_path
 
@@ -376,7 +376,7 @@ def test_plain_requests_are_held_out_and_cover_every_category():
 
 
 def test_keep_window_takes_the_long_part_of_another_probe_file_for_the_same_model(tmp_path):
-    from flashguard.rails.calibrate import keep_window_probe
+    from flashguard.rails.lab.calibrate import keep_window_probe
     from flashguard.rails.probe import Probe
 
     shipped = ROOT / "rails/probes"

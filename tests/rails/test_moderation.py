@@ -8,7 +8,7 @@ import logging
 import pytest
 
 from flashguard.rails import guard, probe as probe_mod
-from flashguard.rails.calibrate import TUNING_SET, read_rows, train
+from flashguard.rails.lab.calibrate import TUNING_SET, read_rows, train
 from flashguard.rails.moderation import ModerationSettings, moderate, moderation_suffix
 from flashguard.rails.probe import Probe, ProbeError, find_probe
 from flashguard.rails.state import rail_state

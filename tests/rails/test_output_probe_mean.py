@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from flashguard.rails.calibrate import collect
+from flashguard.rails.lab.calibrate import collect
 from flashguard.rails.moderation import ModerationSettings, answer_ids, moderate, moderation_suffix
 from flashguard.rails.probe import FORMAT, FORMAT_2, ModelKey, Probe, ProbeError, answer_log_odds
 from flashguard.rails.state import rail_state

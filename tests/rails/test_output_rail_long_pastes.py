@@ -6,7 +6,7 @@ apart from the tuning set's."""
 
 import pydoc_data.topics as topics
 
-from flashguard.rails.calibrate import TUNING_SET, read_rows
+from flashguard.rails.lab.calibrate import TUNING_SET, read_rows
 from tests.rail_sets import OUTPUT_SETS, output_set_after_pastes, paste_tools
 
 

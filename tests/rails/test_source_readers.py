@@ -1,4 +1,4 @@
-"""Every public source's reader (rails/sources.py) on tiny files in that source's format, written here from made-up
+"""Every public source's reader (rails/lab/sources.py) on tiny files in that source's format, written here from made-up
 strings (no third-party text): the manifest's files are swapped for them (same paths, their own sha256) and the rows
 and labels checked. No network."""
 
@@ -12,7 +12,7 @@ import io
 import json
 import zipfile
 
-from flashguard.rails import sources as S
+from flashguard.rails.lab import sources as S
 
 def _csv(header, rows, delimiter=",") -> bytes:
     out = io.StringIO()

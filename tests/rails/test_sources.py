@@ -1,4 +1,4 @@
-"""The guard's public sources (rails/sources.py) and the leave-one-source-out fit (rails/guard_fit.py), on small
+"""The guard's public sources (rails/lab/sources.py) and the leave-one-source-out fit (rails/lab/guard_fit.py), on small
 files the tests write: no network, no model."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import json
 import pytest
 import torch
 
-from flashguard.rails import guard_fit as G
-from flashguard.rails import source_readers as R
-from flashguard.rails import sources as S
+from flashguard.rails.lab import guard_fit as G
+from flashguard.rails.lab import source_readers as R
+from flashguard.rails.lab import sources as S
 
 
 def _file(tmp_path, repo, path, data: bytes) -> S.File:

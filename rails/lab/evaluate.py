@@ -247,7 +247,7 @@ def plan(rows: Sequence[Row], rail: Optional[str] = None, file: str = "the file"
 def check_config(config, rails: Sequence[str], where: str) -> None:
     """Before the model loads: each rail in ``rails`` has flows in ``config`` (a ``RailsConfig``) and the flashguard
     moderation sections read (errors name the key)."""
-    from .moderation import ModerationSettings
+    from ..moderation import ModerationSettings
 
     for rail in rails:
         if not getattr(config.rails, rail).flows:
@@ -287,7 +287,7 @@ def judge(rails, row: Row, rail: str, flashguard_flow: bool = True) -> Judged:
     """One ``LLMRails.check`` of ``row`` by ``rail``, with the flashguard action's verdict where it gave one."""
     from nemoguardrails.rails.llm.options import RailStatus, RailType
 
-    from .actions import verdict_sink
+    from ..actions import verdict_sink
 
     if rail == "input":
         messages = [{"role": "user", "content": row.user}]

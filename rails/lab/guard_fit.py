@@ -26,9 +26,9 @@ from typing import Optional, Sequence
 import torch
 
 from . import sources as S
-from .probe import design, fit_logistic
+from ..probe import design, fit_logistic
 
-DATA = Path(__file__).resolve().parent / "data"
+DATA = Path(__file__).resolve().parent.parent / "data"
 # the strictness levels: the share of held-out benign rows each may block (rails/moderation.py reads the table)
 LEVELS = {"low": 0.02, "medium": 0.05, "high": 0.10}
 
@@ -215,7 +215,7 @@ def window_loso(long: dict, long_rows: Sequence[dict], short, short_rows: Sequen
     sources' long messages and those sources' short messages' mean states (``tuning.SHORT_SHARE`` of the
     weight), and scores a held-out message by its worst window. Returns the best candidate with its ``oof``
     (each long message's held-out worst-window p) and the fit on every training source (``weight``, ``bias``)."""
-    from .tuning import SHORT_SHARE
+    from ..tuning import SHORT_SHARE
 
     y_msg = torch.tensor([int(r["block"]) for r in long_rows], dtype=torch.float64)
     names = sorted(set(r["source"] for r in long_rows))
@@ -275,7 +275,7 @@ def report(p: torch.Tensor, rows: Sequence[dict], levels: dict) -> dict:
 def cv_scores(hidden, pooled, rows: Sequence[dict], best: dict, k: int = 5) -> torch.Tensor:
     """Every row's score by ``k``-fold cross-validation over all sources (folds grouped by text): the
     in-distribution scores ``thresholds="cv"`` sets the levels from."""
-    from .probe import folds
+    from ..probe import folds
 
     y = torch.tensor([int(r["block"]) for r in rows], dtype=torch.float64)
     train = torch.tensor([bool(r.get("train", True)) for r in rows])
@@ -296,8 +296,8 @@ def fit_sources(rows: Sequence[dict], features, settings, key, log=print, thresh
     import dataclasses
     import time
 
-    from .tuning import WINDOW
-    from .probe import Probe
+    from ..tuning import WINDOW
+    from ..probe import Probe
 
     t0 = time.perf_counter()
     hidden, pooled = features[0], features[2]

@@ -23,7 +23,8 @@ from pathlib import Path
 
 import torch
 
-from . import guard, guard_train as gt
+from .. import guard
+from . import guard_train as gt
 
 
 def _save(obj, path: Path) -> None:

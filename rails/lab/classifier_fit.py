@@ -32,7 +32,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from . import classifier as C
+from .. import classifier as C
 from .guard_fit import operating_points, rates, source_rows, source_score
 
 MAX_ROWS = 1200

@@ -22,7 +22,8 @@ from pathlib import Path
 
 import torch
 
-from . import guard, guard_train as gt
+from .. import guard
+from . import guard_train as gt
 
 
 def even_sample(rows: list, n: int, seed: int = 0) -> list:

@@ -22,7 +22,7 @@ from typing import Optional, Sequence
 
 from . import sources as S
 
-DATA = Path(__file__).resolve().parent / "data"
+DATA = Path(__file__).resolve().parent.parent / "data"
 
 
 def _msgs(context, user: str, bot: Optional[str]) -> list[dict]:

@@ -34,7 +34,7 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from . import guard
+from .. import guard
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -327,7 +327,7 @@ def probe_baseline(exs: Sequence[Example], mean: torch.Tensor, last: torch.Tenso
     weighted alike) on the question's mean state averaged over the upper third of the layers (the shipped output
     probe's features), leave one source out as the adapter. Returns every row's out-of-source p_unsafe."""
     from .guard_fit import class_weights
-    from .probe import fit_logistic
+    from ..probe import fit_logistic
 
     top = mean.shape[1] - 1
     upper = list(range(max(1, (2 * top) // 3), top + 1))

@@ -41,10 +41,10 @@ from typing import Sequence
 
 import torch
 
-from .probe import CALIBRATE_HINT, ModelKey, Probe, cross_validate, design, fit_logistic, folds, user_probe_path
-from .settings import ModerationSettings
+from ..probe import CALIBRATE_HINT, ModelKey, Probe, cross_validate, design, fit_logistic, folds, user_probe_path
+from ..settings import ModerationSettings
 # (the rows and their features are tuning.py's; their names are calibrate's too)
-from .tuning import (INPUT_PASTES, INPUT_TUNING_SET, LONG_LAYERS, SHORT_SHARE, SLIDE_WINDOWS,  # noqa: F401
+from ..tuning import (INPUT_PASTES, INPUT_TUNING_SET, LONG_LAYERS, SHORT_SHARE, SLIDE_WINDOWS,  # noqa: F401
                      TUNING_SET, WINDOW, collect, earlier_exchange, harm_tokens, input_moderation_ids,
                      moderation_ids, paste_exchange, read_rows, row_key, window_label)
 

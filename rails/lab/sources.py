@@ -63,7 +63,7 @@ class Source:
 
 # filled from rails/data/source_files.json (repo, commit, path, sha256 of every file), kept apart from the code so
 # that a long list of file hashes does not hide the readers
-_FILES = json.loads((Path(__file__).resolve().parent / "data" / "source_files.json").read_text(encoding="utf-8"))
+_FILES = json.loads((Path(__file__).resolve().parent.parent / "data" / "source_files.json").read_text(encoding="utf-8"))
 
 
 def _files(name: str) -> tuple[File, ...]:
