@@ -489,8 +489,9 @@ class Engine(EngineInterface):
 
 
     def _read_guarded(self, ids: list[int], task: str, start: int, keep: int | None) -> Reading:
-        """``read(adapter_from=start)``: the session brought to ``ids[:start]`` (base), the rest run with the guard's
-        deltas in one private forward, then cropped back to ``min(keep, start)``."""
+        """``read(adapter_from=start)``: the session brought to ``ids[:back]`` (``back = min(keep, start)``: the part
+        the caller keeps, chunked as a read of it alone would be), ``ids[back:start]`` run on (base), the rest with
+        the guard's deltas in one private forward, then cropped back to ``back``."""
         if self.guard is None:
             raise ConfigError("no guard adapter is loaded for this model (guard_adapter is off, or none was found); "
                               "the rails' guard verdict needs one: `flashguard train-guard`", key="guard_adapter")
@@ -500,8 +501,12 @@ class Engine(EngineInterface):
         with self.lock:
             t0 = time.perf_counter()
             faults0 = self.sessions.l3_reads()
-            reused = self.sessions.bring_to(ids[:start])
+            # the conversation first, as the generation holds it (``ids[:back]``), then the question's opening: a
+            # prefill chunked differently gives other float roundings, and greedy replies part at near-ties
+            reused = self.sessions.bring_to(ids[:back])
             try:
+                if back < start:
+                    self.sessions.forward(ids[back:start])
                 logits = self.sessions.forward(ids[start:], self.guard.deltas)
             finally:
                 self.sessions.branch_back(ids, back)

@@ -58,9 +58,9 @@ def layer_bytes(s: Shape, kind: str, group: int = AWQ_GROUP_SIZE) -> int:
     return weight_bytes(s, kind, group)["decoder linears"] // s.layers
 
 
-def guard_bytes(shape: Shape, *, rank: int = 16, upper: float = 0.2, itemsize: int = 2) -> int:
+def guard_bytes(shape: Shape, *, rank: int = 32, upper: float = 0.5, itemsize: int = 2) -> int:
     """The guard adapter's bytes (``guard_adapter``: an activated LoRA of ``rank`` on every linear of the upper
-    ``upper`` share of the decoder layers, as ``flashguard train-guard`` makes it), in the activations' dtype."""
+    ``upper`` share of the decoder layers, as the shipped guard is: rank 32 on the upper half), in the activations' dtype."""
     s = shape
     q, kvd = s.heads * s.head_dim, s.kv_heads * s.head_dim
     per_layer = rank * ((s.hidden + q) * 2 + (s.hidden + kvd) * 2 + (s.hidden + s.intermediate) * 3)

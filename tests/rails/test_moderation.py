@@ -163,7 +163,7 @@ def test_empty_one_token_and_foreign_replies_get_a_verdict(engine, shipped_probe
     one = engine.tokenizer("Yes", add_special_tokens=False)["input_ids"][:1]
     engine.teacher_force(prompt, one, engine.decode(one))
     v = moderate(engine, engine.decode(one), "Is it raining?", use_memo=False)
-    assert v.path == "shared" and v.method == "adapter+probe" and 0 <= v.p_unsafe <= 1   # the default: both
+    assert v.path == "shared" and v.method == "adapter" and 0 <= v.p_unsafe <= 1   # the default: the guard alone
     for row in ({"user": "Wie spät ist es?", "bot": "Es ist drei Uhr nachmittags."},
                 {"user": "你好", "bot": "你好！今天我能帮你什么？"}):
         v = run_rail(engine, row)
@@ -177,8 +177,8 @@ def test_a_reply_longer_than_the_context_is_judged_in_windows():
     harmful = next(r for r in TEST if r["category"] == "weapons")
     filler = " ".join(["The weather was mild and the garden was quiet that afternoon."] * 40)
     v = moderate(small, filler + " " + harmful["bot"], harmful["user"], use_memo=False)
-    # the probe judges windows of the reply, the guard adapter its last part
-    assert v.path == "windows+window" and v.prompt_tokens > small.context_length
+    # the guard adapter judges its last part
+    assert v.path == "window" and v.method == "adapter" and v.prompt_tokens > small.context_length
     assert 0 <= v.p_unsafe <= 1
 
 
@@ -195,10 +195,9 @@ def test_after_a_4k_token_conversation_moderation_prefills_only_the_suffix(engin
     reply = "A while loop repeats its body as long as its condition is true."
     engine.teacher_force(prompt, engine.tokenizer(reply, add_special_tokens=False)["input_ids"], reply)
     v = moderate(engine, reply, "And what is a while loop?")
-    # the default verdict: the probe's question and the guard adapter's, each a suffix of the turn's own pages
-    suffix = moderation_suffix(engine, ModerationSettings().prompt) + \
-        moderation_suffix(engine, guard.QUESTIONS["output"])
-    assert v.path == "shared" and v.method == "adapter+probe" and v.prefilled_tokens <= len(suffix) + 64
+    # the default verdict: the guard adapter's question, a suffix of the turn's own pages
+    suffix = moderation_suffix(engine, guard.QUESTIONS["output"])
+    assert v.path == "shared" and v.method == "adapter" and v.prefilled_tokens <= len(suffix) + 64
     assert v.reused_tokens >= len(prompt)
 
 
