@@ -174,11 +174,23 @@ def model_file_key(source) -> tuple[str, int]:
 
 
 def shipped_dir() -> Path:
-    """The guards shipped in the package (``flashguard.rails``'s ``guards`` folder), found without importing it."""
+    """The guards shipped in the package (``flashguard.rails``'s ``guards`` folder), found without importing it; in a
+    source tree run without installing (``flashguard/`` beside ``rails/``, as a copy of the repository is), the
+    tree's ``rails/guards``. Neither: a ConfigError naming ``guard_adapter`` and how to install the rails."""
     import importlib.util
 
-    spec = importlib.util.find_spec("flashguard.rails")
-    return Path(list(spec.submodule_search_locations)[0]) / "guards"
+    try:
+        spec = importlib.util.find_spec("flashguard.rails")
+    except (ImportError, ValueError):
+        spec = None
+    if spec is not None and spec.submodule_search_locations:
+        return Path(list(spec.submodule_search_locations)[0]) / "guards"
+    tree = Path(__file__).resolve().parents[2] / "rails"
+    if (tree / "__init__.py").is_file():
+        return tree / "guards"
+    raise ConfigError("the moderation rails' package (flashguard.rails) is not installed, so the shipped guards "
+                      "cannot be found: install flashguard (`pip install -e .` in the repository), or set "
+                      "guard_adapter to a guard folder (or off)", key="guard_adapter")
 
 
 def cache_dir() -> Path:

@@ -145,3 +145,25 @@ def test_a_plain_lora_is_not_a_guard_and_a_guard_is_not_a_lora(tmp_path):
     del config["alora_invocation_tokens"]
     (folder / "adapter_config.json").write_text(json.dumps(config))
     assert "has no alora_invocation_tokens" in error_of(tmp_path, folder)
+
+
+def test_the_shipped_guards_are_found_from_a_source_tree_and_a_missing_rails_package_is_a_clear_error(monkeypatch):
+    """issue 48: a copy of the tree run without installing has no ``flashguard.rails`` spec; the tree's rails/guards
+    is used, and where there is none either, the error names guard_adapter (it was an AttributeError)."""
+    import importlib.util
+    from pathlib import Path
+
+    from flashguard.engine import alora
+    from flashguard.errors import ConfigError
+
+    installed = alora.shipped_dir()
+    assert (installed / "SmolLM2-135M-Instruct.Q4_1" / "guard.json").is_file()
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "flashguard.rails" else real(name, *a))
+    tree = Path(alora.__file__).resolve().parents[2] / "rails" / "guards"
+    assert alora.shipped_dir() == tree
+    monkeypatch.setattr(alora, "__file__", "/nowhere/flashguard/engine/alora.py")
+    with pytest.raises(ConfigError) as e:
+        alora.shipped_dir()
+    assert "guard_adapter" in str(e.value) and "pip install" in str(e.value)
