@@ -40,10 +40,17 @@ class Deltas:
     """Per module name: ``(a [r, in], b [out, r])`` with the scale folded into ``b``; ``dropout`` on the input while
     training."""
 
-    def __init__(self, tensors: dict, dropout: float = 0.0, scale: float = 1.0):
+    def __init__(self, tensors: dict, dropout: float = 0.0, scale: float = 1.0, offset: int = 0):
         self.tensors = tensors
         self.dropout = dropout
         self.scale = scale
+        self.offset = offset   # the forward's first ``offset`` positions run without the deltas (base weights)
+
+    def from_position(self, offset: int) -> "Deltas":
+        """These deltas, on only from the ``offset``-th position of a forward (``[batch, seq, ...]`` inputs): the
+        activation point inside one forward, so that the base tokens before an invocation need no forward of
+        their own."""
+        return Deltas(self.tensors, self.dropout, self.scale, int(offset))
 
     @classmethod
     def of(cls, adapter: lora.Adapter, device: torch.device, dtype: torch.dtype) -> "Deltas":
@@ -65,6 +72,8 @@ class Deltas:
             delta = F.linear(F.linear(x.to(a.dtype), a), b)
             if self.scale != 1.0:
                 delta = delta * self.scale
+            if self.offset:
+                delta = torch.cat([torch.zeros_like(delta[..., :self.offset, :]), delta[..., self.offset:, :]], -2)
             return out + delta.to(out.dtype)
         return add
 

@@ -501,13 +501,13 @@ class Engine(EngineInterface):
         with self.lock:
             t0 = time.perf_counter()
             faults0 = self.sessions.l3_reads()
-            # the conversation first, as the generation holds it (``ids[:back]``), then the question's opening: a
-            # prefill chunked differently gives other float roundings, and greedy replies part at near-ties
+            # the conversation first, as the generation holds it (``ids[:back]``): a prefill chunked differently
+            # gives other float roundings, and greedy replies parted at near-ties; then the question's opening (base)
+            # and the question (the adapter on from the invocation) in one forward
             reused = self.sessions.bring_to(ids[:back])
             try:
-                if back < start:
-                    self.sessions.forward(ids[back:start])
-                logits = self.sessions.forward(ids[start:], self.guard.deltas)
+                deltas = self.guard.deltas.from_position(start - back) if back < start else self.guard.deltas
+                logits = self.sessions.forward(ids[back:], deltas)
             finally:
                 self.sessions.branch_back(ids, back)
             seconds = time.perf_counter() - t0

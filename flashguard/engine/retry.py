@@ -106,8 +106,9 @@ class RetryPolicy:
             plan = sessions.plan
             sessions.take_plan(plan.with_prefill_chunk(max(self.MIN_CHUNK, min(plan.prefill_chunk, half))))
             log.warning("flashguard: out of GPU memory on %d tokens; retrying in chunks of %d", len(tokens), half)
-            self._fitting(tokens[:half], deltas=deltas)
-            return self._fitting(tokens[half:], deltas=deltas)
+            first, rest = _halves(deltas, half)
+            self._fitting(tokens[:half], deltas=first)
+            return self._fitting(tokens[half:], deltas=rest)
 
     def _give_back(self, step_graphs: bool) -> None:
         """What goes back to the device between two tries: the allocator's cached blocks, and with
@@ -144,3 +145,12 @@ class RetryPolicy:
             self.sessions.drop(keep_pages=False)
             return False
         return True
+
+
+def _halves(deltas, half: int):
+    """An adapter's deltas for the two halves of a forward split at ``half``: where they start inside it
+    (``Deltas.offset``), each half keeps that point."""
+    k = getattr(deltas, "offset", 0)
+    if deltas is None or not k:
+        return deltas, deltas
+    return deltas.from_position(min(k, half)), deltas.from_position(max(0, k - half))

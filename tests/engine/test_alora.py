@@ -167,3 +167,32 @@ def test_the_shipped_guards_are_found_from_a_source_tree_and_a_missing_rails_pac
     with pytest.raises(ConfigError) as e:
         alora.shipped_dir()
     assert "guard_adapter" in str(e.value) and "pip install" in str(e.value)
+
+
+def test_deltas_from_a_position_leave_the_tokens_before_it_the_base_models():
+    """The guard's branch runs the question's opening (base) and the question (adapter) in one forward: the
+    positions before the offset get no delta, the rest the whole delta; split in two (retry's halves), the same."""
+    from flashguard.engine.alora import Deltas
+    from flashguard.engine.retry import _halves
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(8, 6)
+    d = Deltas({"lin": (torch.randn(2, 8), torch.randn(6, 2))})
+    x = torch.randn(1, 5, 8)
+    h = lin.register_forward_hook(d.hook("lin"))
+    full = lin(x)
+    h.remove()
+    base = lin(x)
+    late = d.from_position(3)
+    h = lin.register_forward_hook(late.hook("lin"))
+    mixed = lin(x)
+    h.remove()
+    assert torch.equal(mixed[:, :3], base[:, :3]) and torch.allclose(mixed[:, 3:], full[:, 3:])
+    first, rest = _halves(late, 2)
+    assert (first.offset, rest.offset) == (2, 1)
+    parts = []
+    for dd, xx in ((first, x[:, :2]), (rest, x[:, 2:])):
+        h = lin.register_forward_hook(dd.hook("lin"))
+        parts.append(lin(xx))
+        h.remove()
+    assert torch.allclose(torch.cat(parts, 1), mixed)
