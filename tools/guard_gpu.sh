@@ -4,8 +4,9 @@
 #
 #   bash tools/guard_gpu.sh pack              # here: .devcarry/gpu/s_NN (SmolLM2, the rows, wheels), g_NN (Gemma)
 #   bash tools/guard_gpu.sh receive           # there, once per call that carries a part: to $W
-#   bash tools/guard_gpu.sh start smollm2     # there: the sweep, the full fine-tune bound and the probe on source
-#                                             # group 0..4, then the chosen recipe's other groups and final adapter
+#   bash tools/guard_gpu.sh start smollm2     # there: the sweep on source group 0 and the probe, then the chosen
+#                                             # recipe's final adapter and other groups, and the full fine-tune
+#                                             # bound on groups 0..4 (at most MAXJOBS at once)
 #   bash tools/guard_gpu.sh start gemma       # there: the default recipe (rank 32, every layer) on the groups
 #   bash tools/guard_gpu.sh collect OUT [S]   # there: waits up to S seconds (default 540), copies results to OUT
 #
@@ -21,6 +22,7 @@ P2=${P2:-300}     # the chosen recipe's folds and final adapter; Gemma's jobs
 declare -A OPTS=([r16]="--rank 16" [r32]="--rank 32" [r64]="--rank 64" [r32h]="--rank 32 --first 0.5"
                  [r32b]="--rank 32 --benign-weight 1.5")
 COMMON="--epochs 2 --batch-tokens 32768 --max-batch 64"
+MAXJOBS=${MAXJOBS:-6}   # jobs on the card at once: ten (five adapters, five full fine-tunes) ran out of 80 GB
 
 install_bundle() {   # once per machine: the SmolLM2 bundle unpacked and checked, its wheels and flashguard to /tmp/site
   [ -f "$W/s/SHA256SUMS" ] && return 0
@@ -73,28 +75,29 @@ start)   # start MODEL (smollm2 or gemma): unpack, install, start MODEL's jobs i
   J="python3 -m flashguard.rails.lab.recipe"
   D=$W/$m
   {
-    echo "export PYTHONPATH=/tmp/site FLASHGUARD_CACHE_DIR=$W/cache PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1"
+    echo "export PYTHONPATH=/tmp/site FLASHGUARD_CACHE_DIR=$W/cache PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
+    echo "slot() { while [ \$(jobs -rp | wc -l) -ge $MAXJOBS ]; do sleep 2; done; }"
     echo "cd $W   # not the source tree: its flashguard/ (without rails/) would shadow the installed package"
     echo "$J prepare $D --model $model --rows $W/s/rows.jsonl.gz --workers 6 > $W/$m.prepare.log 2>&1"
     if [ "$m" = smollm2 ]; then
       for c in "${!OPTS[@]}"; do
-        echo "$J run $D $c-g0 --fit group:0 ${OPTS[$c]} $COMMON --seconds $P1 > $W/$m.$c-g0.log 2>&1 &"
+        echo "slot; $J run $D $c-g0 --fit group:0 ${OPTS[$c]} $COMMON --seconds $P1 > $W/$m.$c-g0.log 2>&1 &"
       done
-      for k in 0 1 2 3 4; do
-        echo "$J run $D full-g$k --fit group:$k --full --lr 2e-5 --epochs 2 --batch-tokens 4096 --max-batch 16 --seconds $P1 > $W/$m.full-g$k.log 2>&1 &"
-      done
-      echo "$J probe $D > $W/$m.probe.log 2>&1 &"
+      echo "slot; $J probe $D > $W/$m.probe.log 2>&1 &"
       echo "wait"
       echo "best=\$($J choose $D)"
       echo "echo \"chose \$best\" > $W/$m.chosen"
       echo "declare -A OPTS=($(for c in "${!OPTS[@]}"; do printf '[%s]="%s" ' "$c" "${OPTS[$c]}"; done))"
-      echo "for k in 1 2 3 4; do $J run $D \$best-g\$k --fit group:\$k \${OPTS[\$best]} $COMMON --seconds $P2 > $W/$m.\$best-g\$k.log 2>&1 & done"
-      echo "$J run $D \$best-all --fit all \${OPTS[\$best]} $COMMON --seconds $P2 > $W/$m.\$best-all.log 2>&1 &"
+      echo "slot; $J run $D \$best-all --fit all \${OPTS[\$best]} $COMMON --seconds $P2 > $W/$m.\$best-all.log 2>&1 &"
+      echo "for k in 1 2 3 4; do slot; $J run $D \$best-g\$k --fit group:\$k \${OPTS[\$best]} $COMMON --seconds $P2 > $W/$m.\$best-g\$k.log 2>&1 & done"
+      for k in 0 1 2 3 4; do   # the upper bound: a full fine-tune on each group (no page sharing)
+        echo "slot; $J run $D full-g$k --fit group:$k --full --lr 2e-5 --epochs 2 --batch-tokens 4096 --max-batch 16 --seconds $P1 > $W/$m.full-g$k.log 2>&1 &"
+      done
       echo "wait"
       echo "$J collect $D --recipe \$best --out $W/$m-guard > $W/$m.collect.log 2>&1"
     else
       for k in 0 1 2 3 4; do
-        echo "$J run $D r32-g$k --fit group:$k --rank 32 $COMMON --seconds $P2 > $W/$m.r32-g$k.log 2>&1 &"
+        echo "slot; $J run $D r32-g$k --fit group:$k --rank 32 $COMMON --seconds $P2 > $W/$m.r32-g$k.log 2>&1 &"
       done
       echo "wait"
       echo "$J collect $D --recipe r32 --out $W/$m-guard > $W/$m.collect.log 2>&1"

@@ -9,6 +9,7 @@ source groups, a full fine-tune of the same base as the upper bound, and the fro
     python -m flashguard.rails.lab.recipe choose WORK                                  # prints the chosen NAME
     python -m flashguard.rails.lab.recipe collect WORK --out GUARD --recipe NAME       # report.json, the guard
     python -m flashguard.rails.lab.recipe resume GUARD N --rows ROWS --out GUARD2        # N more rows (CPU)
+    python -m flashguard.rails.lab.recipe heldout GUARD [GUARD2 ...] --rows ROWS         # evaluation-only sources
 
 Validation: the training sources are split into ``GROUPS`` folds by kind (``KINDS``: each fold holds out about a
 fifth of the harmful-request, jailbreak, hate-and-toxicity, reply and benign sources, so every fold still trains
@@ -283,30 +284,61 @@ def collect(work: Path, out: Path, recipe: str, weights: list[str]) -> dict:
     return report
 
 
-def resume(guard_folder: Path, rows_path: Path, n: int, out: Path, lr: float, max_tokens: int, seed: int = 1) -> None:
-    """More training for a written guard adapter (``guard_folder``) on the CPU: ``n`` rows taken evenly from every
-    training source, rail and label of ``rows_path`` (``guard_command.even_sample``), one epoch at ``lr``, the same
-    loss and prompts; written to ``out`` with the same guard.json. For an adapter whose GPU run stopped early."""
+def load_adapter(folder: Path, model, targets=gt.TARGETS, dropout: float = 0.0):
+    """A written guard adapter (PEFT files) as a ``TrainableLora`` on ``model``, to train further or to score."""
     from safetensors.torch import load_file
 
     from flashguard.engine.alora import TrainableLora, _PREFIX
 
-    from . import guard_data
-    from .guard_command import even_sample
-
-    config = json.loads((guard_folder / "adapter_config.json").read_text())
-    source, tok, model = _model_and_tokenizer("embedded", "cpu")
+    config = json.loads((folder / "adapter_config.json").read_text())
     first = min(config.get("layers_to_transform") or [0])
-    meta = json.loads((guard_folder / "guard.json").read_text())
-    cfg = gt.TrainConfig(**{**meta["train"], "targets": tuple(meta["train"]["targets"]), "epochs": 1.0, "lr": lr,
-                            "max_tokens": max_tokens, "max_seconds": 0.0, "seed": seed, "warmup": 0.1,
-                            "batch_tokens": 8192, "max_batch": 32})
-    lora = TrainableLora(model, cfg.targets, config["r"], config["lora_alpha"], cfg.dropout, first_layer=first)
-    saved = load_file(str(guard_folder / "adapter_model.safetensors"))
+    lora = TrainableLora(model, targets, config["r"], config["lora_alpha"], dropout, first_layer=first)
+    saved = load_file(str(folder / "adapter_model.safetensors"))
     with torch.no_grad():
         for name, a, b in zip(lora.names, lora.a, lora.b):
             a.copy_(saved[f"{_PREFIX}{name}.lora_A.weight"].float())
             b.copy_(saved[f"{_PREFIX}{name}.lora_B.weight"].float())
+    return lora
+
+
+def heldout(folders: list, rows_path: Path, n: int, max_tokens: int, seed: int = 0) -> None:
+    """Guard folders side by side on ``n`` rows taken evenly from the evaluation-only sources of ``rows_path``
+    (``train: no``: never trained on): per rail, ROC AUC and harmful / benign blocked at each guard's own
+    ``medium`` (float weights, the training's scorer)."""
+    from . import guard_data
+    from .guard_command import even_sample
+
+    _, tok, model = _model_and_tokenizer("embedded", "cpu")
+    rows = even_sample([r for r in guard_data.load(rows_path) if not r["train"]], n, seed)
+    exs = gt.examples(rows, tok, max_tokens, log=lambda *_: None)
+    cfg = gt.TrainConfig(max_tokens=max_tokens, batch_tokens=8192, max_batch=32)
+    for folder in folders:
+        folder = Path(folder)
+        medium = {k: v["medium"] for k, v in json.loads((folder / "guard.json").read_text())["strictness"].items()}
+        scores = gt.score(model, load_adapter(folder, model), exs, range(len(exs)), guard.answer_tokens(tok), cfg)
+        p = torch.tensor([scores[i] for i in range(len(exs))])
+        for side, v in summary(exs, p).items():
+            rows_ = [i for i, e in enumerate(exs) if e.side == side]
+            y = torch.tensor([exs[i].block for i in rows_])
+            blocked = p[rows_] >= medium[side]
+            hb = f"{float(blocked[y == 1].float().mean()):.1%}" if (y == 1).any() else "-"
+            print(f"| {folder.name} | {side} | {v['rows']} | {v['auc']:.3f} | {hb} | "
+                  f"{float(blocked[y == 0].float().mean()):.1%} |", flush=True)
+
+
+def resume(guard_folder: Path, rows_path: Path, n: int, out: Path, lr: float, max_tokens: int, seed: int = 1) -> None:
+    """More training for a written guard adapter (``guard_folder``) on the CPU: ``n`` rows taken evenly from every
+    training source, rail and label of ``rows_path`` (``guard_command.even_sample``), one epoch at ``lr``, the same
+    loss and prompts; written to ``out`` with the same guard.json. For an adapter whose GPU run stopped early."""
+    from . import guard_data
+    from .guard_command import even_sample
+
+    source, tok, model = _model_and_tokenizer("embedded", "cpu")
+    meta = json.loads((guard_folder / "guard.json").read_text())
+    cfg = gt.TrainConfig(**{**meta["train"], "targets": tuple(meta["train"]["targets"]), "epochs": 1.0, "lr": lr,
+                            "max_tokens": max_tokens, "max_seconds": 0.0, "seed": seed, "warmup": 0.1,
+                            "batch_tokens": 8192, "max_batch": 32})
+    lora = load_adapter(guard_folder, model, cfg.targets, cfg.dropout)
     rows = [r for r in guard_data.load(rows_path) if r["train"]]
     rows = even_sample(rows, n, seed)
     exs = gt.examples(rows, tok, max_tokens, log=lambda *_: None)
@@ -348,7 +380,8 @@ def choose(work: Path) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m flashguard.rails.lab.recipe")
-    p.add_argument("job", choices=("prepare", "run", "probe", "choose", "collect", "resume"))
+    p.add_argument("job", choices=("prepare", "run", "probe", "choose", "collect", "resume", "heldout"))
+    p.add_argument("more", nargs="*", help="heldout: more guard folders beside WORK")
     p.add_argument("work", type=Path)
     p.add_argument("name", nargs="?")
     p.add_argument("--model", default="embedded")
@@ -387,6 +420,8 @@ def main(argv=None) -> int:
         run(a.work, a.name, a.fit, a.device, over, a.full)
     elif a.job == "probe":
         probe(a.work, a.device)
+    elif a.job == "heldout":   # WORK (and more): guard folders; NAME: rows; --rows
+        heldout([a.work] + ([a.name] if a.name else []) + a.more, a.rows, 1200, a.max_tokens)
     elif a.job == "resume":   # WORK: the guard folder to train further; --rows; --out; --lr; --max-tokens
         resume(a.work, a.rows, int(a.name or 4000), a.out, a.lr or 3e-4, a.max_tokens)
     elif a.job == "choose":
