@@ -3,7 +3,7 @@ rails as a guarded turn runs them (configs/flash's defaults: ``guard: auto``, ``
 
     python -m benchmarks.guard_turns [--weights int4|float] [--guard FOLDER]
 
-Sets: benchmarks/data/guard_requests.jsonl (10 blunt harmful requests, 20 harmless ones, 10 of which sound unsafe),
+Sets: benchmarks/data/guard_requests.jsonl (10 blunt harmful requests, 20 harmless ones, 5 of which sound unsafe),
 benchmarks/data/guard_everyday.jsonl (40 exchanges, 10 harmful replies: the output rail on the teacher-forced turn).
 Each input row is judged alone, after one ordinary exchange ("What is the capital of France?" / "The capital of
 France is Paris."), and after a refused request; printed: blocked per label and position, the rows whose verdict

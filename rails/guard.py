@@ -125,9 +125,11 @@ def verdict(engine, ids: list, start: int, side: str, settings, *, path: str, ke
     v = Verdict(allowed=p < cut, p_unsafe=p, path=path, prompt_tokens=len(ids), prefilled_tokens=r.prefilled,
                 reused_tokens=r.reused, seconds=time.perf_counter() - t0, method=METHOD, threshold=cut,
                 p_question=p, strictness=settings.strictness)
-    log.info("flashguard %s moderation: %s (p_unsafe=%.3f, threshold=%.2f, %s) path=%s prefilled=%d reused=%d "
-             "in %.3fs", side, "allow" if v.allowed else "BLOCK", p, cut, v.decided_by, path, v.prefilled_tokens,
-             v.reused_tokens, v.seconds)
+    # the rails' one log line per verdict, as the probe's: "flashguard moderation" (output) / "flashguard input
+    # moderation"
+    log.info("flashguard %smoderation: %s (p_unsafe=%.3f, threshold=%.2f, %s) path=%s prefilled=%d reused=%d "
+             "in %.3fs", "input " if side == "input" else "", "allow" if v.allowed else "BLOCK", p, cut, v.decided_by,
+             path, v.prefilled_tokens, v.reused_tokens, v.seconds)
     return v
 
 

@@ -8,10 +8,11 @@ Contract:
 - ``Deltas.of(adapter, device, dtype)``: an ``lora.Adapter`` with an invocation, as the tensors the forward adds
   (``A``, ``B * scale`` per module, on the compute device). Its ``bytes`` are what it holds there.
 - ``activated(model, deltas)``: a context in which every forward of ``model`` adds ``B (A x)`` to the outputs of the
-  adapter's modules, at every position that forward runs. Hooks live only inside the context (nothing stays
-  installed: the decode step, CUDA graphs and the CPU's int4 step never see them). The caller runs only the
-  invocation and what follows inside it (``Engine.read(adapter_from=...)``), which is the aLoRA rule: PEFT and
-  llama.cpp apply the adapter from the invocation's first token on.
+  adapter's modules, at every position that forward runs from ``deltas.offset`` on (``Deltas.from_position(k)``:
+  the forward's first ``k`` positions keep the base model's outputs). Hooks live only inside the context (nothing
+  stays installed: the decode step, CUDA graphs and the CPU's int4 step never see them). The caller puts the
+  offset at the invocation (``Engine.read(adapter_from=...)``), which is the aLoRA rule: PEFT and llama.cpp apply
+  the adapter from the invocation's first token on.
 - ``TrainableLora``: the same deltas as trainable parameters (``rails/lab/guard_train.py``), used through the same
   ``activated`` context (its ``deltas`` carry dropout while training); ``save(folder, ...)`` writes a PEFT folder
   (``adapter_config.json`` with ``alora_invocation_tokens``, ``adapter_model.safetensors``) that
@@ -69,11 +70,15 @@ class Deltas:
             x = args[0]
             if self.dropout and torch.is_grad_enabled():
                 x = F.dropout(x, self.dropout, training=True)
+            if self.offset:   # the positions before it keep the base model's output
+                x = x[..., self.offset:, :]
+                if x.shape[-2] == 0:
+                    return out
             delta = F.linear(F.linear(x.to(a.dtype), a), b)
             if self.scale != 1.0:
                 delta = delta * self.scale
             if self.offset:
-                delta = torch.cat([torch.zeros_like(delta[..., :self.offset, :]), delta[..., self.offset:, :]], -2)
+                return torch.cat([out[..., :self.offset, :], out[..., self.offset:, :] + delta.to(out.dtype)], -2)
             return out + delta.to(out.dtype)
         return add
 

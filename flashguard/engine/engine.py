@@ -450,8 +450,10 @@ class Engine(EngineInterface):
         - ``keep``: afterwards the session holds at most ``ids[:keep]`` (a branch: the question the rail asked is
           dropped, the generation continues from ``keep``); None keeps all of ``ids``. Only the engine crops.
         - ``adapter_from``: ``ids[adapter_from:]`` (the guard's invocation and question) run with the guard adapter
-          on (``guard_adapter``: an activated LoRA, engine/alora.py); the tokens before are the base model's, reused
-          or prefilled as usual. Afterwards the session holds at most ``ids[:adapter_from]``: nothing the adapter
+          on (``guard_adapter``: an activated LoRA, engine/alora.py); the tokens before are the base model's: the part
+          the caller keeps (``keep``) reused or prefilled as a read of it alone would be, the rest up to the
+          invocation run on base weights in the adapter's forward. Afterwards the session holds at most
+          ``ids[:min(keep, adapter_from)]``: nothing the adapter
           computed stays or is ever adopted by another sequence. No states are read then.
         """
         from .reading import Tap
@@ -490,8 +492,11 @@ class Engine(EngineInterface):
 
     def _read_guarded(self, ids: list[int], task: str, start: int, keep: int | None) -> Reading:
         """``read(adapter_from=start)``: the session brought to ``ids[:back]`` (``back = min(keep, start)``: the part
-        the caller keeps, chunked as a read of it alone would be), ``ids[back:start]`` run on (base), the rest with
-        the guard's deltas in one private forward, then cropped back to ``back``."""
+        the caller keeps, chunked as a read of it alone would be), then ``ids[back:]`` in one private forward with the
+        guard's deltas on from ``start`` (``Deltas.from_position``: the question's opening runs on base weights),
+        then cropped back to ``back``. Where nothing is kept or more than a prefill chunk lies between ``back`` and
+        ``start`` (the input rail's ``window``), the session is brought to ``ids[:start]`` and only the question
+        runs with the deltas."""
         if self.guard is None:
             raise ConfigError("no guard adapter is loaded for this model (guard_adapter is off, or none was found); "
                               "the rails' guard verdict needs one: `flashguard train-guard`", key="guard_adapter")
@@ -504,10 +509,14 @@ class Engine(EngineInterface):
             # the conversation first, as the generation holds it (``ids[:back]``): a prefill chunked differently
             # gives other float roundings, and greedy replies parted at near-ties; then the question's opening (base)
             # and the question (the adapter on from the invocation) in one forward
-            reused = self.sessions.bring_to(ids[:back])
+            one = 0 < back and start - back <= self.prefill_chunk   # else (a window, no shared part): as before
+            reused = self.sessions.bring_to(ids[:back] if one else ids[:start])
             try:
-                deltas = self.guard.deltas.from_position(start - back) if back < start else self.guard.deltas
-                logits = self.sessions.forward(ids[back:], deltas)
+                if one:
+                    deltas = self.guard.deltas.from_position(start - back) if back < start else self.guard.deltas
+                    logits = self.sessions.forward(ids[back:], deltas)
+                else:
+                    logits = self.sessions.forward(ids[start:], self.guard.deltas)
             finally:
                 self.sessions.branch_back(ids, back)
             seconds = time.perf_counter() - t0

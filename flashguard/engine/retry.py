@@ -54,12 +54,13 @@ class RetryPolicy:
     def forward(self, tokens: Sequence[int], deltas=None) -> torch.Tensor:
         """One forward over ``tokens`` in the session (logits of the last), with both failures retried;
         ``deltas``: an adapter on for ``tokens`` alone."""
+        held = list(self.sessions.ids)   # (an out-of-memory split may have stored part of ``tokens`` before a loss)
         try:
             return self._fitting(list(tokens), deltas=deltas)
         except PageLost as exc:
             sessions = self.sessions
-            ids = sessions.ids + list(tokens)
-            base = len(sessions.ids) if deltas is not None else len(ids)   # the tokens run without the adapter
+            ids = held + list(tokens)
+            base = len(held) if deltas is not None else len(ids)   # the tokens run without the adapter
             for _ in range(self.RECOMPUTE_TRIES):
                 log.warning("flashguard: %s; recomputing %d tokens by prefill", exc, len(ids))
                 sessions.drop(keep_pages=False)

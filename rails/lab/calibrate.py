@@ -1,7 +1,7 @@
 """``flashguard calibrate``: train the moderation probe for the model ``model_path`` points at.
 
     flashguard calibrate [--config DIR] [--weights float|int4] [--rail output|input] [--out FILE]
-    flashguard calibrate --backend openai --sources [FOLDER] [--rail input]   (rails/classifier_fit.py)
+    flashguard calibrate --backend openai --sources [FOLDER] [--rail input]   (rails/lab/classifier_fit.py)
 
 Runs every labelled (user, reply) of ``rails/data/moderation_tune.jsonl`` through the model exactly as the
 rail does (the chat template, the reply's tokens, the moderation suffix), keeps the hidden states of the
@@ -243,13 +243,13 @@ def main(args) -> int:
         raise SystemExit(f"--probe-features {choices}: the {side} rail's probe reads one of {', '.join(allowed)}")
     if getattr(args, "keep_window_probe", None) and side != "input":   # before the model loads
         raise SystemExit(KEEP_WINDOW_NEEDS_INPUT)
-    if getattr(args, "backend", None) == "openai":   # the question classifier (rails/classifier_fit.py)
+    if getattr(args, "backend", None) == "openai":   # the question classifier (rails/lab/classifier_fit.py)
         from .classifier_fit import main as fit_classifier
 
         return fit_classifier(args, data, params, settings)
     engine = Engine(config)
     sources = getattr(args, "sources", None)
-    if sources is not None:   # the public sources of the manifest and the project's rows (rails/guard_fit.py)
+    if sources is not None:   # the public sources of the manifest and the project's rows (rails/lab/guard_fit.py)
         from .guard_fit import source_rows
 
         if args.data:

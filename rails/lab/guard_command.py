@@ -1,7 +1,7 @@
 """``flashguard train-guard``: the guard adapter for the config's model, trained, validated and written where
 ``guard_adapter: auto`` finds it.
 
-Steps (rails/guard_train.py says what each does): the rows of the pinned public sources and the project
+Steps (rails/lab/guard_train.py says what each does): the rows of the pinned public sources and the project
 (``guard_data.rows``; ``--max-rows`` takes an even share of every source, rail and label), the rails' own prompts
 (``guard_train.examples``), one frozen forward of each prompt keeping the upper layers' states
 (``guard_cache.keep``), the adapter on the upper layers trained on every training source (``guard_cache.train``)

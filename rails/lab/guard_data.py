@@ -4,7 +4,7 @@ Contract: ``rows(folder)`` -> ``list[dict]``, deterministic for the same source 
 conversation up to the message or reply judged: earlier turns, the user's message, and for the output rail the
 assistant's reply), ``side`` ("input" / "output"), ``block``, ``category``, ``source`` (leave-one-source-out
 groups by it) and ``train`` (False: the source's license allows evaluation only). Sources come from
-``rails/sources.py`` (pinned, sha256-checked files; a folder laid out as ``<owner>/<name>/<path>`` or the user
+``rails/lab/sources.py`` (pinned, sha256-checked files; a folder laid out as ``<owner>/<name>/<path>`` or the user
 cache) and the project's own rows (``project``: short hand-written exchanges, long pastes with a harmful request
 inside, the embedded model's own labelled replies).
 

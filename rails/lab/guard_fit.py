@@ -1,8 +1,8 @@
 """Fitting the rails' probes on many sources: the rows, leave-one-source-out validation, the operating points.
 
-``flashguard calibrate --sources [FOLDER]`` (``rails/calibrate.py``) runs this module's steps:
+``flashguard calibrate --sources [FOLDER]`` (``rails/lab/calibrate.py``) runs this module's steps:
 
-1. ``source_rows(rail, folder)``: the public sources' rows for the rail (``rails/sources.py``; evaluation-only sources
+1. ``source_rows(rail, folder)``: the public sources' rows for the rail (``rails/lab/sources.py``; evaluation-only sources
    included, marked) and the project's own hand-written short rows as one more source, ``project``.
 2. The rows' hidden states, read by the rail's own path (``calibrate.collect``).
 3. ``leave_one_source_out``: for each candidate (layer, features, L2), every source is scored by a probe fitted on

@@ -2,10 +2,10 @@
 runs the leave-one-source-out folds side by side (tools/guard_gpu.sh). The same functions as ``guard_train.main``,
 in this order:
 
-    python -m flashguard.rails.guard_jobs prepare WORK --model PATH --rows ROWS.jsonl.gz   # examples.pt
-    python -m flashguard.rails.guard_jobs fold WORK --part 0 --of 4                        # fold_*.pt (any order)
-    python -m flashguard.rails.guard_jobs final WORK [--probe-baseline]                    # final/ and final.pt
-    python -m flashguard.rails.guard_jobs collect WORK --out GUARD_FOLDER                  # report.json, guard.json
+    python -m flashguard.rails.lab.guard_jobs prepare WORK --model PATH --rows ROWS.jsonl.gz   # examples.pt
+    python -m flashguard.rails.lab.guard_jobs fold WORK --part 0 --of 4                        # fold_*.pt (any order)
+    python -m flashguard.rails.lab.guard_jobs final WORK [--probe-baseline]                    # final/ and final.pt
+    python -m flashguard.rails.lab.guard_jobs collect WORK --out GUARD_FOLDER                  # report.json, guard.json
 
 Contract: each job reads only what earlier jobs wrote in WORK and writes its own files atomically; ``fold`` jobs
 with different ``--part`` never share a source; ``collect`` refuses to run while a training source has no fold.
@@ -180,7 +180,7 @@ def collect(work: Path, out: Path, weights: list[str]) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m flashguard.rails.guard_jobs")
+    p = argparse.ArgumentParser(prog="python -m flashguard.rails.lab.guard_jobs")
     p.add_argument("job", choices=("prepare", "fold", "final", "collect"))
     p.add_argument("work", type=Path)
     p.add_argument("--model", default="embedded")

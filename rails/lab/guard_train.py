@@ -2,7 +2,7 @@
 
 ``flashguard train-guard`` (``main``) runs these steps for any ``model_path``:
 
-1. Rows: the public sources (``rails/sources.py``, pinned and sha256-checked; ``train: no`` sources are scored,
+1. Rows: the public sources (``rails/lab/sources.py``, pinned and sha256-checked; ``train: no`` sources are scored,
    never trained on) and the project's own rows, each a conversation judged by one rail (``side``), as messages
    (``guard_data.py``).
 2. Examples: each row through ``guard.guard_ids``, the prompts the rails build (the adapter starts at the question's

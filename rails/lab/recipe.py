@@ -9,7 +9,7 @@ source groups, a full fine-tune of the same base as the upper bound, and the fro
     python -m flashguard.rails.lab.recipe choose WORK                                  # prints the chosen NAME
     python -m flashguard.rails.lab.recipe collect WORK --out GUARD --recipe NAME       # report.json, the guard
     python -m flashguard.rails.lab.recipe resume GUARD N --rows ROWS --out GUARD2        # N more rows (CPU)
-    python -m flashguard.rails.lab.recipe heldout GUARD [GUARD2 ...] --rows ROWS         # evaluation-only sources
+    python -m flashguard.rails.lab.recipe heldout GUARD [--also GUARD2] --rows ROWS      # evaluation-only sources
 
 Validation: the training sources are split into ``GROUPS`` folds by kind (``KINDS``: each fold holds out about a
 fifth of the harmful-request, jailbreak, hate-and-toxicity, reply and benign sources, so every fold still trains
@@ -301,14 +301,14 @@ def load_adapter(folder: Path, model, targets=gt.TARGETS, dropout: float = 0.0):
     return lora
 
 
-def heldout(folders: list, rows_path: Path, n: int, max_tokens: int, seed: int = 0) -> None:
+def heldout(folders: list, rows_path: Path, n: int, max_tokens: int, seed: int = 0, device: str = "cpu") -> None:
     """Guard folders side by side on ``n`` rows taken evenly from the evaluation-only sources of ``rows_path``
     (``train: no``: never trained on): per rail, ROC AUC and harmful / benign blocked at each guard's own
     ``medium`` (float weights, the training's scorer)."""
     from . import guard_data
     from .guard_command import even_sample
 
-    _, tok, model = _model_and_tokenizer("embedded", "cpu")
+    _, tok, model = _model_and_tokenizer("embedded", device)
     rows = even_sample([r for r in guard_data.load(rows_path) if not r["train"]], n, seed)
     exs = gt.examples(rows, tok, max_tokens, log=lambda *_: None)
     cfg = gt.TrainConfig(max_tokens=max_tokens, batch_tokens=8192, max_batch=32)
@@ -326,14 +326,15 @@ def heldout(folders: list, rows_path: Path, n: int, max_tokens: int, seed: int =
                   f"{float(blocked[y == 0].float().mean()):.1%} |", flush=True)
 
 
-def resume(guard_folder: Path, rows_path: Path, n: int, out: Path, lr: float, max_tokens: int, seed: int = 1) -> None:
+def resume(guard_folder: Path, rows_path: Path, n: int, out: Path, lr: float, max_tokens: int, seed: int = 1,
+           device: str = "cpu") -> None:
     """More training for a written guard adapter (``guard_folder``) on the CPU: ``n`` rows taken evenly from every
     training source, rail and label of ``rows_path`` (``guard_command.even_sample``), one epoch at ``lr``, the same
     loss and prompts; written to ``out`` with the same guard.json. For an adapter whose GPU run stopped early."""
     from . import guard_data
     from .guard_command import even_sample
 
-    source, tok, model = _model_and_tokenizer("embedded", "cpu")
+    source, tok, model = _model_and_tokenizer("embedded", device)
     meta = json.loads((guard_folder / "guard.json").read_text())
     cfg = gt.TrainConfig(**{**meta["train"], "targets": tuple(meta["train"]["targets"]), "epochs": 1.0, "lr": lr,
                             "max_tokens": max_tokens, "max_seconds": 0.0, "seed": seed, "warmup": 0.1,
@@ -381,7 +382,6 @@ def choose(work: Path) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m flashguard.rails.lab.recipe")
     p.add_argument("job", choices=("prepare", "run", "probe", "choose", "collect", "resume", "heldout"))
-    p.add_argument("more", nargs="*", help="heldout: more guard folders beside WORK")
     p.add_argument("work", type=Path)
     p.add_argument("name", nargs="?")
     p.add_argument("--model", default="embedded")
@@ -400,6 +400,7 @@ def main(argv=None) -> int:
     p.add_argument("--full", action="store_true")
     p.add_argument("--workers", type=int, default=8)
     p.add_argument("--out", type=Path)
+    p.add_argument("--also", type=Path, action="append", default=[], help="heldout: another guard folder beside WORK")
     p.add_argument("--recipe", default="r32")
     p.add_argument("--weights", default="float,int4")
     a = p.parse_args(argv)
@@ -421,9 +422,9 @@ def main(argv=None) -> int:
     elif a.job == "probe":
         probe(a.work, a.device)
     elif a.job == "heldout":   # WORK (and more): guard folders; NAME: rows; --rows
-        heldout([a.work] + ([a.name] if a.name else []) + a.more, a.rows, 1200, a.max_tokens)
+        heldout([a.work] + a.also, a.rows, 1200, a.max_tokens, device=a.device)
     elif a.job == "resume":   # WORK: the guard folder to train further; --rows; --out; --lr; --max-tokens
-        resume(a.work, a.rows, int(a.name or 4000), a.out, a.lr or 3e-4, a.max_tokens)
+        resume(a.work, a.rows, int(a.name or 4000), a.out, a.lr or 3e-4, a.max_tokens, device=a.device)
     elif a.job == "choose":
         print(choose(a.work))
     else:

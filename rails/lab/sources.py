@@ -1,5 +1,5 @@
 """Public labelled sources of the moderation probes: the manifest and where each file is found (the readers, one per
-source, and the taxonomy they map to are rails/source_readers.py's).
+source, and the taxonomy they map to are rails/lab/source_readers.py's).
 
 Every row the shipped probes were fitted on comes from a public repository pinned here by commit, path and
 sha256 (``SOURCES``); ``rails/data/SOURCES.md`` is the same manifest as a table, with the rows each source gave
@@ -13,7 +13,7 @@ Contract:
 - ``rows(source, rail)`` -> ``list[Row]``, deterministic: a source's rows are ordered by the sha256 of their text
   and cut at ``source.cap`` (so a capped sample does not depend on the file's order), labels mapped to one taxonomy
   (``HARM`` for blocked rows, ``BENIGN`` for allowed ones); an unreadable file is a ``SourceError`` naming it.
-- ``Row.source`` names the source: leave-one-source-out validation (``rails/guard_fit.py``) groups by it.
+- ``Row.source`` names the source: leave-one-source-out validation (``rails/lab/guard_fit.py``) groups by it.
 - A source whose license does not allow training (``train=False``) is read for evaluation only.
 - ``Row.context`` holds a multi-turn row's earlier turns (``(("user", text), ("assistant", text), ...)``) before
   ``Row.user``; it is empty for a single message or exchange.

@@ -177,8 +177,8 @@ def test_a_reply_longer_than_the_context_is_judged_in_windows():
     harmful = next(r for r in TEST if r["category"] == "weapons")
     filler = " ".join(["The weather was mild and the garden was quiet that afternoon."] * 40)
     v = moderate(small, filler + " " + harmful["bot"], harmful["user"], use_memo=False)
-    # the guard adapter judges its last part
-    assert v.path == "window" and v.method == "adapter" and v.prompt_tokens > small.context_length
+    # the guard adapter judges its last part (a window that fits the context with the question)
+    assert v.path == "window" and v.method == "adapter" and v.prompt_tokens <= small.context_length
     assert 0 <= v.p_unsafe <= 1
 
 

@@ -61,7 +61,7 @@ def input_blocking_config(tmp):
     0.001), so no LLM call is made."""
     cfg = make_config(tmp)
     yml = (cfg / "config.yml").read_text()
-    rail = ("  flashguard_input_moderation:\n    guard: auto          # as above: the guard adapter with the input probe\n"
+    rail = ("  flashguard_input_moderation:\n    guard: auto          # as above: the guard adapter alone (the keys below: the fallback without a guard)\n"
             "    probe: auto")
     assert rail in yml
     (cfg / "config.yml").write_text(yml.replace(rail, "  flashguard_input_moderation:\n    guard: question\n"
