@@ -322,10 +322,13 @@ def base_features(model, exs: Sequence[Example], cfg: TrainConfig) -> tuple[torc
     return mean, last
 
 
-def probe_baseline(exs: Sequence[Example], mean: torch.Tensor, last: torch.Tensor, log=print) -> torch.Tensor:
+def probe_baseline(exs: Sequence[Example], mean: torch.Tensor, last: torch.Tensor | None = None, log=print,
+                   unit: Callable[[Example], str] = lambda e: e.source) -> torch.Tensor:
     """The frozen-state probe on the same prompts and splits: per rail, a logistic regression (L2 0.1, classes
     weighted alike) on the question's mean state averaged over the upper third of the layers (the shipped output
-    probe's features), leave one source out as the adapter. Returns every row's out-of-source p_unsafe."""
+    probe's features), each held-out ``unit`` of training rows (default: a source, as the adapter's leave one
+    source out; the GPU recipe passes its source groups) fitted on the other training rows, evaluation-only rows on
+    all of them. Returns every row's out-of-unit p_unsafe."""
     from .guard_fit import class_weights
     from ..probe import fit_logistic
 
@@ -337,17 +340,17 @@ def probe_baseline(exs: Sequence[Example], mean: torch.Tensor, last: torch.Tenso
         rows = [i for i, e in enumerate(exs) if e.side == side]
         if not rows:
             continue
-        names = sorted({exs[i].source for i in rows if exs[i].train})
         x = x_all[rows]
         y = torch.tensor([exs[i].block for i in rows], dtype=torch.float64)
-        src = [exs[i].source for i in rows]
+        src = [unit(exs[i]) if exs[i].train else "(evaluation only) " + exs[i].source for i in rows]
+        names = {s for s, i in zip(src, rows) if exs[i].train}
         trainable = torch.tensor([exs[i].train for i in rows])
         for name in sorted(set(src)):
             held = torch.tensor([s == name for s in src])
             fit = ~held & trainable if name in names else trainable
             w, b = fit_logistic(x[fit], y[fit], 0.1, sample_weight=class_weights(y[fit]))
             oof[torch.tensor(rows)[held]] = torch.sigmoid(x[held] @ w + b)
-        log(f"  probe baseline ({side}): {len(rows)} rows, {len(names)} training sources")
+        log(f"  probe baseline ({side}): {len(rows)} rows, {len(names)} held-out units of training rows")
     return oof.float()
 
 

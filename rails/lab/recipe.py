@@ -117,14 +117,14 @@ def score_full(model, exs, idx, answers, cfg) -> dict:
 
 # ---- jobs -------------------------------------------------------------------------------------------------------
 
-def run(work: Path, name: str, fit: str, device: str, cfg_over: dict, full: bool) -> None:
+def run(work: Path, name: str, fit: str, device: str, cfg_over: dict, full: bool, below: float = 0.0) -> None:
+    """One training job: ``fit`` rows (``split``), ``cfg_over`` on the prepared config, the adapter on the layers
+    above the lowest ``below`` share (or every weight with ``full``); the scored rows' p_unsafe to NAME.pt, and with
+    ``fit`` ``all`` the adapter to the folder NAME."""
     data, exs, cfg = _load(work)
-    cfg = gt.TrainConfig(**{**asdict(cfg), **cfg_over})
     source, tok, model = _model_and_tokenizer(data["model"], device)
-    layers = len(model.model.layers)
-    first = int(round(layers * cfg_over.get("first_layer", 0))) if isinstance(cfg_over.get("first_layer"), float) \
-        else cfg.first_layer
-    cfg = gt.TrainConfig(**{**asdict(cfg), "first_layer": first})
+    cfg = gt.TrainConfig(**{**asdict(cfg), **cfg_over,
+                            "first_layer": int(round(len(model.model.layers) * below))})
     train_idx, held = split(exs, fit)
     t0 = time.perf_counter()
     log = lambda s: print(s, flush=True)  # noqa: E731
@@ -145,30 +145,14 @@ def run(work: Path, name: str, fit: str, device: str, cfg_over: dict, full: bool
 
 
 def probe(work: Path, device: str) -> None:
-    """The frozen-state probe (guard_train.probe_baseline's features and fit) on the same source groups."""
-    from .guard_fit import class_weights
-    from ..probe import fit_logistic
-
+    """The frozen-state probe (``guard_train.probe_baseline``: its features and fit) on the same source groups."""
     data, exs, cfg = _load(work)
     _, _, model = _model_and_tokenizer(data["model"], device)
     t0 = time.perf_counter()
     mean, _ = gt.base_features(model, exs, cfg)
-    top = mean.shape[1] - 1
-    x_all = mean[:, list(range(max(1, (2 * top) // 3), top + 1))].double().mean(1)
     g = groups(exs)
-    oof = torch.full((len(exs),), float("nan"), dtype=torch.float64)
-    for side in ("input", "output"):
-        rows = [i for i, e in enumerate(exs) if e.side == side]
-        fold = torch.tensor([g.get(exs[i].source, -1) if exs[i].train else -1 for i in rows])
-        x, y = x_all[rows], torch.tensor([exs[i].block for i in rows], dtype=torch.float64)
-        for k in range(-1, GROUPS):
-            held = fold == k
-            fit = (fold >= 0) & (fold != k)
-            if not held.any():
-                continue
-            w, b = fit_logistic(x[fit], y[fit], 0.1, sample_weight=class_weights(y[fit]))
-            oof[torch.tensor(rows)[held]] = torch.sigmoid(x[held] @ w + b)
-    _save({"oof": oof.float(), "seconds": time.perf_counter() - t0}, work / "probe.pt")
+    oof = gt.probe_baseline(exs, mean, log=lambda s: print(s, flush=True), unit=lambda e: f"group {g[e.source]}")
+    _save({"oof": oof, "seconds": time.perf_counter() - t0}, work / "probe.pt")
     print(f"probe: {len(exs)} rows in {time.perf_counter() - t0:.0f}s", flush=True)
 
 
@@ -234,6 +218,9 @@ def collect(work: Path, out: Path, recipe: str, weights: list[str]) -> dict:
     g0 = {i for i, e in enumerate(exs) if e.train and g[e.source] == 0}
     report["sweep_fold0"] = {n: summary(exs, oof(n)[0], g0) for n in sorted({n.rsplit("-g", 1)[0] for n in runs
                                                                                   if "-g0" in n})}
+    pa, n = oof(recipe)
+    if n != GROUPS:
+        raise SystemExit(f"collect: the recipe {recipe} has {n} of {GROUPS} folds")
     report["loso"] = {}
     for prefix in sorted({n.rsplit("-g", 1)[0] for n in runs if "-g" in n}):
         p, n = oof(prefix)
@@ -241,15 +228,9 @@ def collect(work: Path, out: Path, recipe: str, weights: list[str]) -> dict:
             report["loso"][prefix] = summary(exs, p)
     if (work / "probe.pt").exists():
         pp = torch.load(work / "probe.pt", weights_only=False)["oof"]
-        trained = [i for i, e in enumerate(exs) if e.train]
-        report["loso"]["probe"] = summary(exs, pp, set(trained))
-        pa, n = oof(recipe)
-        if n == GROUPS:
-            both = torch.where(torch.tensor([e.side == "input" for e in exs]), pair(pa, pp, 0.8), pair(pa, pp, 0.6))
-            report["loso"][f"{recipe}+probe"] = summary(exs, both)
-    pa, n = oof(recipe)
-    if n != GROUPS:
-        raise SystemExit(f"collect: the recipe {recipe} has {n} of {GROUPS} folds")
+        report["loso"]["probe"] = summary(exs, pp, {i for i, e in enumerate(exs) if e.train})
+        both = torch.where(torch.tensor([e.side == "input" for e in exs]), pair(pa, pp, 0.8), pair(pa, pp, 0.6))
+        report["loso"][f"{recipe}+probe"] = summary(exs, both)
     final = runs.get(f"{recipe}-all")
     if final:
         for i, v in final["scores"].items():
@@ -416,9 +397,7 @@ def main(argv=None) -> int:
                                   ("max_batch", a.max_batch)) if v is not None}
         if a.rank is not None:
             over["alpha"] = 2.0 * a.rank
-        if a.first is not None:
-            over["first_layer"] = float(a.first)
-        run(a.work, a.name, a.fit, a.device, over, a.full)
+        run(a.work, a.name, a.fit, a.device, over, a.full, below=a.first or 0.0)
     elif a.job == "probe":
         probe(a.work, a.device)
     elif a.job == "heldout":   # WORK (and more): guard folders; NAME: rows; --rows
