@@ -129,6 +129,10 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("-v", "--verbose", action="count", default=0, help=VERBOSE_HELP)
     sub = parser.add_subparsers(dest="command", required=True)
+    # the stress, train-guard and export-guard arguments come from their modules, imported only for that command
+    # (train-guard's pulls in the engine and triton: 0.4 s of every other command's start)
+    words = [a for a in (sys.argv[1:] if argv is None else argv) if not a.startswith("-")]
+    chosen = words[0] if words else None
     p = sub.add_parser("chat", help="interactive guarded chat")
     p.add_argument("--config", default=default_config_dir())
     p.add_argument("--show-reasoning", action="store_true", help="show a reasoning model's thinking, dimmed")
@@ -188,10 +192,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--watch", type=float, default=0, help="refresh every S seconds")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_smi)
-    from .vram.stress import add_arguments
-
     p = sub.add_parser("stress", help="drive the tiered KV cache at a context and measure it")
-    add_arguments(p)
+    if chosen == "stress":
+        from .vram.stress import add_arguments
+
+        add_arguments(p)
     p.set_defaults(func=cmd_stress)
     p = sub.add_parser("calibrate", help="train the moderation rail's probe for the config's model (once per model)")
     p.add_argument("--config", default=default_config_dir())
@@ -227,16 +232,18 @@ def main(argv: list[str] | None = None) -> int:
                    "--max-rows default 1200; --features FILE keeps the log-odds). The log-odds are read by the "
                    "config's engine: in process (the same numbers, faster) or through its server")
     p.set_defaults(func=cmd_calibrate)
-    from .rails.lab.guard_command import add_arguments as guard_arguments
-
     p = sub.add_parser("train-guard", help="train the rails' guard adapter for the config's model (once per model)")
-    guard_arguments(p, default_config_dir())
-    p.set_defaults(func=cmd_train_guard)
-    from .remote.guard_export import add_arguments as export_arguments
+    if chosen == "train-guard":
+        from .rails.lab.guard_command import add_arguments as guard_arguments
 
+        guard_arguments(p, default_config_dir())
+    p.set_defaults(func=cmd_train_guard)
     p = sub.add_parser("export-guard", help="write the guard adapter as a llama.cpp LoRA GGUF (llama-server's --lora, "
                        "backend: openai)")
-    export_arguments(p, default_config_dir())
+    if chosen == "export-guard":
+        from .remote.guard_export import add_arguments as export_arguments
+
+        export_arguments(p, default_config_dir())
     p.set_defaults(func=cmd_export_guard)
     p = sub.add_parser("eval-guard", help="a labelled JSONL or CSV file through the config's rails: blocked rates, "
                        "precision, recall and F1 per rail and category")

@@ -39,11 +39,9 @@ class PageLost(RuntimeError):
 class L3Folder:
     def __init__(self, path: str | None = None, encrypt: bool = True):
         self.encrypt = encrypt
-        self._aead = None
-        if encrypt:
-            from cryptography.hazmat.primitives.ciphers.aead import AESGCM
-
-            self._aead = AESGCM(AESGCM.generate_key(bit_length=256))
+        # this process's AES-256 key; the cipher (cryptography's AESGCM, 0.4 s to import) is made at the first page
+        self._key = os.urandom(32) if encrypt else None
+        self._cipher = None
         remove_stale_folders()
         self.owned = path is None
         if path is None:
@@ -61,10 +59,17 @@ class L3Folder:
     def file_for(self, key: bytes) -> str:
         return os.path.join(self.path, key.hex() + ".page")
 
+    def _aead(self):
+        if self._cipher is None:
+            from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+            self._cipher = AESGCM(self._key)
+        return self._cipher
+
     def write(self, key: bytes, payload: bytes) -> str:
-        if self._aead is not None:
+        if self.encrypt:
             nonce = os.urandom(12)
-            blob = _MAGIC_AEAD + nonce + self._aead.encrypt(nonce, payload, key)
+            blob = _MAGIC_AEAD + nonce + self._aead().encrypt(nonce, payload, key)
         else:
             blob = _MAGIC_SUM + hashlib.blake2b(key + payload, digest_size=32).digest() + payload
         path = self.file_for(key)
@@ -88,14 +93,14 @@ class L3Folder:
                 blob = fh.read()
         except OSError as exc:
             raise PageLost(f"cannot read {path}: {exc.strerror}") from exc
-        if self._aead is not None:
+        if self.encrypt:
             from cryptography.exceptions import InvalidTag
 
             if not blob.startswith(_MAGIC_AEAD) or len(blob) < len(_MAGIC_AEAD) + 12 + 16:
                 raise PageLost(f"{path} is not a sealed page")
             nonce, sealed = blob[4:16], blob[16:]
             try:
-                return self._aead.decrypt(nonce, sealed, key)
+                return self._aead().decrypt(nonce, sealed, key)
             except InvalidTag:
                 raise PageLost(f"{path} failed authentication (altered, truncated or foreign)") from None
         if not blob.startswith(_MAGIC_SUM) or len(blob) < 5 + 32:
