@@ -10,10 +10,11 @@ Decode: ``--decode`` greedy tokens after a short prompt, as the engine streams t
 included, which llama-bench's tg128 does not have). Medians of ``--repeats`` runs, rows alternating.
 
 ``--generic-layer`` adds an int4 row whose resident step runs the generic layer (``DecodeStep._run``, as before
-``CpuOps.resident_step``; the same logits).
+``CpuOps.resident_step``; the same logits). ``--python-loop`` adds one whose resident step runs its loop in Python
+instead of TorchScript (engine/cpu_loop.py; the same logits). The warm-up waits for the script.
 
-``--breakdown`` adds two lines for the int4 row. In place: the decode step with a clock around each of its int4
-layer calls and around the final norm + lm_head (``CpuOps.finish``), the rest being the host work between them.
+``--breakdown`` adds two lines for the int4 row. In place (with the loop in Python, which a clock around each
+kernel needs): the decode step with a clock around each of its int4 layer calls and around the final norm + lm_head (``CpuOps.finish``), the rest being the host work between them.
 Ablated: the step with its int4 layers skipped (each returns zeros of its output shape; the model is restored
 after), which runs the host work from warm caches and so reads it lower than in place.
 """
@@ -103,6 +104,9 @@ def main(argv=None) -> int:
     p.add_argument("--generic-layer", action="store_true",
                    help="a row more: int4 with the resident step on the generic layer (CpuOps.layer_args None), as "
                         "before CpuOps.resident_step")
+    p.add_argument("--python-loop", action="store_true",
+                   help="a row more: int4 with the resident step's loop in Python (CpuOps.script None), as where "
+                        "TorchScript is not there and before engine/cpu_loop.py")
     p.add_argument("--llamacpp", help="llama-bench's markdown output (bench_cpu.sh) on the same GGUF and threads")
     p.add_argument("--out")
     p.add_argument("--json")
@@ -124,11 +128,24 @@ def main(argv=None) -> int:
         if cpu is None or cpu.layer_args is None:
             raise SystemExit("--generic-layer: this model's int4 step has no resident_step loop to compare with")
         cpu.layer_args = None   # CpuOps.resident_step then runs DecodeStep._run: the same arithmetic
+    if args.python_loop:
+        t0 = time.perf_counter()
+        e = engines["int4, Python loop"] = Engine(EngineConfig(device="cpu", weights="int4"))
+        e.load_seconds = time.perf_counter() - t0
+        cpu = e.decode_step.cpu if e.decode_step is not None else None
+        from flashguard.engine import cpu_loop
+
+        if cpu is None or not cpu.use_script or cpu_loop.compiled() is None:
+            raise SystemExit("--python-loop: this model's int4 step has no scripted loop to compare with")
+        cpu.use_script = False   # CpuOps.resident_step then runs its loop in Python: the same calls
     first = next(iter(engines.values()))
     text = "\n".join(topics.topics[k] for k in sorted(topics.topics))
     prompt_ids = first.tokenizer(text)["input_ids"][:args.prompt_tokens]
     story_ids = first.encode_messages([{"role": "user", "content": PROMPT}])
     got: dict = {w: [] for w in engines}
+    from flashguard.engine import cpu_loop
+
+    cpu_loop.compiled()   # (the scripted loop, made on a thread as an engine loads: ready before any timing)
     for e in engines.values():
         measure(e, prompt_ids[:64], story_ids, 8)   # warm-up
     for _ in range(args.repeats):

@@ -39,7 +39,8 @@ SparseKV, through its ``slot`` and ``attend``; ``CpuOps.attend(target, view, ...
   at 64 keys, 62 against 73 at 512, one thread), any other cache through ``DecodeStep.attend_layer``. Over a resident
   cache the step is ``CpuOps.resident_step``: the same calls as ``DecodeStep._run`` with this set, bit for bit, in
   one loop over per-layer argument tuples (``layer_args``): 4-9% / 12-16% faster than the generic layer on the
-  embedded model at one / two threads, the one place the layer is written twice, for that reason. The residual
+  embedded model at one / two threads, the one place the layer is written twice, for that reason (three times:
+  the loop runs as TorchScript, engine/cpu_loop.py, the same calls without Python between them). The residual
   stream, rotary, the MLP's activation and the attention stay in fp32, so the logits are the model's forward's up
   to fp32 rounding (tests/engine/test_cpu_decode.py).
 """
@@ -51,6 +52,7 @@ import math
 import torch
 
 from ..kv import step_kernels
+from . import cpu_loop
 
 # the RMSNorm classes whose forward is weight * x / rms(x)
 RMS_NORMS = ("LlamaRMSNorm", "Qwen2RMSNorm", "MistralRMSNorm")
@@ -162,6 +164,12 @@ class CpuOps(StepOps):
         super().__init__(step)
         self.int4, self.norms = int4, norms
         self.layer_args = self._layer_args()   # per layer, what ``resident_step`` reads (None: the generic layer)
+        # ``resident_step``'s loop as TorchScript once engine/cpu_loop.py has made it (``use_script`` False: the
+        # Python loop always, as where TorchScript is not there), and its arguments
+        self.use_script = self.layer_args is not None
+        self.script_args = self._script_args() if self.use_script else None
+        if self.use_script:
+            cpu_loop.start()
         self.final_norm = _norm(step.norm)
         self.buffers: dict = {}   # bf16 inputs of the int4 kernels (RMSNorm's output, the MLP's activation)
         self.zero = torch.zeros(())
@@ -204,6 +212,21 @@ class CpuOps(StepOps):
             args.append((*(c[:3] for c in calls), calls[0][3], self.norms[id(layer.input_layernorm)],
                          self.norms[id(layer.post_attention_layernorm)], nq // d, nq + nk))
         return args
+
+    def _script_args(self) -> tuple:
+        """``layer_args`` as ``cpu_loop.layers`` takes them: lists over the layers (four int4 calls each)."""
+        packed, groups, scale_zeros, biases, w1, e1, w2, e2 = [], [], [], [], [], [], [], []
+        for qkv, o, gate_up, down, bias, (a, b), (c, e), _, _ in self.layer_args:
+            for call in (qkv, o, gate_up, down):
+                packed.append(call[0])
+                groups.append(int(call[1]))
+                scale_zeros.append(call[2])
+            biases.append(bias)
+            w1.append(a)
+            e1.append(float(b))
+            w2.append(c)
+            e2.append(float(e))
+        return packed, groups, scale_zeros, biases, w1, e1, w2, e2
 
     def _buffer(self, name: str, n: int) -> torch.Tensor:
         buf = self.buffers.get(name)
@@ -285,13 +308,21 @@ class CpuOps(StepOps):
         through the caches the interpreter runs from): without the generic layer's method calls and lookups the
         embedded model decodes 4-9% faster at one thread, 12-16% at two (docs/benchmarks/cpu_decode.md). The MLP's
         activation is ``F.silu`` (what both ``_SILUS`` classes run); every layer has layer 0's sizes (Llama, Qwen2).
-        Only with ``layer_args``; the caller advances the cache after."""
+        Only with ``layer_args``; the caller advances the cache after. The loop runs as TorchScript once
+        engine/cpu_loop.py has made it (the same calls; ~20% less time in the layers), and in Python before, where
+        ``use_script`` is False, or where the instance's ``mm`` is replaced (benchmarks/cpu_decode.py's clock)."""
         mm, dot, mul, silu = self.mm, torch.dot, torch.mul, torch.nn.functional.silu
         s, pos = self.step, view.length
         d, scaling, zero = s.head_dim, s.scaling, self.zero
         h, rot = self.start()
         x = self._buffer("x", h.shape[1])
         act = self._buffer("act", self.layer_args[0][2][0].shape[0] // 2)   # gate_up's rows: [gate, up]
+        script = cpu_loop.ready() if self.use_script and "mm" not in self.__dict__ else None
+        if script is not None:
+            q_heads, qk_cols = self.layer_args[0][7], self.layer_args[0][8]
+            h = script(h, rot, zero, x, act, *self.script_args, list(view.keys), list(view.values), pos,
+                            q_heads, qk_cols, d, float(scaling))
+            return self.finish(h)
         for (qkv, o, gate_up, down, bias, (w1, e1), (w2, e2), q_heads, qk_cols), keys, values in \
                 zip(self.layer_args, view.keys, view.values):
             flat = h.view(-1)

@@ -95,12 +95,15 @@ def test_the_cpu_step_over_a_tiered_cache_is_the_models_forward(tmp_path):
     ours.check_integrity()
 
 
-@pytest.mark.parametrize("arch,down", [("llama", "Q4_1"), ("qwen2", "Q4_1"), ("llama", "Q8_0")])
-def test_the_cpu_resident_step_is_the_generic_layer_bit_for_bit(tmp_path, arch, down):
-    """``DecodeStep.step`` over a resident cache runs ``CpuOps.resident_step`` (one loop over ``layer_args``), which
-    computes what the generic layer (``DecodeStep._run`` with ``CpuOps``, ``layer_args`` None) computes, call for
-    call: the same logits and the same K/V written, exactly, step after step at moving positions (rotary). qwen2:
-    q/k/v biases; a Q8_0 ffn_down (an int4 pair) has no ``layer_args`` and runs the generic layer."""
+@pytest.mark.parametrize("arch,down,loop", [("llama", "Q4_1", "script"), ("qwen2", "Q4_1", "script"),
+                                            ("llama", "Q4_1", "python"), ("qwen2", "Q4_1", "python"),
+                                            ("llama", "Q8_0", "script")])
+def test_the_cpu_resident_step_is_the_generic_layer_bit_for_bit(tmp_path, arch, down, loop):
+    """``DecodeStep.step`` over a resident cache runs ``CpuOps.resident_step`` (one loop over ``layer_args``, as
+    TorchScript by default, engine/cpu_loop.py, or in Python where TorchScript is not there), which computes what the
+    generic layer (``DecodeStep._run`` with ``CpuOps``, ``layer_args`` None) computes, call for call: the same logits
+    and the same K/V written, exactly, step after step at moving positions (rotary). qwen2: q/k/v biases; a Q8_0
+    ffn_down (an int4 pair) has no ``layer_args`` and runs the generic layer."""
     from transformers import AutoConfig
 
     from flashguard import CacheConfig
@@ -115,6 +118,12 @@ def test_the_cpu_resident_step_is_the_generic_layer_bit_for_bit(tmp_path, arch, 
     step = DecodeStep(model)
     layer_args = step.cpu.layer_args
     assert (layer_args is None) == (down == "Q8_0")
+    from flashguard.engine import cpu_loop
+
+    assert step.cpu.use_script == (down != "Q8_0")
+    assert cpu_loop.compiled() is not None   # this torch has TorchScript: once made, the steps run the script
+    if loop == "python":
+        step.cpu.use_script = False   # what runs where TorchScript cannot make the loop
     ids = torch.randint(0, len(VOCAB), (20,), generator=torch.Generator().manual_seed(7)).tolist()
     caches = [TieredCache(config, CacheConfig(page_size=16, sink_tokens=16, l1_tokens=96, l1_max_tokens=96,
                                               l2_tokens=512, policy="exact", l2_codec="fp16")).attach(model)
@@ -142,3 +151,22 @@ def test_the_cpu_resident_step_is_the_generic_layer_bit_for_bit(tmp_path, arch, 
     for a, b in zip(caches[0].layers, caches[1].layers):
         assert torch.equal(a.l1_k[:, :a.length], b.l1_k[:, :b.length])
         assert torch.equal(a.l1_v[:, :a.length], b.l1_v[:, :b.length])
+
+
+def test_the_loop_falls_back_to_python_where_torchscript_cannot_make_it(monkeypatch, caplog):
+    """Where TorchScript is gone or cannot script the loop (no source files, as in a frozen app), ``ready()`` is
+    None and the log says why once: ``resident_step`` then runs its Python loop (the same calls)."""
+    import logging
+
+    from flashguard.engine import cpu_loop
+
+    def fails(fn):
+        raise OSError("Can't get source for <function layers>")
+
+    monkeypatch.setattr(torch.jit, "script", fails)
+    monkeypatch.setattr(cpu_loop, "_made", [])
+    monkeypatch.setattr(cpu_loop, "_thread", [])
+    with caplog.at_level(logging.INFO, logger="flashguard"):
+        assert cpu_loop.compiled() is None
+    assert cpu_loop.ready() is None
+    assert "run as Python (TorchScript: OSError: Can't get source" in caplog.text
