@@ -135,7 +135,7 @@ def main(argv=None) -> int:
         cpu = e.decode_step.cpu if e.decode_step is not None else None
         from flashguard.engine import cpu_loop
 
-        if cpu is None or not cpu.use_script or cpu_loop.compiled() is None:
+        if cpu is None or not cpu.use_script or cpu_loop.scripted() is None:
             raise SystemExit("--python-loop: this model's int4 step has no scripted loop to compare with")
         cpu.use_script = False   # CpuOps.resident_step then runs its loop in Python: the same calls
     first = next(iter(engines.values()))
@@ -145,7 +145,7 @@ def main(argv=None) -> int:
     got: dict = {w: [] for w in engines}
     from flashguard.engine import cpu_loop
 
-    cpu_loop.compiled()   # (the scripted loop, made on a thread as an engine loads: ready before any timing)
+    cpu_loop.scripted()   # (the scripted loop, made on a thread as an engine loads: ready before any timing)
     for e in engines.values():
         measure(e, prompt_ids[:64], story_ids, 8)   # warm-up
     for _ in range(args.repeats):

@@ -113,13 +113,13 @@ def p_unsafe(engine, logprobs) -> float:
 
 
 def verdict(engine, ids: list, start: int, side: str, settings, *, path: str, keep: int | None = None,
-            task: str = "moderation", t0: float | None = None):
+            task: str = "moderation", t0: float | None = None, then: list | None = None):
     """One guarded read of ``ids`` (the adapter on from ``start``), as a ``moderation.Verdict``; the session keeps
-    at most ``ids[:min(keep, start)]``."""
+    at most ``ids[:min(keep, start)]``; ``then``: the ids the generation runs next (``Engine.read``)."""
     from .settings import Verdict
 
     t0 = time.perf_counter() if t0 is None else t0
-    r = engine.read(ids, task=task, adapter_from=start, keep=keep)
+    r = engine.read(ids, task=task, adapter_from=start, keep=keep, then=then)
     p = p_unsafe(engine, r.logprobs)
     cut = threshold(engine, side, settings.strictness)
     v = Verdict(allowed=p < cut, p_unsafe=p, path=path, prompt_tokens=len(ids), prefilled_tokens=r.prefilled,
@@ -293,7 +293,8 @@ def moderate_input(engine, messages: list, settings):
         ids, start = guard_ids(engine.encode_messages, engine, [{"role": "user", "content": tail}], "input")
         path = "window"
     keep = min(common_prefix(conv, ids), start)
-    return verdict(engine, ids, start, "input", settings, path=path, keep=keep, task="input_moderation", t0=t0)
+    return verdict(engine, ids, start, "input", settings, path=path, keep=keep, task="input_moderation", t0=t0,
+                   then=conv)
 
 
 def _last_tokens(engine, text: str, n: int) -> str:

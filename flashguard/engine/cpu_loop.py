@@ -7,16 +7,17 @@ arguments, so the logits and the K/V written are the same bit for bit (tests/eng
 
 Why: on a CPU an int4 decode step is bound by the host work between its kernels: ~25 aten calls a layer, each
 paying Python's argument parsing and dispatch. Scripted, the loop is one call from Python and TorchScript's
-interpreter dispatches the aten calls itself: the embedded model's 30 layers ran in 6.4-7.4 ms against 8.1-9.1 ms
-for the Python loop on 2 threads (docs/benchmarks/cpu_decode.md).
+interpreter dispatches the aten calls itself: the embedded model decoded 7-20% faster at two threads, 6-15% at one
+(docs/benchmarks/cpu_decode.md).
 
 ``start()`` scripts it once per process on a thread of its own, ``ready()`` gives it once made (the Python loop
-runs until then). TorchScript is deprecated in torch (2.13 warns; it still ships and
-runs). Where it is gone, or cannot compile this (no source files, as in a frozen app), ``ready()`` stays None, the log
+runs until then). TorchScript is deprecated in torch (2.13 warns, once, filtered here by its
+message; it still ships and runs; on Python 3.14+ torch says it may break, so it is not used there). Where it is gone, or cannot compile this (no source files, as in a frozen app), ``ready()`` stays None, the log
 says so once, and the Python loop runs: the same numbers, slower.
 """
 
 import logging
+import sys
 import threading
 import warnings
 from typing import List, Optional
@@ -24,6 +25,9 @@ from typing import List, Optional
 import torch
 
 log = logging.getLogger("flashguard")
+# torch 2.13 warns at every torch.jit.script; one narrow filter, set here on import (warnings' filters are not
+# thread-safe to change while the script is made on its thread)
+warnings.filterwarnings("ignore", message=r"`torch\.jit\.script` is deprecated", category=DeprecationWarning)
 
 
 def layers(h: torch.Tensor, rot: torch.Tensor, zero: torch.Tensor, x: torch.Tensor, act: torch.Tensor,
@@ -64,20 +68,21 @@ def layers(h: torch.Tensor, rot: torch.Tensor, zero: torch.Tensor, x: torch.Tens
 
 
 _lock = threading.Lock()
-_made: list = []   # [the scripted function, or None where it could not be made], once made
+_made: list = []   # [the scripted function, or None where it could not be made], once tried
 _thread: list = []
 
 
 def _make() -> None:
+    made = None
     try:
-        with warnings.catch_warnings():   # (torch 2.13: "torch.jit.script is deprecated")
-            warnings.simplefilter("ignore", DeprecationWarning)
-            made = torch.jit.script(layers)
+        if sys.version_info >= (3, 14):
+            raise RuntimeError("not on Python 3.14+ (torch: TorchScript is not supported there and may break)")
+        made = torch.jit.script(layers)
     except Exception as exc:   # noqa: BLE001 - whatever TorchScript says, the Python loop runs
         log.info("flashguard: the CPU step's layers run as Python (TorchScript: %s: %s)", type(exc).__name__,
                  str(exc).splitlines()[0] if str(exc) else "")
-        made = None
-    _made.append(made)
+    finally:
+        _made.append(made)
 
 
 def start() -> None:
@@ -95,7 +100,7 @@ def ready():
     return _made[0] if _made else None
 
 
-def compiled():
+def scripted():
     """The scripted ``layers``, waiting for it; None where TorchScript cannot make it."""
     start()
     _thread[0].join()

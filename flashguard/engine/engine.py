@@ -438,7 +438,7 @@ class Engine(EngineInterface):
 
     def read(self, ids: Sequence[int], task: str = "moderation", *, hidden: bool = False, layers=(),
              mean_from: int | None = None, keep_states: bool = False, keep: int | None = None,
-             adapter_from: int | None = None) -> Reading:
+             adapter_from: int | None = None, then: Sequence[int] | None = None) -> Reading:
         """The rails' one call: run the part of ``ids`` the session does not hold (its pages reused, the rest
         prefilled; the last token always runs, so the states are this call's) and return what a verdict reads
         (``reading.Reading``):
@@ -455,12 +455,16 @@ class Engine(EngineInterface):
           invocation run on base weights in the adapter's forward. Afterwards the session holds at most
           ``ids[:min(keep, adapter_from)]``: nothing the adapter
           computed stays or is ever adopted by another sequence. No states are read then.
+        - ``then`` (with ``adapter_from``): the ids the caller runs next (the input rail: the generation's prompt),
+          which share ``ids[:keep]``: the session is brought to ``then`` as that prefill would bring it, and cropped
+          for the read, so the kept tokens are rounded as the generation's own prefill rounds them (the CPU int4
+          kernel rounds a row by the chunk it runs in).
         """
         from .reading import Tap
 
         ids = self._check_prompt(ids)
         if adapter_from is not None:
-            return self._read_guarded(ids, task, adapter_from, keep)
+            return self._read_guarded(ids, task, adapter_from, keep, then)
         with self.lock:
             t0 = time.perf_counter()
             faults0 = self.sessions.l3_reads()
@@ -490,7 +494,8 @@ class Engine(EngineInterface):
                            prefilled=len(ids) - reused)
 
 
-    def _read_guarded(self, ids: list[int], task: str, start: int, keep: int | None) -> Reading:
+    def _read_guarded(self, ids: list[int], task: str, start: int, keep: int | None,
+                      then: Sequence[int] | None = None) -> Reading:
         """``read(adapter_from=start)``: the session brought to ``ids[:back]`` (``back = min(keep, start)``: the part
         the caller keeps, chunked as a read of it alone would be), then ``ids[back:]`` in one private forward with the
         guard's deltas on from ``start`` (``Deltas.from_position``: the question's opening runs on base weights),
@@ -510,7 +515,14 @@ class Engine(EngineInterface):
             # gives other float roundings, and greedy replies parted at near-ties; then the question's opening (base)
             # and the question (the adapter on from the invocation) in one forward
             one = 0 < back and start - back <= self.prefill_chunk   # else (a window, no shared part): as before
-            reused = self.sessions.bring_to(ids[:back] if one else ids[:start])
+            then = self._check_prompt(then) if then is not None else None
+            if one and then is not None and len(then) > back and list(then[:back]) == ids[:back]:
+                # the generation's prompt first, as its own prefill runs it (a chunk of another length rounds the
+                # kept tokens otherwise), then back to the shared part
+                reused = self.sessions.prefill(then)[1]
+                self.sessions.bring_to(ids[:back])   # (a crop)
+            else:
+                reused = self.sessions.bring_to(ids[:back] if one else ids[:start])
             try:
                 if one:
                     deltas = self.guard.deltas.from_position(start - back) if back < start else self.guard.deltas

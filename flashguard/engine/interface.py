@@ -92,7 +92,7 @@ class EngineInterface(ChatText, abc.ABC):
     @abc.abstractmethod
     def read(self, ids: Sequence[int], task: str = "moderation", *, hidden: bool = False, layers=(),
              mean_from: int | None = None, keep_states: bool = False, keep: int | None = None,
-             adapter_from: int | None = None) -> "Reading":
+             adapter_from: int | None = None, then: Sequence[int] | None = None) -> "Reading":
         """The next token after ``ids`` and what a verdict reads (each implementation says how)."""
 
     @abc.abstractmethod

@@ -166,7 +166,7 @@ class CpuOps(StepOps):
         self.layer_args = self._layer_args()   # per layer, what ``resident_step`` reads (None: the generic layer)
         # ``resident_step``'s loop as TorchScript once engine/cpu_loop.py has made it (``use_script`` False: the
         # Python loop always, as where TorchScript is not there), and its arguments
-        self.use_script = self.layer_args is not None
+        self.use_script = self.layer_args is not None and len({a[7:] for a in self.layer_args}) == 1   # (below)
         self.script_args = self._script_args() if self.use_script else None
         if self.use_script:
             cpu_loop.start()
@@ -214,7 +214,8 @@ class CpuOps(StepOps):
         return args
 
     def _script_args(self) -> tuple:
-        """``layer_args`` as ``cpu_loop.layers`` takes them: lists over the layers (four int4 calls each)."""
+        """``layer_args`` as ``cpu_loop.layers`` takes them: lists over the layers (four int4 calls each). The
+        script takes layer 0's head counts for every layer: ``use_script`` is False where a layer's differ."""
         packed, groups, scale_zeros, biases, w1, e1, w2, e2 = [], [], [], [], [], [], [], []
         for qkv, o, gate_up, down, bias, (a, b), (c, e), _, _ in self.layer_args:
             for call in (qkv, o, gate_up, down):
@@ -309,7 +310,7 @@ class CpuOps(StepOps):
         embedded model decodes 4-9% faster at one thread, 12-16% at two (docs/benchmarks/cpu_decode.md). The MLP's
         activation is ``F.silu`` (what both ``_SILUS`` classes run); every layer has layer 0's sizes (Llama, Qwen2).
         Only with ``layer_args``; the caller advances the cache after. The loop runs as TorchScript once
-        engine/cpu_loop.py has made it (the same calls; ~20% less time in the layers), and in Python before, where
+        engine/cpu_loop.py has made it (the same calls; 7-20% faster decoding at two threads), and in Python before, where
         ``use_script`` is False, or where the instance's ``mm`` is replaced (benchmarks/cpu_decode.py's clock)."""
         mm, dot, mul, silu = self.mm, torch.dot, torch.mul, torch.nn.functional.silu
         s, pos = self.step, view.length

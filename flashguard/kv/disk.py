@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import atexit
 import hashlib
+import importlib.util
 import logging
 import os
 import shutil
@@ -39,7 +40,10 @@ class PageLost(RuntimeError):
 class L3Folder:
     def __init__(self, path: str | None = None, encrypt: bool = True):
         self.encrypt = encrypt
-        # this process's AES-256 key; the cipher (cryptography's AESGCM, 0.4 s to import) is made at the first page
+        # this process's AES-256 key; the cipher (cryptography's AESGCM, 0.4 s to import) is made at the first page,
+        # the package looked for now: where it is missing the store says so here (kv/store.py), not at a page write
+        if encrypt and importlib.util.find_spec("cryptography") is None:
+            raise ImportError("No module named 'cryptography'", name="cryptography")
         self._key = os.urandom(32) if encrypt else None
         self._cipher = None
         remove_stale_folders()

@@ -209,10 +209,10 @@ class RemoteEngine(EngineInterface):
     # ---- reading --------------------------------------------------------------------------
     def read(self, ids: Sequence[int], task: str = "moderation", *, hidden: bool = False, layers=(),
              mean_from: int | None = None, keep_states: bool = False, keep: int | None = None,
-             adapter_from: int | None = None) -> Reading:
+             adapter_from: int | None = None, then: Sequence[int] | None = None) -> Reading:
         """The next token's log-probabilities after ``ids`` (see the module docstring); with ``adapter_from`` the
-        guard adapter runs from ``ids[adapter_from]`` on. ``keep`` is the server's business (its prefix cache keeps
-        what it keeps); hidden states cannot be read remotely."""
+        guard adapter runs from ``ids[adapter_from]`` on. ``keep`` and ``then`` are the server's business (its prefix
+        cache keeps what it keeps); hidden states cannot be read remotely."""
         if hidden or layers or mean_from is not None:
             raise FlashguardError("the openai backend returns no hidden states: the rails use the question's "
                                   "verdict there (probe: off)", key="backend")

@@ -67,7 +67,8 @@ def main(args) -> int:
     config = EngineConfig.from_parameters(params)
     source = loader.resolve_model(config.model_path, config.gguf_file)
     device = torch.device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
-    cfg = gt.TrainConfig(rank=args.rank, epochs=args.epochs, lr=args.lr, max_tokens=args.max_tokens, seed=args.seed,
+    cfg = gt.TrainConfig(rank=args.rank, alpha=2.0 * args.rank if args.alpha is None else args.alpha,
+                         epochs=args.epochs, lr=args.lr, max_tokens=args.max_tokens, seed=args.seed,
                          max_batch=args.batch)
     rows = guard_data.load(Path(args.rows)) if args.rows else \
         guard_data.rows(None if args.sources == "download" else Path(args.sources), log=lambda *_: None)
@@ -155,9 +156,11 @@ def add_arguments(p, default_config: str = "configs/flash") -> None:
     p.add_argument("--max-rows", type=int, default=6000,
                    help="rows used at most, an even share of every source, rail and label (default 6000)")
     p.add_argument("--upper", type=float, default=0.5, help="the share of upper layers the adapter holds (default "
-                   "0.5, the shipped guard's: docs/benchmarks/guard_recipe.md chose it over the upper fifth)")
-    p.add_argument("--rank", type=int, default=32, help="the adapter's rank (default 32, the shipped guard's; "
+                   "0.5, the shipped guard's shape: docs/benchmarks/guard_recipe.md chose it over the upper fifth)")
+    p.add_argument("--rank", type=int, default=32, help="the adapter's rank (default 32, the shipped guard's shape; "
                    "flashguard plan sizes this adapter)")
+    p.add_argument("--alpha", type=float, default=None, help="the adapter's alpha (default twice the rank, a "
+                   "scale of 2, as the shipped guard's recipe: rails/lab/recipe.py)")
     p.add_argument("--epochs", type=float, default=3.0)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--batch", type=int, default=16)

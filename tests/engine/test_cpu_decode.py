@@ -95,10 +95,10 @@ def test_the_cpu_step_over_a_tiered_cache_is_the_models_forward(tmp_path):
     ours.check_integrity()
 
 
-@pytest.mark.parametrize("arch,down,loop", [("llama", "Q4_1", "script"), ("qwen2", "Q4_1", "script"),
+@pytest.mark.parametrize("arch,down,way", [("llama", "Q4_1", "script"), ("qwen2", "Q4_1", "script"),
                                             ("llama", "Q4_1", "python"), ("qwen2", "Q4_1", "python"),
                                             ("llama", "Q8_0", "script")])
-def test_the_cpu_resident_step_is_the_generic_layer_bit_for_bit(tmp_path, arch, down, loop):
+def test_the_cpu_resident_step_is_the_generic_layer_bit_for_bit(tmp_path, monkeypatch, arch, down, way):
     """``DecodeStep.step`` over a resident cache runs ``CpuOps.resident_step`` (one loop over ``layer_args``, as
     TorchScript by default, engine/cpu_loop.py, or in Python where TorchScript is not there), which computes what the
     generic layer (``DecodeStep._run`` with ``CpuOps``, ``layer_args`` None) computes, call for call: the same logits
@@ -121,9 +121,12 @@ def test_the_cpu_resident_step_is_the_generic_layer_bit_for_bit(tmp_path, arch, 
     from flashguard.engine import cpu_loop
 
     assert step.cpu.use_script == (down != "Q8_0")
-    assert cpu_loop.compiled() is not None   # this torch has TorchScript: once made, the steps run the script
-    if loop == "python":
+    assert cpu_loop.scripted() is not None   # this torch has TorchScript: once made, the steps run the script
+    if way == "python":
         step.cpu.use_script = False   # what runs where TorchScript cannot make the loop
+    scripted_steps = []   # the steps that ran the script
+    ready = cpu_loop.ready
+    monkeypatch.setattr(cpu_loop, "ready", lambda: scripted_steps.append(1) or ready())
     ids = torch.randint(0, len(VOCAB), (20,), generator=torch.Generator().manual_seed(7)).tolist()
     caches = [TieredCache(config, CacheConfig(page_size=16, sink_tokens=16, l1_tokens=96, l1_max_tokens=96,
                                               l2_tokens=512, policy="exact", l2_codec="fp16")).attach(model)
@@ -147,6 +150,7 @@ def test_the_cpu_resident_step_is_the_generic_layer_bit_for_bit(tmp_path, arch, 
         assert torch.equal(got[0], got[1])
         token = int(got[0].argmax())
     assert calls == ["loop" if layer_args is not None else "generic", "generic"] * 8
+    assert len(scripted_steps) == (8 if way == "script" and layer_args is not None else 0)
     assert caches[0].length == caches[1].length == 28
     for a, b in zip(caches[0].layers, caches[1].layers):
         assert torch.equal(a.l1_k[:, :a.length], b.l1_k[:, :b.length])
@@ -163,10 +167,11 @@ def test_the_loop_falls_back_to_python_where_torchscript_cannot_make_it(monkeypa
     def fails(fn):
         raise OSError("Can't get source for <function layers>")
 
+    cpu_loop.scripted()   # (a scripting thread an earlier test started has ended)
     monkeypatch.setattr(torch.jit, "script", fails)
     monkeypatch.setattr(cpu_loop, "_made", [])
     monkeypatch.setattr(cpu_loop, "_thread", [])
     with caplog.at_level(logging.INFO, logger="flashguard"):
-        assert cpu_loop.compiled() is None
+        assert cpu_loop.scripted() is None
     assert cpu_loop.ready() is None
     assert "run as Python (TorchScript: OSError: Can't get source" in caplog.text

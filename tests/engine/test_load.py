@@ -1,14 +1,14 @@
-"""A short run of examples/load_test.py against the real server (the full run: 32 clients, 2 minutes).
+"""A short run of examples/load_test.py against the real server on configs/flash as shipped (the guard adapter
+decides both rails), the full run: 32 clients, 2 minutes.
 
 The test asks for the same greedy answer under load as alone (no cross-talk between concurrent conversations). A
-greedy reply depends on how its prompt's tokens were chunked through the model (float rounding differs by chunk
-size). With configs/flash's guard adapter the answers still part under load: 16 wrong answers in one 40-second run
-on 2026-12-07 (parting after a few tokens), although the guard's branch now brings the session to the conversation
-as the generation holds it before its question runs; where the rest of the difference comes from (the conversation's
-partial last page recomputed with the answer header when another request took the session in between, most
-likely) is not found yet (issue 47). So the server here decides by the probe alone (``guard: probe``), whose check
-is the generation's own prefill, and equal answers stay the test of cross-talk; tests/rails/test_guard.py checks
-that the guard's reads leave the generation's pages the base model's."""
+greedy reply depends on how its prompt's tokens were rounded through the model: the CPU int4 kernel rounds a row by
+the chunk it runs in (blocks of 16 rows, and the chunk's length). Until 2026-12-07 this test ran with ``guard:
+probe``: with the guard the answers parted under load (16 wrong in one 40-second run), because the guard brought
+the session to the conversation without its answer header, a chunk a few tokens shorter than the generation's own.
+Now a prefill resumes at a multiple of 16 (engine/session_runner.py ``ROW_BLOCK``) and the input rail's guard first
+brings the session to the generation's prompt as its prefill would (``Engine.read(then=...)``):
+tests/engine/test_prefill_rounding.py checks both bit for bit."""
 
 import asyncio
 import sys
@@ -21,19 +21,16 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def probe_server(tmp_path_factory):
+def server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("load")
     cfg = make_config(tmp)
-    yml = (cfg / "config.yml").read_text()
-    assert yml.count("    guard: auto") == 2
-    (cfg / "config.yml").write_text(yml.replace("    guard: auto", "    guard: probe"))
+    assert (cfg / "config.yml").read_text().count("    guard: auto") == 2   # configs/flash as shipped
     s = Server(cfg, tmp / "server.log").wait()
     yield s
     s.stop()
 
 
-def test_concurrent_mixed_load_has_no_errors_and_no_cross_talk(probe_server):
-    server = probe_server
+def test_concurrent_mixed_load_has_no_errors_and_no_cross_talk(server):
     sys.path.insert(0, str(ROOT / "examples"))
     try:
         import load_test

@@ -1,0 +1,64 @@
+"""A prompt's K/V and greedy reply do not depend on where a prefill resumed (engine/session_runner.py ``ROW_BLOCK``).
+
+The CPU int4 kernel rounds a row according to the block of 16 rows it falls in. Before the prefill resumed at a
+multiple of 16, the input rail's guard (which brings the session to the conversation without its answer header,
+then the generation prefills the header) left the last partial block's K/V rounded otherwise than a whole prefill,
+and configs/flash's greedy reply to "What is the capital of France?" was another text from its first token."""
+
+import pytest
+import torch
+
+from flashguard.engine.sampling import SamplingParams
+
+MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def _kv(engine) -> tuple[list, int]:
+    cache = engine.sessions.session.cache
+    return [(layer.l1_k[:, :cache.length].clone(), layer.l1_v[:, :cache.length].clone())
+            for layer in cache.layers], cache.length
+
+
+@pytest.mark.parametrize("first", [1, 8, 17, 24, 33, 34])
+def test_a_resumed_prefill_writes_the_whole_prefills_kv(engine, first):
+    """The session brought to ``first`` tokens of a prompt (any count, a block's middle too), then the prompt
+    prefilled: every layer's K/V equal, bit for bit, to the prompt prefilled from nothing."""
+    ids = engine.encode_messages(MESSAGES)
+    assert len(ids) > 34
+    with engine.lock:
+        engine.reset_session(keep_pages=False)
+        engine.sessions.prefill(ids)
+        whole, n = _kv(engine)
+        engine.reset_session(keep_pages=False)
+        engine.sessions.bring_to(ids[:first])
+        engine.sessions.prefill(ids)
+        resumed, m = _kv(engine)
+        engine.reset_session(keep_pages=False)
+    assert n == m == len(ids)
+    for (k1, v1), (k2, v2) in zip(whole, resumed):
+        assert torch.equal(k1, k2) and torch.equal(v1, v2)
+
+
+LONG = ("Here is a note about a library visit. " * 30) + "\nIn one sentence, what is this note about?"
+
+
+@pytest.mark.parametrize("text", [MESSAGES[0]["content"], LONG], ids=["short", "long"])
+def test_the_guarded_reply_is_the_models_own(engine, tmp_path, text):
+    """configs/flash as shipped (the guard adapter decides the input rail): LLMRails' greedy reply to an everyday
+    question, asked first in a fresh session, is the engine's own greedy reply to it without rails. The long one
+    (~310 tokens) needs the input rail to bring the session to the generation's prompt as its prefill does
+    (``Engine.read(then=...)``): a chunk of the conversation alone rounds its rows past ~130 otherwise."""
+    from nemoguardrails import LLMRails, RailsConfig
+
+    from tests.conftest import make_config
+
+    messages = [{"role": "user", "content": text}]
+    ids = engine.encode_messages(messages)
+    engine.reset_session(keep_pages=False)
+    plain = engine.generate(ids, SamplingParams(max_tokens=32, temperature=0)).text
+    rails = LLMRails(RailsConfig.from_path(str(make_config(tmp_path))))
+    engine.reset_session(keep_pages=False)
+    res = rails.generate(messages=messages, options={"llm_params": {"max_tokens": 32, "temperature": 0},
+                                                     "log": {"activated_rails": True}})
+    assert any(r.type == "input" for r in res.log.activated_rails)
+    assert res.response[-1]["content"] == plain
