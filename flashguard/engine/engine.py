@@ -52,7 +52,7 @@ from .placement import Placement, load_target
 from .reading import Reading
 from .retry import RetryPolicy
 from .sampling import SamplingParams
-from .session_runner import SessionRunner
+from .session_runner import ROW_BLOCK, SessionRunner
 from .stats import EngineStats
 
 log = logging.getLogger("flashguard")
@@ -516,11 +516,14 @@ class Engine(EngineInterface):
             # and the question (the adapter on from the invocation) in one forward
             one = 0 < back and start - back <= self.prefill_chunk   # else (a window, no shared part): as before
             then = self._check_prompt(then) if then is not None else None
+            kept = back
             if one and then is not None and len(then) > back and list(then[:back]) == ids[:back]:
                 # the generation's prompt first, as its own prefill runs it (a chunk of another length rounds the
-                # kept tokens otherwise), then back to the shared part
+                # kept tokens otherwise), then back to the shared part; afterwards the session keeps a whole number
+                # of ROW_BLOCKs of it, so that the generation's prefill resumes where the rows round as they did
                 reused = self.sessions.prefill(then)[1]
                 self.sessions.bring_to(ids[:back])   # (a crop)
+                kept = back - back % ROW_BLOCK or back
             else:
                 reused = self.sessions.bring_to(ids[:back] if one else ids[:start])
             try:
@@ -530,7 +533,7 @@ class Engine(EngineInterface):
                 else:
                     logits = self.sessions.forward(ids[start:], self.guard.deltas)
             finally:
-                self.sessions.branch_back(ids, back)
+                self.sessions.branch_back(ids, kept)
             seconds = time.perf_counter() - t0
             self.stats.record(task, prompt=len(ids), prefilled=len(ids) - reused, reused=reused, generated=0,
                               seconds=seconds, first_token_s=seconds, l3_reads=self.sessions.l3_reads() - faults0)

@@ -38,12 +38,10 @@ log = logging.getLogger("flashguard")
 
 
 
-# A prefill resumes at a multiple of this many tokens. The CPU int4 kernel (aten._weight_int4pack_mm_for_cpu) runs
-# its input's rows in blocks of 16 from the first, and a row is rounded according to the block it falls in: a prompt
-# resumed mid-block had its next tokens' K/V rounded otherwise than the same prompt prefilled whole, and the embedded
-# model's greedy reply to "What is the capital of France?" after the input rail's guard (which brings the session to
-# the conversation without its answer header) changed from its first token (tests/engine/test_prefill_rounding.py).
-# Resuming at a block recomputes at most 15 tokens.
+# The CPU int4 kernel (aten._weight_int4pack_mm_for_cpu) rounds a row by the chunk it runs in: its block of this many
+# rows from the chunk's first, and the chunk's length. A prompt whose prefill resumes at a multiple of it, after
+# tokens a longer chunk ran, gets the K/V of the same prompt prefilled whole (tests/engine/test_prefill_rounding.py);
+# the input rail's guard leaves the session there for the generation (``Engine.read(then=...)``).
 ROW_BLOCK = 16
 
 class SessionRunner:
@@ -172,14 +170,13 @@ class SessionRunner:
         return logits, reused
 
     def reuse_prefix(self, ids: list[int]) -> int:
-        """The session cropped to the longest prefix of ``ids[:-1]`` it holds, down to a multiple of ``ROW_BLOCK``,
-        or a new one adopting stored pages; returns the tokens reused."""
+        """The session cropped to the longest prefix of ``ids[:-1]`` it holds, or a new one adopting stored pages;
+        returns the tokens reused."""
         held = self.ids
         common = 0
         limit = min(len(ids) - 1, len(held))  # always feed at least one token
         while common < limit and held[common] == ids[common]:
             common += 1
-        common -= common % ROW_BLOCK   # resumed at a row block: the tokens after are rounded as in a whole prefill
         if self.session is None or common == 0:
             return self.retry.start(ids[:-1])
         if not self.retry.crop(common):   # below the window it refills L1 from stored pages

@@ -6,9 +6,10 @@ greedy reply depends on how its prompt's tokens were rounded through the model: 
 the chunk it runs in (blocks of 16 rows, and the chunk's length). Until 2026-12-07 this test ran with ``guard:
 probe``: with the guard the answers parted under load (16 wrong in one 40-second run), because the guard brought
 the session to the conversation without its answer header, a chunk a few tokens shorter than the generation's own.
-Now a prefill resumes at a multiple of 16 (engine/session_runner.py ``ROW_BLOCK``) and the input rail's guard first
-brings the session to the generation's prompt as its prefill would (``Engine.read(then=...)``):
-tests/engine/test_prefill_rounding.py checks both bit for bit."""
+Now the input rail's guard first brings the session to the generation's prompt as its prefill would, and leaves it
+at a multiple of 16 tokens of it (``Engine.read(then=...)``, engine/session_runner.py ``ROW_BLOCK``), where the
+generation's prefill resumes with the rows rounded as in a whole prefill: tests/engine/test_prefill_rounding.py
+checks the K/V bit for bit."""
 
 import asyncio
 import sys

@@ -1,9 +1,10 @@
-"""A prompt's K/V and greedy reply do not depend on where a prefill resumed (engine/session_runner.py ``ROW_BLOCK``).
+"""The input rail's guard leaves the session where the generation's prefill rounds the prompt as a whole prefill
+does (``Engine.read(then=...)``, engine/session_runner.py ``ROW_BLOCK``).
 
-The CPU int4 kernel rounds a row according to the block of 16 rows it falls in. Before the prefill resumed at a
-multiple of 16, the input rail's guard (which brings the session to the conversation without its answer header,
-then the generation prefills the header) left the last partial block's K/V rounded otherwise than a whole prefill,
-and configs/flash's greedy reply to "What is the capital of France?" was another text from its first token."""
+The CPU int4 kernel rounds a row by the chunk it runs in (its block of 16 rows, and the chunk's length). Before, the
+guard brought the session to the conversation without its answer header (a chunk a few tokens shorter than the
+generation's own) and the generation resumed mid-block: configs/flash's greedy reply to "What is the capital of
+France?" was another text from its first token."""
 
 import pytest
 import torch
@@ -19,23 +20,44 @@ def _kv(engine) -> tuple[list, int]:
             for layer in cache.layers], cache.length
 
 
-@pytest.mark.parametrize("first", [1, 8, 17, 24, 33, 34])
-def test_a_resumed_prefill_writes_the_whole_prefills_kv(engine, first):
-    """The session brought to ``first`` tokens of a prompt (any count, a block's middle too), then the prompt
-    prefilled: every layer's K/V equal, bit for bit, to the prompt prefilled from nothing."""
+@pytest.mark.parametrize("first", [16, 32])
+def test_a_prefill_resumed_at_a_row_block_writes_the_whole_prefills_kv(engine, first):
+    """What the engine relies on: the session holding a whole number of ROW_BLOCKs of a prompt that a longer chunk
+    ran, the prompt's prefill then writes every layer's K/V equal, bit for bit, to the prompt prefilled whole."""
     ids = engine.encode_messages(MESSAGES)
     assert len(ids) > 34
     with engine.lock:
         engine.reset_session(keep_pages=False)
         engine.sessions.prefill(ids)
         whole, n = _kv(engine)
-        engine.reset_session(keep_pages=False)
-        engine.sessions.bring_to(ids[:first])
+        engine.sessions.bring_to(ids[:first])   # (a crop of the whole prefill's session)
         engine.sessions.prefill(ids)
         resumed, m = _kv(engine)
         engine.reset_session(keep_pages=False)
     assert n == m == len(ids)
     for (k1, v1), (k2, v2) in zip(whole, resumed):
+        assert torch.equal(k1, k2) and torch.equal(v1, v2)
+
+
+def test_the_input_rails_guard_leaves_the_generation_the_whole_prefills_kv(engine):
+    """The guard's read (``moderate_input``, configs/flash's default) then the generation's prefill: every layer's
+    K/V equal, bit for bit, to the generation's prompt prefilled from nothing."""
+    from flashguard.rails.input_rail import moderate_input
+    from flashguard.rails.settings import ModerationSettings
+
+    ids = engine.encode_messages(MESSAGES)
+    with engine.lock:
+        engine.reset_session(keep_pages=False)
+        engine.sessions.prefill(ids)
+        whole, n = _kv(engine)
+        engine.reset_session(keep_pages=False)
+        verdict = moderate_input(engine, MESSAGES, ModerationSettings.input_defaults())
+        assert verdict.method == "adapter" and verdict.path == "branch"
+        engine.sessions.prefill(ids)
+        guarded, m = _kv(engine)
+        engine.reset_session(keep_pages=False)
+    assert n == m == len(ids)
+    for (k1, v1), (k2, v2) in zip(whole, guarded):
         assert torch.equal(k1, k2) and torch.equal(v1, v2)
 
 

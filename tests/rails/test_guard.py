@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from flashguard.engine.loader import ModelSource
-from flashguard.engine.session_runner import ROW_BLOCK
 from flashguard.errors import ConfigError
 from flashguard.rails import guard
 from flashguard.rails.lab import guard_train as gt
@@ -75,9 +74,8 @@ def test_the_rails_read_what_training_scored(trained):
                                  tiny.tokenizer().encode(messages[1]["content"]), messages[1]["content"])
             v = moderate(engine, messages[1]["content"], messages[0]["content"], ModerationSettings())
             # only the end of turn, the next turn's header ("<|im_end|>\n<|im_start|>user\n": 8 characters here) and
-            # the question ran, and at most a row block before them (a prefill resumes at a multiple of ROW_BLOCK)
-            assert v.path == "shared" and v.prefilled_tokens <= len(e.ids) - e.start + 8 + ROW_BLOCK - 1, \
-                (v, len(e.ids), e.start)
+            # the question ran
+            assert v.path == "shared" and v.prefilled_tokens <= len(e.ids) - e.start + 8, (v, len(e.ids), e.start)
         assert v.method == "adapter" and v.decided_by == "adapter, strictness medium"
         assert abs(v.p_unsafe - p[i]) < 1e-3, (i, e.side)
 
