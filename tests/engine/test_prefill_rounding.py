@@ -20,23 +20,29 @@ def _kv(engine) -> tuple[list, int]:
             for layer in cache.layers], cache.length
 
 
+def _same_kv_as_a_whole_prefill(engine, ids: list, before) -> None:
+    """Every layer's K/V after ``before()`` then the prefill of ``ids`` equal, bit for bit, to ``ids`` prefilled from
+    nothing (``before`` runs on the whole prefill's session)."""
+    with engine.lock:
+        engine.reset_session(keep_pages=False)
+        engine.sessions.prefill(ids)
+        whole, n = _kv(engine)
+        before()
+        engine.sessions.prefill(ids)
+        other, m = _kv(engine)
+        engine.reset_session(keep_pages=False)
+    assert n == m == len(ids)
+    for (k1, v1), (k2, v2) in zip(whole, other):
+        assert torch.equal(k1, k2) and torch.equal(v1, v2)
+
+
 @pytest.mark.parametrize("first", [16, 32])
 def test_a_prefill_resumed_at_a_row_block_writes_the_whole_prefills_kv(engine, first):
     """What the engine relies on: the session holding a whole number of ROW_BLOCKs of a prompt that a longer chunk
     ran, the prompt's prefill then writes every layer's K/V equal, bit for bit, to the prompt prefilled whole."""
     ids = engine.encode_messages(MESSAGES)
     assert len(ids) > 34
-    with engine.lock:
-        engine.reset_session(keep_pages=False)
-        engine.sessions.prefill(ids)
-        whole, n = _kv(engine)
-        engine.sessions.bring_to(ids[:first])   # (a crop of the whole prefill's session)
-        engine.sessions.prefill(ids)
-        resumed, m = _kv(engine)
-        engine.reset_session(keep_pages=False)
-    assert n == m == len(ids)
-    for (k1, v1), (k2, v2) in zip(whole, resumed):
-        assert torch.equal(k1, k2) and torch.equal(v1, v2)
+    _same_kv_as_a_whole_prefill(engine, ids, lambda: engine.sessions.bring_to(ids[:first]))   # (a crop)
 
 
 def test_the_input_rails_guard_leaves_the_generation_the_whole_prefills_kv(engine):
@@ -45,20 +51,12 @@ def test_the_input_rails_guard_leaves_the_generation_the_whole_prefills_kv(engin
     from flashguard.rails.input_rail import moderate_input
     from flashguard.rails.settings import ModerationSettings
 
-    ids = engine.encode_messages(MESSAGES)
-    with engine.lock:
-        engine.reset_session(keep_pages=False)
-        engine.sessions.prefill(ids)
-        whole, n = _kv(engine)
+    def guard():
         engine.reset_session(keep_pages=False)
         verdict = moderate_input(engine, MESSAGES, ModerationSettings.input_defaults())
         assert verdict.method == "adapter" and verdict.path == "branch"
-        engine.sessions.prefill(ids)
-        guarded, m = _kv(engine)
-        engine.reset_session(keep_pages=False)
-    assert n == m == len(ids)
-    for (k1, v1), (k2, v2) in zip(whole, guarded):
-        assert torch.equal(k1, k2) and torch.equal(v1, v2)
+
+    _same_kv_as_a_whole_prefill(engine, engine.encode_messages(MESSAGES), guard)
 
 
 LONG = ("Here is a note about a library visit. " * 30) + "\nIn one sentence, what is this note about?"
