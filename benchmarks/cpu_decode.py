@@ -55,11 +55,14 @@ def measure(engine, prompt_ids, story_ids, decode: int) -> tuple[float, float, i
 
 def in_place(engine, cpu, ids, decode: int) -> tuple[float, float, float]:
     """``(step, int4 layer calls, final norm + lm_head)`` in ms a token, a clock around each call of ``engine``'s
-    CPU step ``cpu`` (``CpuOps.mm`` and ``CpuOps.finish``) while it decodes ``decode`` tokens after ``ids``."""
+    CPU step ``cpu`` (``CpuOps.mm``, ``cpu_loop.int4_mm`` with the loop run as Python, and ``CpuOps.finish``)
+    while it decodes ``decode`` tokens after ``ids``."""
     from flashguard.engine.sampling import SamplingParams
 
+    from flashguard.engine import cpu_loop
+
     clock = {"mm": 0.0, "finish": 0.0}
-    mm, finish = cpu.mm, cpu.finish
+    mm, finish, loop_mm, script = cpu.mm, cpu.finish, cpu_loop.int4_mm, cpu.use_script
 
     def timed(key, fn):
         def call(*a):
@@ -72,13 +75,16 @@ def in_place(engine, cpu, ids, decode: int) -> tuple[float, float, float]:
 
     engine.reset_session(keep_pages=False)
     engine.generate(ids[:-1], SamplingParams(max_tokens=1))   # then every token of the next call is a step
+    # the clock goes around the kernel of the generic layer (CpuOps.mm) and of the loop run as Python
     cpu.mm, cpu.finish = timed("mm", mm), timed("finish", finish)
+    cpu_loop.int4_mm, cpu.use_script = timed("mm", loop_mm), False
     try:
         t0 = time.perf_counter()
         engine.generate(ids, SamplingParams(max_tokens=decode + 1))
         total = time.perf_counter() - t0
     finally:
         del cpu.mm, cpu.finish   # the class's again
+        cpu_loop.int4_mm, cpu.use_script = loop_mm, script
     steps = engine.stats.last["generation"]["generated"]
     return total / steps * 1e3, clock["mm"] / steps * 1e3, clock["finish"] / steps * 1e3
 
@@ -187,8 +193,12 @@ def main(argv=None) -> int:
                          "in_place_final_norm_lm_head_ms": head_ms})
         forward = Int4Linear.forward
         Int4Linear.forward = lambda self, x: x.new_zeros(*x.shape[:-1], self.out_features)
-        if cpu is not None:   # the cpu backend's packed codes are [N, K / 2]
-            cpu.mm = lambda x, packed, group, scale_zeros: x.new_zeros(x.shape[0], packed.shape[0])
+        from flashguard.engine import cpu_loop
+
+        loop_mm, script = cpu_loop.int4_mm, cpu.use_script if cpu is not None else False
+        if cpu is not None:   # the cpu backend's packed codes are [N, K / 2]; the loop runs as Python to skip them
+            cpu.mm = cpu_loop.int4_mm = lambda x, packed, group, scale_zeros: x.new_zeros(x.shape[0], packed.shape[0])
+            cpu.use_script = False
         try:
             skipped = statistics.median(1e3 / measure(engines["int4"], prompt_ids[:64], story_ids, args.decode)[1]
                                         for _ in range(args.repeats))
@@ -196,6 +206,7 @@ def main(argv=None) -> int:
             Int4Linear.forward = forward
             if cpu is not None:
                 del cpu.mm   # the class's kernel again
+                cpu_loop.int4_mm, cpu.use_script = loop_mm, script
         lines += ["", f"int4 decode step ablated: {real:.1f} ms a token; with the int4 layers skipped "
                       f"{skipped:.1f} ms (outside the int4 kernels); the int4 layers {real - skipped:.1f} ms"]
         rows.append({"int4_step_ms": real, "without_int4_layers_ms": skipped})

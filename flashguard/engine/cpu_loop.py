@@ -2,8 +2,9 @@
 
 Contract: ``layers(h, ...)`` runs every decoder layer of an int4 model for one token over a resident pool (keys and
 values ``[kv heads, capacity, D]`` a layer, this token written at ``pos``) and returns the residual stream after the
-last layer. It makes the calls of ``CpuOps.resident_step``'s Python loop, in the same order with the same
-arguments, so the logits and the K/V written are the same bit for bit (tests/engine/test_cpu_decode.py).
+last layer. It makes the calls of ``DecodeStep._run`` with ``CpuOps`` (the generic layer), in the same order with
+the same arguments, so the logits and the K/V written are the same bit for bit (tests/engine/test_cpu_decode.py).
+``CpuOps.resident_step`` runs it scripted, or as Python where TorchScript cannot make it.
 
 Why: on a CPU an int4 decode step is bound by the host work between its kernels: ~25 aten calls a layer, each
 paying Python's argument parsing and dispatch. Scripted, the loop is one call from Python and TorchScript's
@@ -25,6 +26,9 @@ from typing import List, Optional
 import torch
 
 log = logging.getLogger("flashguard")
+# the int4 kernel ``layers`` calls (TorchScript reads the global when it scripts; run as Python, ``layers`` reads it
+# at each call, which is where benchmarks/cpu_decode.py's clock goes)
+int4_mm = torch.ops.aten._weight_int4pack_mm_for_cpu
 # torch 2.13 warns at every torch.jit.script; one narrow filter, set here on import (warnings' filters are not
 # thread-safe to change while the script is made on its thread)
 warnings.filterwarnings("ignore", message=r"`torch\.jit\.script` is deprecated", category=DeprecationWarning)
@@ -41,7 +45,7 @@ def layers(h: torch.Tensor, rot: torch.Tensor, zero: torch.Tensor, x: torch.Tens
     for i in range(len(keys)):
         flat = h.view(-1)
         torch.mul(torch.mul(h, w1[i]), torch.dot(flat, flat).add_(e1[i]).rsqrt_(), out=x)
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed[4 * i], groups[4 * i], scale_zeros[4 * i])
+        out = int4_mm(x, packed[4 * i], groups[4 * i], scale_zeros[4 * i])
         bias = biases[i]
         if bias is not None:
             out = torch.add(bias, out)
@@ -54,14 +58,14 @@ def layers(h: torch.Tensor, rot: torch.Tensor, zero: torch.Tensor, x: torch.Tens
         scores = torch.baddbmm(zero, qk[:q_heads].view(kvh, -1, d), k_pool[:, :pos + 1].transpose(1, 2), beta=0,
                                alpha=scaling)
         attn = torch.bmm(torch.softmax(scores, -1), v_pool[:, :pos + 1]).view(1, -1)
-        h = h + torch.ops.aten._weight_int4pack_mm_for_cpu(attn.to(torch.bfloat16), packed[4 * i + 1],
+        h = h + int4_mm(attn.to(torch.bfloat16), packed[4 * i + 1],
                                                            groups[4 * i + 1], scale_zeros[4 * i + 1])
         flat = h.view(-1)
         torch.mul(torch.mul(h, w2[i]), torch.dot(flat, flat).add_(e2[i]).rsqrt_(), out=x)
-        gate_up = torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed[4 * i + 2], groups[4 * i + 2],
+        gate_up = int4_mm(x, packed[4 * i + 2], groups[4 * i + 2],
                                                              scale_zeros[4 * i + 2]).to(torch.float32)
         gate, up = gate_up.chunk(2, -1)
-        h = h + torch.ops.aten._weight_int4pack_mm_for_cpu(
+        h = h + int4_mm(
             torch.mul(torch.nn.functional.silu(gate), up, out=act), packed[4 * i + 3], groups[4 * i + 3],
             scale_zeros[4 * i + 3])
     return h

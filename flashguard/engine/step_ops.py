@@ -39,8 +39,8 @@ SparseKV, through its ``slot`` and ``attend``; ``CpuOps.attend(target, view, ...
   at 64 keys, 62 against 73 at 512, one thread), any other cache through ``DecodeStep.attend_layer``. Over a resident
   cache the step is ``CpuOps.resident_step``: the same calls as ``DecodeStep._run`` with this set, bit for bit, in
   one loop over per-layer argument tuples (``layer_args``): 4-9% / 12-16% faster than the generic layer on the
-  embedded model at one / two threads, the one place the layer is written twice, for that reason (three times:
-  the loop runs as TorchScript, engine/cpu_loop.py, the same calls without Python between them). The residual
+  embedded model at one / two threads, the one place the layer is written twice, for that reason (the loop is
+  engine/cpu_loop.py's ``layers``, run as TorchScript: the same calls without Python between them). The residual
   stream, rotary, the MLP's activation and the attention stay in fp32, so the logits are the model's forward's up
   to fp32 rounding (tests/engine/test_cpu_decode.py).
 """
@@ -164,10 +164,10 @@ class CpuOps(StepOps):
         super().__init__(step)
         self.int4, self.norms = int4, norms
         self.layer_args = self._layer_args()   # per layer, what ``resident_step`` reads (None: the generic layer)
-        # ``resident_step``'s loop as TorchScript once engine/cpu_loop.py has made it (``use_script`` False: the
-        # Python loop always, as where TorchScript is not there), and its arguments
-        self.use_script = self.layer_args is not None and len({a[7:] for a in self.layer_args}) == 1   # (below)
-        self.script_args = self._script_args() if self.use_script else None
+        # ``cpu_loop.layers``' arguments, and whether it runs scripted once engine/cpu_loop.py has made it
+        # (``use_script`` False: as Python always, as where TorchScript is not there)
+        self.loop_args = self._loop_args() if self.layer_args is not None else None
+        self.use_script = self.layer_args is not None
         if self.use_script:
             cpu_loop.start()
         self.final_norm = _norm(step.norm)
@@ -211,11 +211,11 @@ class CpuOps(StepOps):
                 return None
             args.append((*(c[:3] for c in calls), calls[0][3], self.norms[id(layer.input_layernorm)],
                          self.norms[id(layer.post_attention_layernorm)], nq // d, nq + nk))
-        return args
+        # ``cpu_loop.layers`` takes layer 0's head counts for every layer (Llama, Qwen2): else the generic layer
+        return args if len({a[7:] for a in args}) == 1 else None
 
-    def _script_args(self) -> tuple:
-        """``layer_args`` as ``cpu_loop.layers`` takes them: lists over the layers (four int4 calls each). The
-        script takes layer 0's head counts for every layer: ``use_script`` is False where a layer's differ."""
+    def _loop_args(self) -> tuple:
+        """``layer_args`` as ``cpu_loop.layers`` takes them: lists over the layers (four int4 calls each)."""
         packed, groups, scale_zeros, biases, w1, e1, w2, e2 = [], [], [], [], [], [], [], []
         for qkv, o, gate_up, down, bias, (a, b), (c, e), _, _ in self.layer_args:
             for call in (qkv, o, gate_up, down):
@@ -309,39 +309,17 @@ class CpuOps(StepOps):
         through the caches the interpreter runs from): without the generic layer's method calls and lookups the
         embedded model decodes 4-9% faster at one thread, 12-16% at two (docs/benchmarks/cpu_decode.md). The MLP's
         activation is ``F.silu`` (what both ``_SILUS`` classes run); every layer has layer 0's sizes (Llama, Qwen2).
-        Only with ``layer_args``; the caller advances the cache after. The loop runs as TorchScript once
-        engine/cpu_loop.py has made it (the same calls; 7-20% faster decoding at two threads), and in Python before, where
-        ``use_script`` is False, or where the instance's ``mm`` is replaced (benchmarks/cpu_decode.py's clock)."""
-        mm, dot, mul, silu = self.mm, torch.dot, torch.mul, torch.nn.functional.silu
-        s, pos = self.step, view.length
-        d, scaling, zero = s.head_dim, s.scaling, self.zero
+        Only with ``layer_args``; the caller advances the cache after. The loop is ``cpu_loop.layers``: scripted
+        once engine/cpu_loop.py has made it (the same calls; 7-20% faster decoding at two threads), as Python
+        before and where ``use_script`` is False."""
+        s = self.step
         h, rot = self.start()
         x = self._buffer("x", h.shape[1])
         act = self._buffer("act", self.layer_args[0][2][0].shape[0] // 2)   # gate_up's rows: [gate, up]
-        script = cpu_loop.ready() if self.use_script and "mm" not in self.__dict__ else None
-        if script is not None:
-            q_heads, qk_cols = self.layer_args[0][7], self.layer_args[0][8]
-            h = script(h, rot, zero, x, act, *self.script_args, list(view.keys), list(view.values), pos,
-                            q_heads, qk_cols, d, float(scaling))
-            return self.finish(h)
-        for (qkv, o, gate_up, down, bias, (w1, e1), (w2, e2), q_heads, qk_cols), keys, values in \
-                zip(self.layer_args, view.keys, view.values):
-            flat = h.view(-1)
-            mul(mul(h, w1), dot(flat, flat).add_(e1).rsqrt_(), out=x)
-            out = mm(x, *qkv)
-            out = (torch.add(bias, out) if bias is not None else out).to(torch.float32)
-            qk = torch.mm(out[:, :qk_cols].view(-1, d), rot)
-            kvh = keys.shape[0]
-            keys.select(1, pos).copy_(qk[q_heads:])
-            values.select(1, pos).copy_(out[:, qk_cols:].view(kvh, d))
-            scores = torch.baddbmm(zero, qk[:q_heads].view(kvh, -1, d), keys[:, :pos + 1].transpose(1, 2),
-                                   beta=0, alpha=scaling)
-            attn = torch.bmm(torch.softmax(scores, -1), values[:, :pos + 1]).view(1, -1)
-            h = h + mm(attn.to(torch.bfloat16), *o)
-            flat = h.view(-1)
-            mul(mul(h, w2), dot(flat, flat).add_(e2).rsqrt_(), out=x)
-            gate, up = mm(x, *gate_up).to(torch.float32).chunk(2, -1)
-            h = h + mm(mul(silu(gate), up, out=act), *down)
+        layers = (cpu_loop.ready() if self.use_script else None) or cpu_loop.layers
+        q_heads, qk_cols = self.layer_args[0][7], self.layer_args[0][8]
+        h = layers(h, rot, self.zero, x, act, *self.loop_args, list(view.keys), list(view.values), view.length,
+                   q_heads, qk_cols, s.head_dim, float(s.scaling))
         return self.finish(h)
 
 
