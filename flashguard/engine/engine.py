@@ -517,7 +517,7 @@ class Engine(EngineInterface):
             one = 0 < back and start - back <= self.prefill_chunk   # else (a window, no shared part): as before
             then = self._check_prompt(then) if then is not None else None
             kept = back
-            if one and then is not None and len(then) > back and list(then[:back]) == ids[:back]:
+            if one and then is not None and len(then) > back and then[:back] == ids[:back]:
                 # the generation's prompt first, as its own prefill runs it (a chunk of another length rounds the
                 # kept tokens otherwise), then back to the shared part; afterwards the session keeps a whole number
                 # of ROW_BLOCKs of it, so that the generation's prefill resumes where the rows round as they did
